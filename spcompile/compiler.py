@@ -1,0 +1,89 @@
+"""``build()``: from a sparse matrix to a :class:`~spcompile.module.CompiledModule`.
+
+Decision order: an explicit ``template``/``pipeline``/``params`` from the caller, else the
+tuning database's best record for this workload and target, else (or with ``tune=True``)
+the autotuner, else the default heuristics of the highest-priority template.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+from .formats import as_csr
+from .ir import SparseModule, SparseOp, values_hash
+from .module import CompiledModule, Config
+from .passes import PassContext, Pipeline
+from .runtime import resolve_target
+from .schedules import get_template, list_templates
+
+__all__ = ["build", "make_op", "default_config", "build_from_config"]
+
+
+def make_op(A, op: str = "spmm", K: int | None = None, reduce: str | None = None,
+            dtype: str = "float32") -> SparseOp:
+    if K is None:
+        raise TypeError("K (the dense feature width) is required, e.g. build(A, op='spmm', K=64)")
+    return SparseOp(op, reduce, as_csr(A), K, dtype)
+
+
+def default_config(op: SparseOp, target: str) -> Config:
+    """The heuristic choice without tuning: the highest-priority available template for the op."""
+    mod = SparseModule.from_op(op)
+    for tpl in list_templates(target, op=op.op, reduce=op.reduce, available_only=True):
+        pipes = tpl.pipelines(mod)
+        if pipes and pipes[0]:
+            continue  # templates that need a preprocessing pipeline are left to the tuner
+        if tpl.supports(mod):
+            return Config(tpl.name, tpl.default_params(mod), (), target, tpl.format)
+    raise RuntimeError(f"no template on target {target!r} supports op={op.op!r} reduce={op.reduce!r}")
+
+
+def build_from_config(op: SparseOp, config: Config, ctx: PassContext | None = None,
+                      tuning: Mapping[str, Any] | None = None) -> CompiledModule:
+    """Replay a decision: run its pipeline, build its template with its parameters."""
+    tpl = get_template(config.template)
+    if tpl.target != config.target:
+        raise ValueError(f"template {tpl.name!r} is for target {tpl.target!r}, not {config.target!r}")
+    if not tpl.available():
+        raise RuntimeError(f"template {tpl.name!r} cannot be built on this machine (toolchain missing)")
+    pipeline = Pipeline(config.pipeline)
+    mod = pipeline(SparseModule.from_op(op), ctx)
+    if not tpl.supports(mod):
+        raise ValueError(f"template {tpl.name!r} does not support op={op.op!r} reduce={op.reduce!r} "
+                         f"after pipeline {[p['name'] for p in pipeline.spec()]}")
+    params = tpl.check_params(mod, config.params)
+    kernel = tpl.build(mod, params)
+    cfg = Config(tpl.name, params, tuple(pipeline.spec()), config.target, tpl.format)
+    return CompiledModule(op.key(), cfg, kernel, [r.to_dict() for r in mod.log], values_hash(op.A), tuning)
+
+
+def build(A, op: str = "spmm", K: int | None = None, reduce: str | None = None, *, target: str = "auto",
+          dtype: str = "float32", template: str | None = None, params: Mapping[str, Any] | None = None,
+          pipeline: Sequence | None = None, storage: str | None = None, tune: bool = False,
+          trials: int | None = None, timeout: float | None = None, ctx: PassContext | None = None,
+          **tune_options) -> CompiledModule:
+    """Compile ``A`` for ``op`` ("spmm" with reduce sum/max/min/mean, or "sddmm") at width ``K``.
+
+    ``target``: "auto" (cuda when a GPU is usable, else cpu), "cpu" or "cuda".
+    ``template`` / ``params`` / ``pipeline``: force a decision (skips the database and tuner).
+    ``storage``: Optuna storage URL of the tuning database (default: the embedded SQLite file).
+    ``tune`` / ``trials`` / ``timeout``: tune on a database miss instead of using heuristics.
+    """
+    sop = make_op(A, op, K, reduce, dtype)
+    target = resolve_target(target)
+    if template is not None or params is not None or pipeline is not None:
+        if template is None:
+            template = default_config(sop, target).template
+        tpl = get_template(template)
+        cfg = Config(template, dict(params or {}), tuple(Pipeline(pipeline or ()).spec()), target, tpl.format)
+        return build_from_config(sop, cfg, ctx)
+    try:
+        from . import tuner as _tuner
+    except ImportError:  # the tuner is optional at this layer
+        _tuner = None
+    if _tuner is not None and hasattr(_tuner, "choose_config"):
+        cfg, info = _tuner.choose_config(sop, target, storage=storage, tune=tune, trials=trials,
+                                         timeout=timeout, **tune_options)
+        return build_from_config(sop, cfg, ctx, info)
+    if tune or trials:
+        raise RuntimeError("tuning is not available in this build of spcompile")
+    return build_from_config(sop, default_config(sop, target), ctx)

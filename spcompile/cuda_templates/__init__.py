@@ -1,0 +1,1 @@
+"""CUDA C++ kernel templates (*.cu) and the Python that renders, compiles and launches them."""

@@ -1,0 +1,57 @@
+"""float64 scipy reference implementations of every op (used by tests and the tuner's runner)."""
+from __future__ import annotations
+
+import numpy as np
+import scipy.sparse as sp
+
+from .formats import CSR
+
+
+def spmm(A: CSR, X: np.ndarray, reduce: str = "sum") -> np.ndarray:
+    """float64 ``reduce_j A[i, j] * X[j, :]``; empty rows give 0 for every reduction."""
+    X = np.asarray(X, dtype=np.float64)
+    S = sp.csr_matrix((A.data.astype(np.float64), A.indices, A.indptr), shape=A.shape)
+    lens = A.row_lengths
+    if reduce in ("sum", "mean"):
+        Y = S @ X
+        if reduce == "mean":
+            Y = Y / np.maximum(lens, 1)[:, None]
+        return np.asarray(Y)
+    if reduce not in ("max", "min"):
+        raise ValueError(f"unknown reduce {reduce!r}")
+    m, K = A.shape[0], X.shape[1]
+    prod = A.data.astype(np.float64)[:, None] * X[A.indices]
+    ufunc = np.maximum if reduce == "max" else np.minimum
+    Y = np.zeros((m, K))
+    nonempty = lens > 0
+    if A.nnz:
+        starts = A.indptr[:-1][nonempty]
+        Y[nonempty] = ufunc.reduceat(prod, starts, axis=0)
+    return Y
+
+
+def sddmm(A: CSR, X: np.ndarray, Y: np.ndarray) -> np.ndarray:
+    """float64 ``A.data[p] * dot(X[i], Y[j])`` for each stored (i, j), in A's CSR order."""
+    X = np.asarray(X, dtype=np.float64)
+    Y = np.asarray(Y, dtype=np.float64)
+    rows = A.row_ids
+    return A.data.astype(np.float64) * np.einsum("ij,ij->i", X[rows], Y[A.indices])
+
+
+def run(op: str, reduce, A: CSR, *inputs) -> np.ndarray:
+    return spmm(A, inputs[0], reduce) if op == "spmm" else sddmm(A, *inputs)
+
+
+def tolerance(dtype: str = "float32") -> float:
+    """Relative Frobenius-error tolerance of a result computed in ``dtype`` (accumulated in fp32)."""
+    return {"float32": 1e-5, "tf32": 2e-3, "float16": 1e-2, "bfloat16": 2e-2}[dtype]
+
+
+def rel_error(out, ref) -> float:
+    out = np.asarray(out, dtype=np.float64)
+    ref = np.asarray(ref, dtype=np.float64)
+    if not np.all(np.isfinite(out)):
+        return float("inf")
+    denom = np.linalg.norm(ref)
+    num = np.linalg.norm(out - ref)
+    return float(num / denom) if denom > 0 else float(num)

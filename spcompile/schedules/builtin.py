@@ -1,0 +1,10 @@
+"""Imports the shipped templates so that they register themselves."""
+import importlib
+
+for _name in ("spcompile.schedules.cpu_csr", "spcompile.schedules.cuda_csr",
+              "spcompile.cuda_templates.templates"):
+    try:
+        importlib.import_module(_name)
+    except ModuleNotFoundError as e:  # a template family not present yet; a broken one still fails
+        if e.name != _name:
+            raise
