@@ -1,0 +1,212 @@
+"""The ``spcompile`` command: build, demo, passes, templates, info (and tune / best)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import numpy as np
+
+
+def load_matrix(path: str):
+    """A sparse matrix from a scipy ``.npz`` (save_npz) or Matrix Market ``.mtx`` file."""
+    import scipy.io
+    import scipy.sparse as sp
+
+    if path.endswith(".npz"):
+        try:
+            return sp.load_npz(path)
+        except (ValueError, OSError) as e:
+            raise SystemExit(f"error: cannot read {path!r} as a scipy sparse .npz: {e}")
+    if path.endswith((".mtx", ".mtx.gz")):
+        return sp.csr_matrix(scipy.io.mmread(path))
+    raise SystemExit(f"error: unsupported matrix file {path!r} (expected .npz or .mtx)")
+
+
+def power_law_graph(n: int, avg_degree: float = 16.0, exponent: float = 2.1, seed: int = 0):
+    """A symmetric Chung-Lu power-law graph (weights ~ rank^(-1/(exponent-1))), values 1.0."""
+    import scipy.sparse as sp
+
+    rng = np.random.default_rng(seed)
+    w = (np.arange(1, n + 1, dtype=np.float64)) ** (-1.0 / (exponent - 1.0))
+    p = w / w.sum()
+    m = int(n * avg_degree / 2)
+    rows = rng.choice(n, size=m, p=p)
+    cols = rng.choice(n, size=m, p=p)
+    keep = rows != cols
+    rows, cols = rows[keep], cols[keep]
+    perm = rng.permutation(n)  # hide the degree order
+    A = sp.coo_matrix((np.ones(rows.size, np.float32), (perm[rows], perm[cols])), shape=(n, n)).tocsr()
+    A = ((A + A.T) > 0).astype(np.float32).tocsr()
+    return A
+
+
+def _median_time(fn, repeats: int = 20, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return float(np.median(ts))
+
+
+def cmd_build(args) -> int:
+    import spcompile
+
+    A = load_matrix(args.matrix)
+    params = json.loads(args.params) if args.params else None
+    pipeline = args.pipeline.split(",") if args.pipeline else None
+    kw = {}
+    if args.tune or args.trials:
+        kw.update(tune=True, trials=args.trials)
+    mod = spcompile.build(A, op=args.op, K=args.K, reduce=args.reduce, target=args.target,
+                          template=args.template, params=params, pipeline=pipeline, storage=args.storage, **kw)
+    out = args.output or (args.matrix.rsplit(".", 1)[0] + ".spc")
+    mod.save(out)
+    print(f"built {mod.op}{'/' + mod.reduce if mod.reduce else ''} for {args.matrix} "
+          f"({mod.shape[0]}x{mod.shape[1]}, nnz={mod.key.nnz}, K={mod.K})")
+    print(f"config: {mod.config}")
+    print(f"wrote {out}")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    """The main job on the embedded default: build, check and time a module for a generated graph."""
+    import scipy.sparse as sp
+
+    import spcompile
+    from spcompile import reference
+    from spcompile.runtime import resolve_target
+
+    target = resolve_target(args.target)
+    A = power_law_graph(args.rows, args.degree, seed=args.seed)
+    C = spcompile.as_csr(A)
+    print(f"power-law graph: {A.shape[0]} rows, {A.nnz} nonzeros, max row {int(np.diff(A.indptr).max())}; "
+          f"target={target}")
+    rng = np.random.default_rng(args.seed)
+    rows = []
+    for op, reduce in (("spmm", "sum"), ("spmm", "max"), ("spmm", "mean"), ("sddmm", None)):
+        t0 = time.perf_counter()
+        mod = spcompile.build(A, op=op, K=args.K, reduce=reduce, target=target, storage=args.storage)
+        build_s = time.perf_counter() - t0
+        if op == "spmm":
+            X = rng.standard_normal((A.shape[1], args.K)).astype(np.float32)
+            ins = (X,)
+            ref = reference.spmm(C, X, reduce)
+            base = (lambda: A @ X) if reduce == "sum" else None
+        else:
+            X = rng.standard_normal((A.shape[0], args.K)).astype(np.float32)
+            Y = rng.standard_normal((A.shape[1], args.K)).astype(np.float32)
+            ins = (X, Y)
+            ref = reference.sddmm(C, X, Y)
+            base = None
+        out = mod(*ins)
+        out = out.get() if hasattr(out, "get") else np.asarray(out)
+        err = reference.rel_error(out, ref)
+        ok = err <= reference.tolerance("float32")
+        t = _median_time(lambda: mod(*ins))
+        tb = _median_time(base) if base else float("nan")
+        rows.append((op + ("/" + reduce if reduce else ""), err, ok, build_s, t * 1e3, tb * 1e3, str(mod.config)))
+    print(f"{'op':12s} {'rel.err':>9s} {'ok':>4s} {'build s':>8s} {'ms/call':>9s} {'scipy ms':>9s}  config")
+    for r in rows:
+        print(f"{r[0]:12s} {r[1]:9.2e} {'yes' if r[2] else 'NO':>4s} {r[3]:8.2f} {r[4]:9.3f} {r[5]:9.3f}  {r[6]}")
+    if args.save:
+        mod.save(args.save)
+        m2 = spcompile.load(args.save, A)
+        same = np.array_equal(np.asarray(m2(*ins)), np.asarray(mod(*ins)))
+        print(f"saved {args.save}; reloaded module gives identical results: {same}")
+        if not same:
+            return 1
+    return 0 if all(r[2] for r in rows) else 1
+
+
+def cmd_passes(args) -> int:
+    from spcompile.passes import list_passes
+
+    for name, info in list_passes().items():
+        print(f"{name:16s} {info.description}")
+        if info.options:
+            print(f"{'':16s}   options: {dict(info.options)}")
+    return 0
+
+
+def cmd_templates(args) -> int:
+    from spcompile.schedules import list_templates
+
+    for t in list_templates(args.target):
+        ops = ", ".join(o + ("/" + r if r else "") for o, r in t.ops)
+        print(f"{t.name:22s} target={t.target:5s} available={str(t.available()):5s} ops: {ops}")
+    return 0
+
+
+def cmd_info(args) -> int:
+    import spcompile
+
+    mod = spcompile.load(args.artifact)
+    print(repr(mod))
+    for rec in mod.pass_log:
+        print(f"  pass {rec['name']}: {rec.get('metrics', {})}")
+    return 0
+
+
+def make_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="spcompile", description="Sparse compiler and autotuner for SpMM / SDDMM.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    b = sub.add_parser("build", help="compile a matrix into a module artifact")
+    b.add_argument("matrix", help="scipy .npz (save_npz) or Matrix Market .mtx")
+    b.add_argument("--op", default="spmm", choices=["spmm", "sddmm"])
+    b.add_argument("-K", type=int, required=True, help="dense feature width")
+    b.add_argument("--reduce", default=None, choices=["sum", "max", "min", "mean"])
+    b.add_argument("--target", default="auto", choices=["auto", "cpu", "cuda"])
+    b.add_argument("--template", default=None)
+    b.add_argument("--params", default=None, help="template parameters as JSON")
+    b.add_argument("--pipeline", default=None, help="comma-separated pass names, e.g. reorder.rcm")
+    b.add_argument("--storage", default=None, help="tuning database (Optuna storage URL)")
+    b.add_argument("--tune", action="store_true", help="tune on a database miss")
+    b.add_argument("--trials", type=int, default=None)
+    b.add_argument("-o", "--output", default=None, help="artifact path (default: MATRIX.spc)")
+    b.set_defaults(func=cmd_build)
+
+    d = sub.add_parser("demo", help="build, check and time modules for a generated power-law graph")
+    d.add_argument("--rows", type=int, default=20000)
+    d.add_argument("--degree", type=float, default=16.0)
+    d.add_argument("-K", type=int, default=64)
+    d.add_argument("--target", default="auto", choices=["auto", "cpu", "cuda"])
+    d.add_argument("--storage", default=None)
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--save", default=None, help="also save the last module here and reload it")
+    d.set_defaults(func=cmd_demo)
+
+    ps = sub.add_parser("passes", help="list registered passes")
+    ps.set_defaults(func=cmd_passes)
+    t = sub.add_parser("templates", help="list kernel templates")
+    t.add_argument("--target", default=None, choices=["cpu", "cuda"])
+    t.set_defaults(func=cmd_templates)
+    i = sub.add_parser("info", help="describe a saved artifact")
+    i.add_argument("artifact")
+    i.set_defaults(func=cmd_info)
+
+    try:
+        from . import cli_tune
+    except ImportError:
+        cli_tune = None
+    if cli_tune is not None:
+        cli_tune.add_commands(sub)
+    return p
+
+
+def main(argv=None) -> int:
+    args = make_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, TypeError, RuntimeError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
