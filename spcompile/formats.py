@@ -11,6 +11,7 @@ modules of the passes that produce them and are stored in ``SparseModule.formats
 from __future__ import annotations
 
 import sys
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -66,9 +67,12 @@ class CSR:
 
 def _check_shape(shape) -> tuple[int, int]:
     try:
-        shape = tuple(int(s) for s in shape)
+        items = tuple(shape)
     except TypeError:
         raise TypeError(f"shape must be a pair of ints, got {shape!r}") from None
+    if any(isinstance(s, (bool, np.bool_)) or not isinstance(s, (int, np.integer)) for s in items):
+        raise TypeError(f"shape must be a pair of ints, got {shape!r}")
+    shape = tuple(int(s) for s in items)
     if len(shape) != 2:
         raise ValueError(f"sparse matrix must be 2-D, got shape {shape}")
     if shape[0] < 0 or shape[1] < 0:
@@ -161,10 +165,29 @@ def as_csr(A, dtype=np.float32) -> CSR:
             raise ValueError(f"sparse matrix must be 2-D, got {A.ndim}-D")
         if A.format == "csr":
             return _from_arrays(A.indptr, A.indices, A.data, A.shape, dtype)
+        # scipy's conversions trust the index arrays (out-of-range entries are silently dropped or
+        # crash the process), so every other format is checked before it is converted
         if A.format == "coo":
-            row, col = np.asarray(A.row), np.asarray(A.col)
-            if row.size and (row.min() < 0 or col.min() < 0):
-                raise ValueError("negative index in COO matrix")
+            for what, idx, size in (("row", A.row, A.shape[0]), ("column", A.col, A.shape[1])):
+                idx = np.asarray(idx)
+                if idx.size and idx.dtype.kind not in "iu":
+                    raise TypeError(f"COO {what} indices must be integers, got dtype {idx.dtype}")
+                if idx.size and idx.min() < 0:
+                    raise ValueError(f"negative {what} index {int(idx.min())} in COO matrix")
+                if idx.size and idx.max() >= size:
+                    raise ValueError(f"{what} index {int(idx.max())} out of range for {size} {what}s in COO matrix")
+        elif A.format in ("csc", "bsr"):
+            for name in ("indptr", "indices"):
+                a = np.asarray(getattr(A, name))
+                if a.size and a.dtype.kind not in "iu":
+                    raise TypeError(f"{A.format} {name} must hold integers, got dtype {a.dtype}")
+            chk = A.copy()  # check_format may prune / recast arrays in place: never touch the caller's
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    chk.check_format(full_check=True)
+            except ValueError as e:
+                raise ValueError(f"invalid {A.format} matrix: {e}") from None
         try:
             csr = A.tocsr()
         except (ValueError, IndexError) as e:

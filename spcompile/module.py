@@ -3,8 +3,8 @@
 Artifact (a directory, or the same files in one uncompressed zip file):
 
 * ``manifest.json`` — format version, spcompile / TVM versions, op, shapes, workload key,
-  config (pipeline, template, params), target, kernel metadata, pass log and the SHA-256 of
-  every other file,
+  config (pipeline, template, params), target, kernel metadata, pass log, the SHA-256 of
+  every other file and (``manifest_sha256``) of its own content,
 * ``arrays.npz`` — the kernel's matrix data (loaded with ``allow_pickle=False``),
 * the kernel binaries the manifest names (a TVM ``export_library`` .so, cubin / PTX).
 
@@ -178,6 +178,11 @@ class CompiledModule:
         elif not (isinstance(out, np.ndarray) and out.shape == self._out_shape and out.dtype == np.float32
                   and out.flags.c_contiguous and out.flags.writeable):
             raise ValueError(f"out must be a writable C-contiguous float32 numpy array of shape {self._out_shape}")
+        if self.key.nnz == 0:
+            # no stored entries: every SpMM row is empty (0 by convention), SDDMM has no output;
+            # zero-size arrays cannot be passed to the kernels (DLPack reports them non-compact)
+            out[...] = 0
+            return out
         return self.kernel(*arrs, out=out)
 
     # -- artifacts -------------------------------------------------------------------------
@@ -213,7 +218,10 @@ class CompiledModule:
                     raise ValueError(f"bad kernel file name {name!r}")
                 shutil.copyfile(src, os.path.join(tmp, name))
             files = {n: _sha256_file(os.path.join(tmp, n)) for n in ["arrays.npz", *self.kernel.files]}
-            manifest = json.dumps(self._manifest(files), indent=1, sort_keys=True, default=_json_default)
+            # normalise through JSON first so that the checksum is over exactly what load() reads
+            body = json.loads(json.dumps(self._manifest(files), default=_json_default))
+            body[_MANIFEST_SUM] = _manifest_digest(body)
+            manifest = json.dumps(body, indent=1, sort_keys=True)
             with open(os.path.join(tmp, "manifest.json"), "w") as f:
                 f.write(manifest)
             names = ["manifest.json", *files]
@@ -236,6 +244,15 @@ class CompiledModule:
         return load(path, A)
 
 
+_MANIFEST_SUM = "manifest_sha256"
+
+
+def _manifest_digest(manifest: Mapping) -> str:
+    """SHA-256 of the manifest's content (all keys but the checksum itself), canonical JSON."""
+    body = {k: v for k, v in manifest.items() if k != _MANIFEST_SUM}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
 def _json_default(o):
     if isinstance(o, np.generic):
         return o.item()
@@ -251,8 +268,11 @@ def _read_artifact(path: str, workdir: str) -> tuple[dict, dict[str, str]]:
             p = os.path.join(path, n)
             if not os.path.isfile(p):
                 raise ArtifactError(f"artifact {path!r} is missing {n!r}")
-            return open(p, "rb").read()
-    elif os.path.isfile(path):
+            with open(p, "rb") as f:
+                return f.read()
+
+        return _read_files(read, path, workdir)
+    if os.path.isfile(path):
         try:
             z = zipfile.ZipFile(path)
         except zipfile.BadZipFile:
@@ -263,8 +283,15 @@ def _read_artifact(path: str, workdir: str) -> tuple[dict, dict[str, str]]:
                 return z.read(n)
             except KeyError:
                 raise ArtifactError(f"artifact {path!r} is missing {n!r}") from None
-    else:
-        raise FileNotFoundError(f"no artifact at {path!r}")
+            except (zipfile.BadZipFile, OSError, EOFError) as e:  # corrupt member (bad CRC, truncated)
+                raise ArtifactError(f"artifact {path!r}: cannot read {n!r}: {e}") from None
+
+        with z:
+            return _read_files(read, path, workdir)
+    raise FileNotFoundError(f"no artifact at {path!r}")
+
+
+def _read_files(read, path: str, workdir: str) -> tuple[dict, dict[str, str]]:
     try:
         manifest = json.loads(read("manifest.json").decode())
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -309,11 +336,17 @@ def load(path: str, A=None) -> CompiledModule:
         if not _compatible(str(manifest.get("spcompile_version", "")), __version__):
             raise ArtifactError(f"artifact was written by spcompile {manifest.get('spcompile_version')}, "
                                 f"incompatible with {__version__}; rebuild it")
-        config = Config.from_dict(manifest["config"])
-        key = WorkloadKey.from_dict(manifest["workload_key"])
+        try:
+            config = Config.from_dict(manifest["config"])
+            key = WorkloadKey.from_dict(manifest["workload_key"])
+        except (KeyError, TypeError, AttributeError) as e:
+            raise ArtifactError(f"artifact manifest is incomplete or malformed ({type(e).__name__}: {e})") from None
         if config.target == "cpu" and manifest.get("tvm_version") != _tvm_version():
             raise ArtifactError(f"artifact's CPU kernel was built with TVM {manifest.get('tvm_version')}, "
                                 f"this runtime has {_tvm_version()}; rebuild it")
+        # versions are checked first (their errors say more); everything else must be intact
+        if manifest.get(_MANIFEST_SUM) != _manifest_digest(manifest):
+            raise ArtifactError("checksum mismatch for 'manifest.json': the artifact was modified or corrupted")
         try:
             tpl = get_template(config.template)
         except ValueError:
@@ -327,8 +360,11 @@ def load(path: str, A=None) -> CompiledModule:
                 raise ArtifactError("artifact was built for a different matrix (sparsity pattern differs)")
             if values_hash(C) != manifest.get("values_hash"):
                 raise ArtifactError("artifact was built for a different matrix (values differ)")
-        with np.load(paths.pop("arrays.npz"), allow_pickle=False) as z:
-            arrays = {k: np.array(z[k]) for k in z.files}
+        try:
+            with np.load(paths.pop("arrays.npz"), allow_pickle=False) as z:
+                arrays = {k: np.array(z[k]) for k in z.files}
+        except (ValueError, OSError, EOFError, zipfile.BadZipFile) as e:  # object arrays refused here
+            raise ArtifactError(f"artifact arrays.npz cannot be read without unpickling or is corrupt: {e}") from None
         kernel = tpl.load(config.params, arrays, paths, manifest.get("kernel_meta", {}))
         mod = CompiledModule(key, config, kernel, manifest.get("pass_log", []), manifest.get("values_hash", ""),
                              manifest.get("tuning"))
