@@ -58,7 +58,9 @@ KNOWN = {
     "tile.sgt": {
         "pairs": [("blocks_before", "blocks_after"), ("density_before", "density_after")],
         "singles": [],
-        "paper": "TC-GNN Fig. 7: SGT removes 67.47% of the TC blocks on average",
+        "paper": "TC-GNN Fig. 7: SGT removes 67.47% of the TC blocks on average (16x8 SpMM and 16x16 SDDMM blocks)",
+        # also run with these options, reported as "tile.sgt[shape=sddmm]" (Fig. 7's SDDMM bars)
+        "variants": [{"shape": "sddmm"}],
     },
 }
 SKIP_KEYS = {"seconds"}
@@ -212,8 +214,18 @@ def run_one(name, A, options, timeout, isolate):
 
 # ---------------------------------------------------------------------------- reporting
 
+def _base(label: str) -> str:
+    """Pass name of a result label (``"tile.sgt[shape=sddmm]"`` -> ``"tile.sgt"``)."""
+    return label.split("[", 1)[0]
+
+
+def _label(name: str, opts: dict) -> str:
+    return name + ("[" + ",".join(f"{k}={v}" for k, v in opts.items()) + "]" if opts else "")
+
+
 def _columns(name, rows, show_all=False):
     """The (kind, keys) columns to show for pass ``name`` given its results."""
+    name = _base(name)
     spec = KNOWN.get(name, {"pairs": [], "singles": []})
     keys = set()
     for r in rows:
@@ -227,7 +239,7 @@ def _columns(name, rows, show_all=False):
         if s in keys:
             cols.append(("single", (s,)))
             used.add(s)
-    if cols and name in KNOWN and not show_all:
+    if cols and _base(name) in KNOWN and not show_all:
         return cols  # the other metrics are in the JSON
     for k in sorted(keys):  # other before/after pairs
         if k.endswith("_before") and k not in used:
@@ -275,6 +287,7 @@ def summarise(name, rows):
     ms = [r["metrics"] for r in ok]
     if not ms:
         return s
+    name = _base(name)
     for kind, keys in _columns(name, ok):
         for k in keys:
             v = _mean(m.get(k) for m in ms)
@@ -304,6 +317,7 @@ def summarise(name, rows):
 
 
 def _summary_line(name, s):
+    name = _base(name)
     if not s.get("ok"):
         return "no successful runs"
     parts = []
@@ -340,12 +354,12 @@ def render_markdown(res) -> str:
         s = pr.get("summary", {})
         if pr["status"] == "missing":
             out.append(f"| `{name}` | | 0 / {meta['num_graphs']} | | | | **not available**: "
-                       f"{_md_escape(pr.get('error', ''))} | {KNOWN.get(name, {}).get('paper', '')} |")
+                       f"{_md_escape(pr.get('error', ''))} | {KNOWN.get(_base(name), {}).get('paper', '')} |")
             continue
         opts = ", ".join(f"{k}={v}" for k, v in pr.get("options", {}).items())
         out.append(f"| `{name}` | {_md_escape(opts)} | {s.get('ok', 0)} / {s.get('graphs', 0)} | "
                    f"{s.get('errors', 0)} | {s.get('timeouts', 0)} | {s.get('skipped', 0)} | "
-                   f"{_md_escape(_summary_line(name, s))} | {KNOWN.get(name, {}).get('paper', '')} |")
+                   f"{_md_escape(_summary_line(name, s))} | {KNOWN.get(_base(name), {}).get('paper', '')} |")
     for name, pr in res["passes"].items():
         out += ["", f"## `{name}`", ""]
         if pr["status"] == "missing":
@@ -383,6 +397,8 @@ def main(argv=None) -> int:
                     help="time limit per pass and graph (default 600; repeatable, PASS=S for one pass)")
     ap.add_argument("--option", action="append", metavar="PASS.KEY=VALUE",
                     help="pass option override, value parsed as JSON when it parses (repeatable)")
+    ap.add_argument("--no-variants", action="store_true",
+                    help="skip the extra option variants of the papers' passes (e.g. tile.sgt[shape=sddmm])")
     ap.add_argument("--no-isolate", action="store_true",
                     help="run in this process (no time limit, a crash stops the run)")
     ap.add_argument("--merge", action="store_true",
@@ -428,15 +444,21 @@ def main(argv=None) -> int:
         with open(args.out_json) as fh:
             old = json.load(fh)
         for k, v in old.get("passes", {}).items():
-            if k not in names:
+            if _base(k) not in names:
                 res["passes"][k] = v
 
+    jobs = []  # (label, pass name, options given to run())
     for name in names:
+        jobs.append((name, name, pass_opts.get(name, {})))
+        if not args.no_variants:
+            for v in KNOWN.get(name, {}).get("variants", ()):
+                jobs.append((_label(name, v), name, {**pass_opts.get(name, {}), **v}))
+    for label, name, given in jobs:
         if name not in registered:
-            res["passes"][name] = {"status": "missing", "error": "pass not registered (module missing or failed to import)"}
-            log(f"{name}: not registered, skipped")
+            res["passes"][label] = {"status": "missing", "error": "pass not registered (module missing or failed to import)"}
+            log(f"{label}: not registered, skipped")
             continue
-        opts = {**registered[name].options, **pass_opts.get(name, {})}
+        opts = {**registered[name].options, **given}
         lim = max_nnz_per.get(name, max_nnz)
         tmo = timeout_per.get(name, timeout)
         rows = []
@@ -445,14 +467,13 @@ def main(argv=None) -> int:
             if lim is not None and A.nnz > lim:
                 row.update(status="skipped", error=f"nnz > {lim:,}", metrics={}, seconds=None)
             else:
-                status, metrics, wall, err = run_one(name, A, pass_opts.get(name, {}), tmo,
-                                                     not args.no_isolate)
+                status, metrics, wall, err = run_one(name, A, given, tmo, not args.no_isolate)
                 row.update(status=status, metrics=metrics, seconds=wall, error=err)
             rows.append(row)
-            log(f"{name:14s} {gname:28s} nnz={A.nnz:>10,} {row['status']:8s} "
+            log(f"{label:14s} {gname:28s} nnz={A.nnz:>10,} {row['status']:8s} "
                 f"{(row['seconds'] or 0):8.2f}s {row['error'] or ''}")
-        res["passes"][name] = {"status": "ok", "options": _jsonable(opts), "results": rows}
-        res["passes"][name]["summary"] = _jsonable(summarise(name, rows))
+        res["passes"][label] = {"status": "ok", "pass": name, "options": _jsonable(opts), "results": rows}
+        res["passes"][label]["summary"] = _jsonable(summarise(label, rows))
     res["passes"] = dict(sorted(res["passes"].items()))
 
     os.makedirs(os.path.dirname(os.path.abspath(args.out_json)), exist_ok=True)

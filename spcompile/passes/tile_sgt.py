@@ -98,6 +98,13 @@ class SGTFormat:
         return {k: getattr(self, k) for k in self.__dataclass_fields__
                 if isinstance(getattr(self, k), np.ndarray)}
 
+    @classmethod
+    def from_arrays(cls, BLK_H: int, BLK_W: int, shape, arrays) -> "SGTFormat":
+        """Rebuild from :meth:`arrays` (e.g. after saving them to an ``.npz``)."""
+        return cls(BLK_H=int(BLK_H), BLK_W=int(BLK_W), shape=tuple(int(s) for s in shape),
+                   **{k: np.asarray(arrays[k]) for k in cls.__dataclass_fields__
+                      if k not in ("BLK_H", "BLK_W", "shape")})
+
     def dense_tiles(self, data: np.ndarray, dtype=None) -> np.ndarray:
         """The ``(num_blocks, BLK_H, BLK_W)`` dense tiles holding ``data`` (one value per
         nonzero, CSR order), exactly what a WMMA kernel loads as its ``A`` fragments."""

@@ -255,3 +255,17 @@ def test_direct_function_matches_pass():
     f, before = sgt_translate(C.indptr, C.indices, C.shape, 16, 8)
     met = run("tile.sgt", A).metrics["tile.sgt"]
     assert before == met["blocks_before"] and f.num_blocks == met["blocks_after"]
+
+
+def test_arrays_round_trip(tmp_path):
+    A = _random(40, 30, 0.2, 4)
+    mod = run("tile.sgt", A, shape="sddmm")
+    f = mod.formats["sgt"]
+    np.savez(tmp_path / "sgt.npz", **f.arrays())
+    with np.load(tmp_path / "sgt.npz") as z:
+        g = SGTFormat.from_arrays(f.BLK_H, f.BLK_W, f.shape, z)
+    for k, v in f.arrays().items():
+        np.testing.assert_array_equal(getattr(g, k), v)
+        assert getattr(g, k).dtype == v.dtype
+    X = np.arange(60, dtype=np.float64).reshape(30, 2)
+    np.testing.assert_array_equal(g.spmm(mod.A.data.astype(np.float64), X), f.spmm(mod.A.data.astype(np.float64), X))
