@@ -1,0 +1,488 @@
+"""CUDA C++ templates: ``csr.crc_cwm`` (GE-SpMM SpMM), ``csr.sddmm`` and ``extern.cusparse``.
+
+Each CUDA template has ONE parametrised source (``*.cu`` beside this file).  Parameters that shape
+registers and unrolled loops are C++ template arguments; for a parameter set we render the source
+plus one ``extern "C"`` wrapper instantiating it (``SPC_*_INSTANCE``), compile with nvcc (cached on
+disk, see :mod:`spcompile.runtime.cuda`) and keep the binary in the kernel's ``files`` so saved
+artifacts carry it.  Parameters that do not need to be compile-time (K, warps per block, rows per
+warp, the row partition) are launch arguments, so one binary serves every K and block shape.
+
+Load balance: rows longer than ``max_seg`` nonzeros are cut into balanced slices processed by
+different row groups and combined in the same launch (see ``spmm_crc_cwm.cu``); with
+``max_seg=0`` every row is one segment (the paper's plain mapping).
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, Mapping
+
+import numpy as np
+
+from ..ir import SparseModule
+from ..runtime import cuda as rt
+from ..schedules.base import Template, csr_kernel_arrays, register_template, source_hash_of
+
+_DIR = os.path.dirname(os.path.abspath(__file__))
+_REDUCE = {"sum": 0, "max": 1, "min": 2, "mean": 3}
+
+
+def _source(fname: str) -> str:
+    with open(os.path.join(_DIR, fname)) as f:
+        return f.read()
+
+
+def _i32(a) -> np.ndarray:
+    return np.ascontiguousarray(a, dtype=np.int32)
+
+
+def _largest_vec(K: int, vec: int) -> int:
+    v = int(vec)
+    while v > 1 and K % v:
+        v //= 2
+    return max(v, 1)
+
+
+# ------------------------------------------------------------------------------------------
+# row partition (vectorised)
+# ------------------------------------------------------------------------------------------
+def spmm_partition(indptr: np.ndarray, row_ids: np.ndarray, max_seg: int) -> dict[str, np.ndarray]:
+    """Cut rows into segments of at most ``max_seg`` nonzeros (0: whole rows).  Returns the arrays
+    of ``spmm_crc_cwm.cu``: seg_ptr, seg_out, seg_slot, grp_ptr, slot_grp, grp_out, grp_len."""
+    indptr = np.asarray(indptr, dtype=np.int64)
+    m = indptr.size - 1
+    lens = np.diff(indptr)
+    if max_seg and max_seg > 0:
+        nch = np.maximum(1, -(-lens // int(max_seg)))
+    else:
+        nch = np.ones(m, dtype=np.int64)
+    nseg = int(nch.sum())
+    seg_row = np.repeat(np.arange(m, dtype=np.int64), nch)
+    first = np.cumsum(nch) - nch
+    within = np.arange(nseg, dtype=np.int64) - first[seg_row]
+    seg_start = indptr[seg_row] + (within * lens[seg_row]) // nch[seg_row]   # balanced slices
+    seg_ptr = np.append(seg_start, indptr[-1] if m else 0)
+    split_seg = nch[seg_row] > 1
+    seg_slot = np.full(nseg, -1, dtype=np.int64)
+    seg_slot[split_seg] = np.arange(int(split_seg.sum()))
+    split_rows = np.flatnonzero(nch > 1)
+    grp_ptr = np.concatenate([[0], np.cumsum(nch[split_rows])])
+    slot_grp = np.repeat(np.arange(split_rows.size), nch[split_rows])
+    row_ids = np.asarray(row_ids, dtype=np.int64)
+    return {"seg_ptr": _i32(seg_ptr), "seg_out": _i32(row_ids[seg_row]), "seg_slot": _i32(seg_slot),
+            "grp_ptr": _i32(grp_ptr), "slot_grp": _i32(slot_grp), "grp_out": _i32(row_ids[split_rows]),
+            "grp_len": _i32(lens[split_rows])}
+
+
+def sddmm_partition(indptr: np.ndarray, row_ids: np.ndarray, nnz_per_warp: int) -> dict[str, np.ndarray]:
+    """Segments of at most ``nnz_per_warp`` nonzeros of one row (empty rows have none)."""
+    indptr = np.asarray(indptr, dtype=np.int64)
+    m = indptr.size - 1
+    lens = np.diff(indptr)
+    npw = max(1, int(nnz_per_warp))
+    nch = -(-lens // npw)
+    nseg = int(nch.sum())
+    seg_row = np.repeat(np.arange(m, dtype=np.int64), nch)
+    first = np.cumsum(nch) - nch
+    within = np.arange(nseg, dtype=np.int64) - first[seg_row]
+    seg_start = indptr[seg_row] + (within * lens[seg_row]) // nch[seg_row]
+    seg_ptr = np.append(seg_start, indptr[-1] if m else 0)
+    return {"seg_ptr": _i32(seg_ptr), "seg_xrow": _i32(np.asarray(row_ids, dtype=np.int64)[seg_row])}
+
+
+# ------------------------------------------------------------------------------------------
+# shared machinery of the nvcc-compiled templates
+# ------------------------------------------------------------------------------------------
+class _NvccTemplate(Template):
+    target = "cuda"
+    source_file = ""
+    instance_macro = ""
+
+    def available(self) -> bool:
+        return rt.nvcc_available()
+
+    def source_hash(self) -> str:
+        return source_hash_of(type(self), self.version, paths=(os.path.join(_DIR, self.source_file),))
+
+    def render(self, instances: list[tuple[str, tuple]]) -> str:
+        """The template source plus one extern "C" wrapper per ``(name, template args)``."""
+        lines = [_source(self.source_file), ""]
+        lines += [f"{self.instance_macro}({n}, {', '.join(str(int(a)) for a in args)})" for n, args in instances]
+        return "\n".join(lines) + "\n"
+
+    def compile(self, instances, arch: int | None = None, name: str = "") -> str:
+        return rt.compile_cuda(self.render(instances), arch=arch, name=name or self.name.replace(".", "_"))
+
+    def supports(self, mod: SparseModule) -> bool:
+        A = mod.A
+        ok_size = max(A.nnz, A.shape[0] + 1, A.shape[1]) < 2**31 - 1
+        return super().supports(mod) and ok_size
+
+
+class _NvccKernel(rt.CUDAKernel):
+    """Kernel bound to a fatbin and matrix arrays; subclasses define the launch arguments."""
+
+    def __init__(self, template, params, arrays, files, meta, tpl):
+        super().__init__(template, params, arrays, files, meta)
+        self._tpl = tpl
+
+    def _load_functions(self):
+        import cupy
+
+        self.device_id = cupy.cuda.runtime.getDevice()
+        path = self.files["kernel.fatbin"]
+        if not rt.check_arch(int(self.meta["arch"]), self.device_id):
+            # an artifact for another GPU generation: rebuild the same variant here if we can
+            if not rt.nvcc_available():
+                raise RuntimeError(f"kernel was built for sm_{self.meta['arch']} and cannot run on this GPU "
+                                   f"(sm_{rt.device_arch(self.device_id)}); rebuild the module here")
+            arch = rt.device_arch(self.device_id)
+            path = self._tpl.compile([tuple(x) for x in self.meta["instances"]], arch=arch)
+            self.files = {**self.files, "kernel.fatbin": path}
+            self.meta = {**self.meta, "arch": arch}
+        mod = rt.load_module(path)
+        return [mod.get_function(n) for n, _ in self.meta["instances"]]
+
+    def _upload(self, names):
+        import cupy
+
+        self._dev = {k: cupy.asarray(self.arrays[k]) for k in names}
+        return tuple(int(self._dev[k].data.ptr) for k in names)
+
+
+# ------------------------------------------------------------------------------------------
+# csr.crc_cwm — GE-SpMM
+# ------------------------------------------------------------------------------------------
+class CrcCwmKernel(_NvccKernel):
+    def prepare(self):
+        import cupy
+
+        fns = self._load_functions()
+        self._fn = fns[0]
+        self._fn1 = fns[-1]                          # VEC=1 instance (alignment fallback)
+        p, K = self.params, int(self.meta["K"])
+        G, CF, VEC = int(p["group"]), int(p["cf"]), int(self.meta["vec"])
+        nseg = int(self.arrays["seg_out"].size)
+        wpb, rpw = int(p["warps_per_block"]), int(p["rows_per_warp"])
+        threads = 32 * wpb
+        groups = threads // G
+        bx = -(-nseg // (groups * rpw))
+        ty, ty1 = -(-K // (G * VEC * CF)), -(-K // (G * CF))
+        ngrp = int(self.arrays["grp_len"].size)
+        nslot = int(self.arrays["slot_grp"].size)
+        pre = self._upload(("seg_ptr", "seg_out", "seg_slot", "indices", "data"))
+        post_arr = self._upload(("grp_ptr", "slot_grp", "grp_out", "grp_len"))
+        self._part = cupy.empty(max(1, nslot * K), dtype=cupy.float32)
+        self._counters = cupy.zeros(max(1, ngrp * max(ty, ty1)), dtype=cupy.int32)
+        self._pre = pre
+        self._post = (int(self._part.data.ptr), int(self._counters.data.ptr), *post_arr,
+                      np.int32(nseg), np.int32(K), np.int32(rpw))
+        self._grid, self._grid1 = (bx, ty, 1), (bx, ty1, 1)
+        self._block = (threads, 1, 1)
+        self._smem = threads * 8
+        self._amask = 4 * VEC - 1
+        self._empty = nseg == 0
+        self._ready = True
+
+    def launch(self, in_ptrs, out_ptr, stream):
+        if self._empty:
+            return
+        x = in_ptrs[0]
+        args = self._pre + (x, out_ptr) + self._post
+        if (x | out_ptr) & self._amask:
+            self._fn1(self._grid1, self._block, args, shared_mem=self._smem, stream=rt._stream(stream))
+        else:
+            self._fn(self._grid, self._block, args, shared_mem=self._smem, stream=rt._stream(stream))
+
+
+@register_template
+class CrcCwm(_NvccTemplate):
+    """GE-SpMM (SC'20) CSR SpMM with sum/max/min/mean: coalesced row caching in shared memory,
+    coarse-grained warp merging (CF), vector loads, sub-warp row groups for narrow K, and split long
+    rows for load balance.  Any K >= 1."""
+
+    name = "csr.crc_cwm"
+    version = "1"
+    priority = 30
+    ops = tuple(("spmm", r) for r in ("sum", "max", "min", "mean"))
+    source_file = "spmm_crc_cwm.cu"
+    instance_macro = "SPC_SPMM_INSTANCE"
+
+    def space(self, mod):
+        from optuna.distributions import CategoricalDistribution as C
+
+        return {"cf": C([1, 2, 4, 8]), "vec": C([1, 2, 4]), "group": C([4, 8, 16, 32]),
+                "warps_per_block": C([2, 4, 8]), "rows_per_warp": C([1, 2, 4]),
+                "max_seg": C([0, 64, 256, 1024, 4096])}
+
+    @staticmethod
+    def heuristic(K: int, max_row: int, mean_row: float) -> dict:
+        vec = _largest_vec(K, 4)
+        lanes = -(-K // vec)
+        group = next(g for g in (4, 8, 16, 32) if g >= min(lanes, 32))
+        cf = min(8, max(1, -(-K // (group * vec))))
+        cf = 1 << (cf - 1).bit_length() if cf > 1 else 1
+        cf = min(cf, 4)
+        max_seg = 0 if max_row <= max(256, 4 * mean_row) else 256
+        return {"cf": cf, "vec": vec, "group": group, "warps_per_block": 4, "rows_per_warp": 1,
+                "max_seg": max_seg}
+
+    def default_params(self, mod):
+        lens = mod.A.row_lengths
+        return self.heuristic(mod.op.K, int(lens.max()) if lens.size else 0,
+                              float(lens.mean()) if lens.size else 0.0)
+
+    def seed_params(self, mod):
+        d = self.default_params(mod)
+        K = mod.op.K
+        seeds = [d]
+        for ms in (0, 256, 1024):
+            seeds.append({**d, "max_seg": ms})
+        vec = _largest_vec(K, 4)
+        for cf in (1, 2, 4, 8):
+            if 32 * vec * cf <= max(32 * vec, 2 * K):
+                seeds.append({**d, "group": 32, "vec": vec, "cf": cf})
+        seeds.append({**d, "vec": 1, "group": 32, "cf": min(4, max(1, -(-K // 32)))})
+        seeds.append({**d, "warps_per_block": 8, "rows_per_warp": 2})
+        seeds.append({**d, "warps_per_block": 2})
+        out, seen = [], set()
+        for s in seeds:
+            t = tuple(sorted(s.items()))
+            if t not in seen:
+                seen.add(t)
+                out.append(s)
+        return out
+
+    @staticmethod
+    def instance_name(R, CF, VEC, G) -> str:
+        return f"spmm_crc_cwm_r{R}_cf{CF}_v{VEC}_g{G}"
+
+    def instances(self, reduce: str, cf: int, vec: int, group: int) -> list:
+        R = _REDUCE[reduce]
+        inst = [(self.instance_name(R, cf, vec, group), (R, cf, vec, group))]
+        if vec > 1:
+            inst.append((self.instance_name(R, cf, 1, group), (R, cf, 1, group)))
+        return inst
+
+    def build(self, mod: SparseModule, params: Mapping[str, Any]):
+        params = self.check_params(mod, params)
+        K = mod.op.K
+        cf, group = int(params["cf"]), int(params["group"])
+        if cf not in (1, 2, 4, 8) or group not in (4, 8, 16, 32) or int(params["vec"]) not in (1, 2, 4):
+            raise ValueError(f"invalid csr.crc_cwm parameters {params}")
+        if int(params["warps_per_block"]) not in (1, 2, 4, 8) or int(params["rows_per_warp"]) < 1:
+            raise ValueError(f"invalid csr.crc_cwm parameters {params}")
+        vec = _largest_vec(K, int(params["vec"]))
+        ka = csr_kernel_arrays(mod, np.int32)
+        arrays = {"indices": _i32(ka["indices"]), "data": ka["data"],
+                  **spmm_partition(ka["indptr"], ka["row_ids"], int(params["max_seg"]))}
+        inst = self.instances(mod.op.reduce, cf, vec, group)
+        arch = rt.device_arch()
+        path = self.compile(inst, arch=arch, name=inst[0][0])
+        meta = {"K": K, "vec": vec, "arch": arch, "instances": [[n, list(a)] for n, a in inst]}
+        return CrcCwmKernel(self.name, params, arrays, {"kernel.fatbin": path}, meta, self)
+
+    def load(self, params, arrays, files, meta):
+        return CrcCwmKernel(self.name, params, arrays, files, meta, self)
+
+
+# ------------------------------------------------------------------------------------------
+# csr.sddmm
+# ------------------------------------------------------------------------------------------
+class SddmmKernel(_NvccKernel):
+    def prepare(self):
+        fns = self._load_functions()
+        self._fn, self._fn1 = fns[0], fns[-1]
+        p, K = self.params, int(self.meta["K"])
+        nseg = int(self.arrays["seg_xrow"].size)
+        wpb = int(p["warps_per_block"])
+        self._pre = self._upload(("seg_ptr", "seg_xrow", "indices", "data", "nnz_ids"))
+        self._post = (np.int32(nseg), np.int32(K))
+        self._grid = (max(1, -(-nseg // wpb)), 1, 1)
+        self._block = (32 * wpb, 1, 1)
+        self._amask = 4 * int(self.meta["vec"]) - 1
+        self._empty = nseg == 0
+        self._ready = True
+
+    def launch(self, in_ptrs, out_ptr, stream):
+        if self._empty:
+            return
+        x, y = in_ptrs
+        fn = self._fn1 if (x | y) & self._amask else self._fn
+        fn(self._grid, self._block, self._pre + (x, y, out_ptr) + self._post, stream=rt._stream(stream))
+
+
+@register_template
+class CsrSddmm(_NvccTemplate):
+    """CSR SDDMM: a warp per bounded run of one row's nonzeros (X row reused from registers),
+    G-lane groups per nonzero with VEC-wide coalesced loads and shuffle reductions, XC column
+    chunks per lane (K tiling).  Any K >= 1."""
+
+    name = "csr.sddmm"
+    version = "1"
+    priority = 30
+    ops = (("sddmm", None),)
+    source_file = "sddmm_csr.cu"
+    instance_macro = "SPC_SDDMM_INSTANCE"
+
+    def space(self, mod):
+        from optuna.distributions import CategoricalDistribution as C
+
+        return {"group": C([4, 8, 16, 32]), "vec": C([1, 2, 4]), "k_chunks": C([1, 2, 4]),
+                "nnz_per_warp": C([8, 16, 32, 64, 128, 256]), "warps_per_block": C([2, 4, 8])}
+
+    @staticmethod
+    def heuristic(K: int) -> dict:
+        vec = _largest_vec(K, 4)
+        lanes = -(-K // vec)
+        group = 32 if lanes >= 32 else next(g for g in (4, 8, 16, 32) if g >= lanes)
+        xc = min(4, max(1, -(-K // (group * vec))))
+        xc = 1 << (xc - 1).bit_length() if xc > 1 else 1
+        return {"group": group, "vec": vec, "k_chunks": xc, "nnz_per_warp": 32, "warps_per_block": 4}
+
+    def default_params(self, mod):
+        return self.heuristic(mod.op.K)
+
+    def seed_params(self, mod):
+        d = self.default_params(mod)
+        K = mod.op.K
+        vec = _largest_vec(K, 4)
+        seeds = [d, {**d, "nnz_per_warp": 8}, {**d, "nnz_per_warp": 128}]
+        for g in (8, 16):
+            xc = min(4, max(1, -(-K // (g * vec))))
+            xc = 1 << (xc - 1).bit_length() if xc > 1 else 1
+            seeds.append({**d, "group": g, "k_chunks": xc})
+            seeds.append({**d, "group": g, "k_chunks": xc, "nnz_per_warp": 64})
+        seeds.append({**d, "warps_per_block": 8})
+        out, seen = [], set()
+        for s in seeds:
+            t = tuple(sorted(s.items()))
+            if t not in seen:
+                seen.add(t)
+                out.append(s)
+        return out
+
+    @staticmethod
+    def instance_name(G, VEC, XC) -> str:
+        return f"sddmm_csr_g{G}_v{VEC}_xc{XC}"
+
+    def instances(self, group: int, vec: int, xc: int) -> list:
+        inst = [(self.instance_name(group, vec, xc), (group, vec, xc))]
+        if vec > 1:
+            inst.append((self.instance_name(group, 1, xc), (group, 1, xc)))
+        return inst
+
+    def build(self, mod: SparseModule, params: Mapping[str, Any]):
+        params = self.check_params(mod, params)
+        K = mod.op.K
+        group, xc = int(params["group"]), int(params["k_chunks"])
+        if group not in (4, 8, 16, 32) or xc not in (1, 2, 4, 8) or int(params["vec"]) not in (1, 2, 4):
+            raise ValueError(f"invalid csr.sddmm parameters {params}")
+        if int(params["warps_per_block"]) not in (1, 2, 4, 8) or int(params["nnz_per_warp"]) < 1:
+            raise ValueError(f"invalid csr.sddmm parameters {params}")
+        vec = _largest_vec(K, int(params["vec"]))
+        ka = csr_kernel_arrays(mod, np.int32)
+        arrays = {"indices": _i32(ka["indices"]), "data": ka["data"], "nnz_ids": _i32(ka["nnz_ids"]),
+                  **sddmm_partition(ka["indptr"], ka["row_ids"], int(params["nnz_per_warp"]))}
+        inst = self.instances(group, vec, xc)
+        arch = rt.device_arch()
+        path = self.compile(inst, arch=arch, name=inst[0][0])
+        meta = {"K": K, "vec": vec, "arch": arch, "instances": [[n, list(a)] for n, a in inst]}
+        return SddmmKernel(self.name, params, arrays, {"kernel.fatbin": path}, meta, self)
+
+    def load(self, params, arrays, files, meta):
+        return SddmmKernel(self.name, params, arrays, files, meta, self)
+
+
+# ------------------------------------------------------------------------------------------
+# extern.cusparse — the vendor library as a candidate
+# ------------------------------------------------------------------------------------------
+class CusparseKernel(rt.CUDAKernel):
+    """cuSPARSE through PyTorch: ``torch.mm`` on a device CSR tensor built once (SpMM sum/mean,
+    mean by pre-scaled values) and ``torch.sparse.sampled_addmm`` (SDDMM)."""
+
+    def prepare(self):
+        import torch
+
+        self.device_id = torch.cuda.current_device()
+        dev = torch.device("cuda", self.device_id)
+        a = self.arrays
+        m, n = (int(v) for v in self.meta["shape"])
+        crow = torch.from_numpy(a["indptr"]).to(dev)
+        col = torch.from_numpy(a["indices"]).to(dev)
+        vals = torch.from_numpy(a["data"]).to(dev)
+        if self.meta["op"] == "spmm":
+            self._A = torch.sparse_csr_tensor(crow, col, vals, (m, n), device=dev)
+        else:
+            self._A = torch.sparse_csr_tensor(crow, col, torch.ones_like(vals), (m, n), device=dev)
+            self._vals = vals
+        self._out_ok = True
+        self._torch = torch
+        self._ready = True
+
+    def run(self, kind, inputs, out, stream):
+        torch = self._torch
+        if kind != "torch":
+            inputs = [torch.from_dlpack(x) for x in inputs]
+            out = torch.from_dlpack(out)
+            with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
+                self._run(inputs, out)
+        else:
+            self._run(inputs, out)
+
+    def _run(self, inputs, out):
+        torch = self._torch
+        if self.meta["op"] == "spmm":
+            if self._out_ok:
+                try:
+                    torch.mm(self._A, inputs[0], out=out)
+                    return
+                except (RuntimeError, TypeError, NotImplementedError):
+                    self._out_ok = False
+            out.copy_(torch.sparse.mm(self._A, inputs[0]))
+        else:
+            X, Y = inputs
+            r = torch.sparse.sampled_addmm(self._A, X, Y.t(), beta=0.0, alpha=1.0)
+            torch.mul(r.values(), self._vals, out=out)
+
+    def launch(self, in_ptrs, out_ptr, stream):
+        raise NotImplementedError("extern.cusparse runs on framework arrays (run())")
+
+
+@register_template
+class Cusparse(Template):
+    """cuSPARSE (through torch.sparse) as a tuning candidate, so a tuned module is never slower
+    than the vendor library.  SpMM sum and mean, SDDMM.  Works on the original matrix (passes do
+    not apply to a library call)."""
+
+    name = "extern.cusparse"
+    version = "1"
+    target = "cuda"
+    priority = 5
+    ops = (("spmm", "sum"), ("spmm", "mean"), ("sddmm", None))
+
+    def available(self) -> bool:
+        import importlib.util
+
+        return importlib.util.find_spec("torch") is not None
+
+    def space(self, mod):
+        return {}
+
+    def default_params(self, mod):
+        return {}
+
+    def build(self, mod: SparseModule, params):
+        params = self.check_params(mod, params)
+        A = mod.op.A  # caller's order: the library needs no permutation folding
+        data = np.array(A.data, dtype=np.float32)
+        if mod.op.op == "spmm" and mod.op.reduce == "mean":
+            lens = np.diff(A.indptr.astype(np.int64))
+            data = (data / np.repeat(np.maximum(lens, 1), lens)).astype(np.float32)
+        arrays = {"indptr": np.array(A.indptr, dtype=np.int64), "indices": np.array(A.indices, dtype=np.int64),
+                  "data": data}
+        meta = {"op": mod.op.op, "reduce": mod.op.reduce, "shape": list(A.shape)}
+        return CusparseKernel(self.name, params, arrays, {}, meta)
+
+    def load(self, params, arrays, files, meta):
+        return CusparseKernel(self.name, params, arrays, files, meta)

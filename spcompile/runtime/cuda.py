@@ -1,0 +1,303 @@
+"""CUDA runtime: compiling CUDA C++ to device binaries, loading them, launching, DLPack-free calls.
+
+Choice of runtime (why CuPy + nvcc):
+
+* **Compilation with nvcc, offline** — templates are compiled once to a fatbin holding SASS for
+  the device's arch (``sm_90`` on the H100) plus PTX of the same arch (forward compatibility).
+  nvcc is installed on the CPU/CI machines, so every template is compiled (and checked) there;
+  NVRTC would need a GPU-capable CuPy at build time and gives no CI check.  Binaries are cached
+  on disk (``$SPCOMPILE_KERNEL_CACHE`` or ``~/.cache/spcompile/kernels``) keyed by
+  ``sha256(source, options, arch, nvcc version)`` and are stored inside saved artifacts, so
+  :func:`spcompile.load` on an inference server compiles nothing.
+* **Loading and launching with CuPy** — ``cupy.RawModule(path=...)`` is ``cuModuleLoad`` (cubin,
+  fatbin or PTX); its kernel objects launch from Cython with little per-call overhead and take raw
+  device pointers (Python ints) as arguments, so torch tensors need no conversion at all: we pass
+  ``tensor.data_ptr()`` and launch on torch's *current stream* (raw handle), CuPy arrays likewise
+  on CuPy's current stream.  No host synchronisation, no allocation but the output (none when
+  ``out=`` is given), no format conversion on the call path.  cuda-python would work too but its
+  Python-level ``cuLaunchKernel`` argument packing is slower per call, and CuPy is the declared
+  GPU dependency of the package (``spcompile[cuda]``).
+* numpy inputs are copied to the device and the result back (synchronous).
+
+Kernel protocol (used by every CUDA template, including TVM-generated ones): a
+:class:`CUDAKernel` implements :meth:`CUDAKernel.launch` (raw pointers + stream handle) or, for
+library calls that need framework tensors, overrides :meth:`CUDAKernel.run`.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from ..schedules.base import Kernel
+
+__all__ = ["CUDAKernel", "call", "compile_cuda", "nvcc_path", "nvcc_available", "nvcc_version",
+           "device_arch", "cache_dir", "load_module", "to_device", "DEFAULT_ARCH", "CompileError"]
+
+#: arch compiled for when no GPU is visible (the project's target, the H100)
+DEFAULT_ARCH = 90
+
+
+class CompileError(RuntimeError):
+    """nvcc failed; the message holds its output."""
+
+
+# -- toolchain ------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def nvcc_path() -> str | None:
+    env = os.environ.get("SPCOMPILE_NVCC")
+    if env:
+        return env
+    p = shutil.which("nvcc")
+    if p:
+        return p
+    for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if root and os.path.isfile(os.path.join(root, "bin", "nvcc")):
+            return os.path.join(root, "bin", "nvcc")
+    return None
+
+
+def nvcc_available() -> bool:
+    return nvcc_path() is not None
+
+
+@functools.lru_cache(maxsize=None)
+def nvcc_version() -> str:
+    p = nvcc_path()
+    if p is None:
+        return "none"
+    try:
+        out = subprocess.run([p, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except Exception:
+        return "unknown"
+    # the release ("13.0") keys the cache: patch builds of one release emit the same code, and a
+    # cache filled on a CPU machine stays valid on a GPU machine with the same release
+    import re
+
+    m = re.search(r"release (\d+\.\d+)", out)
+    return m.group(1) if m else out.strip()[-80:]
+
+
+def cache_dir() -> str:
+    d = os.environ.get("SPCOMPILE_KERNEL_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "spcompile", "kernels")
+    os.makedirs(d, exist_ok=True)
+    return d
+
+
+def device_arch(device: int | None = None) -> int:
+    """Compute capability of ``device`` as an int (90 for sm_90); DEFAULT_ARCH without a GPU."""
+    from .target import cuda_available
+
+    if not cuda_available():
+        return DEFAULT_ARCH
+    return _device_arch(-1 if device is None else int(device))
+
+
+@functools.lru_cache(maxsize=None)
+def _device_arch(device: int) -> int:
+    import cupy
+
+    dev = cupy.cuda.Device() if device < 0 else cupy.cuda.Device(device)
+    return int(dev.compute_capability)
+
+
+_COMPILE_LOCK = threading.Lock()
+
+
+def compile_cuda(source: str, *, arch: int | None = None, options: Sequence[str] = (), name: str = "kernel",
+                 ptx: bool = True) -> str:
+    """Compile CUDA C++ ``source`` with nvcc for ``arch`` (an int such as 90) into a fatbin (SASS
+    for that arch, plus its PTX when ``ptx``); returns the path of the cached binary."""
+    nvcc = nvcc_path()
+    arch = DEFAULT_ARCH if arch is None else int(arch)
+    opts = ["-O3", "-std=c++17", "--extra-device-vectorization", *options]
+    gencode = [f"-gencode=arch=compute_{arch},code=sm_{arch}"]
+    if ptx:
+        gencode.append(f"-gencode=arch=compute_{arch},code=compute_{arch}")
+    h = hashlib.sha256()
+    for part in (source, "\0".join(opts), "\0".join(gencode), nvcc_version()):
+        h.update(part.encode())
+        h.update(b"\0\1")
+    digest = h.hexdigest()[:32]
+    safe = "".join(ch if ch.isalnum() or ch in "_-" else "_" for ch in name)[:48]
+    path = os.path.join(cache_dir(), f"{safe}-sm{arch}-{digest}.fatbin")
+    if os.path.isfile(path):
+        return path
+    if nvcc is None:
+        raise CompileError("nvcc was not found (set SPCOMPILE_NVCC or CUDA_HOME) and the kernel is not cached")
+    with tempfile.TemporaryDirectory(prefix="spcompile-nvcc-") as tmp:
+        src = os.path.join(tmp, safe + ".cu")
+        with open(src, "w") as f:
+            f.write(source)
+        outp = os.path.join(tmp, safe + ".fatbin")
+        cmd = [nvcc, "-fatbin", *opts, *gencode, "-o", outp, src]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            raise CompileError(f"nvcc failed ({' '.join(cmd)}):\n{r.stderr[-6000:]}{r.stdout[-2000:]}")
+        with _COMPILE_LOCK:
+            fd, part = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".part-")
+            os.close(fd)
+            shutil.copyfile(outp, part)
+            os.chmod(part, 0o644)
+            os.replace(part, path)  # atomic: concurrent builders never see half a file
+    return path
+
+
+# -- loading --------------------------------------------------------------------------------
+_MODULES: dict = {}
+
+
+def load_module(path: str):
+    """``cupy.RawModule`` of a cubin / fatbin / PTX file on the current device (cached)."""
+    import cupy
+
+    key = (os.path.realpath(path), cupy.cuda.runtime.getDevice())
+    mod = _MODULES.get(key)
+    if mod is None:
+        mod = _MODULES[key] = cupy.RawModule(path=path)
+    return mod
+
+
+def to_device(a: np.ndarray):
+    import cupy
+
+    return cupy.asarray(np.ascontiguousarray(a))
+
+
+_STREAMS: dict = {}
+
+
+def _stream(handle: int):
+    """A CuPy stream object for a raw ``cudaStream_t`` handle (cached: no per-call construction)."""
+    s = _STREAMS.get(handle)
+    if s is None:
+        import cupy
+
+        s = _STREAMS[handle] = cupy.cuda.ExternalStream(handle)
+    return s
+
+
+# -- kernels --------------------------------------------------------------------------------
+class CUDAKernel(Kernel):
+    """A kernel that runs on a CUDA device.
+
+    Subclasses implement :meth:`prepare` (upload matrix arrays, load the binary; called once,
+    lazily, so that building and loading work on machines without a GPU) and :meth:`launch`
+    (``in_ptrs``: device pointers of the C-contiguous float32 inputs, ``out_ptr``: output,
+    ``stream``: raw stream handle; must not synchronise).  Library-backed kernels override
+    :meth:`run`, which receives the arrays themselves.
+    """
+
+    target = "cuda"
+    device_id: int = 0
+    _ready = False
+
+    def prepare(self) -> None:
+        self._ready = True
+
+    def launch(self, in_ptrs: Sequence[int], out_ptr: int, stream: int) -> None:
+        raise NotImplementedError
+
+    def run(self, kind: str, inputs: Sequence[Any], out: Any, stream: int) -> None:
+        if kind == "torch":
+            self.launch([x.data_ptr() for x in inputs], out.data_ptr(), stream)
+        else:
+            self.launch([x.data.ptr for x in inputs], out.data.ptr, stream)
+
+    def __call__(self, *inputs, out):
+        """Host (numpy) convenience used by generic runners: same as the module call path."""
+        return call(self, "numpy", inputs, out, out.shape)
+
+
+def _torch_stream(torch, index: int) -> int:
+    f = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if f is not None:
+        return f(index)
+    return torch.cuda.current_stream(index).cuda_stream
+
+
+def call(kernel: CUDAKernel, kind: str, inputs: Sequence[Any], out, out_shape: tuple) -> Any:
+    """Run ``kernel`` on already validated inputs (shape/dtype checked by the module).
+
+    ``kind`` is "torch", "cupy" or "numpy".  Device inputs stay where they are and the result is
+    produced on the same device, on the framework's current stream, without synchronising.
+    numpy (and CPU torch) inputs are copied in and the result copied out.
+    """
+    if not kernel._ready:
+        kernel.prepare()
+    if kind == "torch":
+        torch = sys.modules["torch"]
+        dev = inputs[0].device
+        if dev.type != "cuda":
+            host = [x.detach().contiguous().numpy() for x in inputs]
+            res = call(kernel, "numpy", host, None, out_shape)
+            if out is not None:
+                out.copy_(torch.from_numpy(res))
+                return out
+            return torch.from_numpy(res)
+        idx = dev.index if dev.index is not None else torch.cuda.current_device()
+        if idx != kernel.device_id or any(x.device != dev for x in inputs[1:]):
+            raise ValueError(f"inputs must be on cuda:{kernel.device_id} (the module's device), got "
+                             f"{[str(x.device) for x in inputs]}")
+        xs = [x if x.is_contiguous() else x.contiguous() for x in inputs]
+        if out is None:
+            out = torch.empty(out_shape, dtype=torch.float32, device=dev)
+        elif not (isinstance(out, torch.Tensor) and tuple(out.shape) == tuple(out_shape)
+                  and out.dtype == torch.float32 and out.device == dev and out.is_contiguous()):
+            raise ValueError(f"out must be a contiguous float32 tensor of shape {tuple(out_shape)} on {dev}")
+        kernel.run("torch", xs, out, _torch_stream(torch, idx))
+        return out
+    if kind == "cupy":
+        import cupy
+
+        if any(x.device.id != kernel.device_id for x in inputs):
+            raise ValueError(f"inputs must be on device {kernel.device_id} (the module's device)")
+        xs = [x if x.flags.c_contiguous else cupy.ascontiguousarray(x) for x in inputs]
+        if out is None:
+            out = cupy.empty(out_shape, dtype=cupy.float32)
+        elif not (isinstance(out, cupy.ndarray) and tuple(out.shape) == tuple(out_shape)
+                  and out.dtype == cupy.float32 and out.flags.c_contiguous and out.device.id == kernel.device_id):
+            raise ValueError(f"out must be a C-contiguous float32 cupy array of shape {tuple(out_shape)}")
+        kernel.run("cupy", xs, out, cupy.cuda.get_current_stream().ptr)
+        return out
+    if kind == "numpy":
+        import cupy
+
+        with cupy.cuda.Device(kernel.device_id):
+            xs = [cupy.asarray(np.ascontiguousarray(x, dtype=np.float32)) for x in inputs]
+            dout = cupy.empty(out_shape, dtype=cupy.float32)
+            kernel.run("cupy", xs, dout, cupy.cuda.get_current_stream().ptr)
+            res = cupy.asnumpy(dout)
+        if out is not None:
+            if not (isinstance(out, np.ndarray) and out.shape == tuple(out_shape) and out.dtype == np.float32):
+                raise ValueError(f"out must be a float32 numpy array of shape {tuple(out_shape)}")
+            out[...] = res
+            return out
+        return res
+    raise TypeError(f"unsupported array kind {kind!r}")
+
+
+def current_device() -> int:
+    import cupy
+
+    return cupy.cuda.runtime.getDevice()
+
+
+def check_arch(built_arch: int, device: int) -> bool:
+    """Whether a binary with SASS + PTX for ``built_arch`` runs on ``device`` (same major, not
+    older; a newer major runs the PTX through the driver's JIT)."""
+    arch = _device_arch(device)
+    return arch >= built_arch and (arch // 10 == built_arch // 10 or arch // 10 > built_arch // 10)
+
+
+def meta_json(d: Mapping[str, Any]) -> dict:
+    return {k: (v.item() if isinstance(v, np.generic) else v) for k, v in d.items()}
