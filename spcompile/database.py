@@ -1,0 +1,488 @@
+"""The tuning database: Optuna storage URL handling and the best-config records.
+
+One database URL (any SQLAlchemy / Optuna RDB URL: SQLite, PostgreSQL, MySQL) holds both
+
+* Optuna's tables (the studies: every trial the tuner ran, shared by concurrent workers), and
+* the table ``spcompile_records``: per workload, target, objective and template version, the
+  best configuration measured (decisions only: pipeline + options, template + params), with
+  its kernel / preprocessing times and the baseline's time.
+
+Default location (:func:`default_storage_url`): the environment variable
+``SPCOMPILE_TUNING_DB`` (an URL, or a file path for SQLite); else ``tuning_logs/spcompile.db``
+beside the package when running from a source checkout; else ``~/.cache/spcompile/spcompile.db``.
+
+Records are keyed by the workload digest (op, reduce, shape, nnz, dtype, K, sparsity-pattern
+hash) and the target digest (device name / arch, library versions, spcompile version).  A
+record whose template or pass sources changed since it was measured is *invalid*: lookups skip
+it (they never crash on it) and the tuner may store a new one beside it.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import inspect
+import json
+import math
+import os
+import threading
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping
+
+from . import __version__
+from .ir import WorkloadKey
+from .module import Config
+
+__all__ = ["default_storage_url", "normalize_url", "target_key", "target_digest", "Record", "Database",
+           "open_database", "optuna_storage", "config_digest", "pass_hashes", "ENV_VAR"]
+
+ENV_VAR = "SPCOMPILE_TUNING_DB"
+TABLE = "spcompile_records"
+
+
+# -- locations ------------------------------------------------------------------------------
+def _checkout_dir() -> str | None:
+    """The source checkout containing the package (where pyproject.toml sits), if any."""
+    pkg = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(pkg)
+    return root if os.path.isfile(os.path.join(root, "pyproject.toml")) else None
+
+
+def default_storage_path() -> str:
+    """Where the embedded SQLite database lives when ``SPCOMPILE_TUNING_DB`` is unset."""
+    root = _checkout_dir()
+    if root is not None:
+        return os.path.join(root, "tuning_logs", "spcompile.db")
+    return os.path.join(os.path.expanduser("~"), ".cache", "spcompile", "spcompile.db")
+
+
+def normalize_url(storage: str | os.PathLike | None) -> str:
+    """An SQLAlchemy URL from an URL, a file path (SQLite) or None (the default)."""
+    if storage is None:
+        storage = os.environ.get(ENV_VAR) or default_storage_path()
+    storage = os.fspath(storage)
+    if "://" in storage:
+        return storage
+    return "sqlite:///" + os.path.abspath(os.path.expanduser(storage))
+
+
+def default_storage_url() -> str:
+    return normalize_url(None)
+
+
+def sqlite_path(url: str) -> str | None:
+    """The file of an SQLite URL (None for other backends or in-memory SQLite)."""
+    if not url.startswith("sqlite:///"):
+        return None
+    p = url[len("sqlite:///"):]
+    return None if p in ("", ":memory:") else p
+
+
+def _engine_kwargs(url: str) -> dict:
+    if url.startswith("sqlite"):
+        # concurrent workers on one file wait for the lock instead of failing at once
+        return {"connect_args": {"timeout": 120}}
+    return {"pool_pre_ping": True}
+
+
+# -- target keys ----------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def _cpu_target() -> dict:
+    from .module import _tvm_version
+    from .runtime import cpu as rt
+
+    import platform
+
+    return {"target": "cpu", "device": rt.host_cpu_name() or platform.processor() or platform.machine(),
+            "machine": platform.machine(), "threads": int(os.environ.get("TVM_NUM_THREADS") or os.cpu_count() or 1),
+            "tvm": _tvm_version(), "spcompile": __version__}
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_target() -> dict:
+    d = {"target": "cuda", "spcompile": __version__}
+    try:
+        import cupy
+
+        dev = cupy.cuda.Device()
+        props = cupy.cuda.runtime.getDeviceProperties(dev.id)
+        name = props["name"]
+        d.update(device=name.decode() if isinstance(name, bytes) else str(name),
+                 arch=f"sm_{props['major']}{props['minor']}",
+                 cuda_runtime=cupy.cuda.runtime.runtimeGetVersion(), cupy=cupy.__version__)
+    except Exception as e:  # no GPU: the key still differs from every real device's
+        d.update(device="unavailable", error=type(e).__name__)
+    try:
+        from .module import _tvm_version
+
+        d["tvm"] = _tvm_version()
+    except Exception:
+        pass
+    return d
+
+
+def target_key(target: str) -> dict:
+    """What a measurement depends on besides the workload: device, arch and library versions.
+    Template and pass source hashes are checked per record (see :class:`Record`)."""
+    if target == "cpu":
+        return dict(_cpu_target())
+    if target == "cuda":
+        return dict(_cuda_target())
+    raise ValueError(f"unknown target {target!r}")
+
+
+def _digest(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+
+def target_digest(target: str | Mapping) -> str:
+    return _digest(target_key(target) if isinstance(target, str) else dict(target))
+
+
+def config_digest(config: Config) -> str:
+    return _digest(config.to_dict())
+
+
+def pass_hashes(pipeline: Iterable[Mapping]) -> dict[str, str]:
+    """Source hash of every pass a pipeline names (a changed pass invalidates its records)."""
+    from .passes.base import get_pass
+
+    out = {}
+    for p in pipeline:
+        name = p["name"]
+        try:
+            cls = type(get_pass(name))
+            try:
+                src = inspect.getsource(inspect.getmodule(cls))
+            except (OSError, TypeError):
+                src = repr(cls)
+            src += inspect.getsource(cls.func) if getattr(cls, "func", None) is not None and \
+                hasattr(cls.func, "__code__") else ""
+            out[name] = hashlib.sha256(src.encode()).hexdigest()[:16]
+        except Exception:
+            out[name] = "unknown"
+    return out
+
+
+def template_hash(name: str) -> str | None:
+    from .schedules import get_template
+
+    try:
+        tpl = get_template(name)
+    except ValueError:
+        return None
+    return f"{tpl.version}:{tpl.source_hash()}"
+
+
+# -- records --------------------------------------------------------------------------------
+@dataclass
+class Record:
+    """The best measured configuration of one template version for a workload on a target."""
+
+    workload_digest: str
+    target_digest: str
+    objective: str
+    config: Config
+    kernel_ms: float
+    preprocess_ms: float
+    value_ms: float
+    baseline_ms: float | None = None
+    baseline_name: str | None = None
+    workload: Mapping[str, Any] = field(default_factory=dict)
+    target: Mapping[str, Any] = field(default_factory=dict)
+    template_hash: str = ""
+    pass_hashes: Mapping[str, str] = field(default_factory=dict)
+    study_name: str | None = None
+    trial_number: int | None = None
+    created: float = 0.0
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    id: int | None = None
+
+    @property
+    def speedup(self) -> float | None:
+        if self.baseline_ms and self.kernel_ms > 0:
+            return self.baseline_ms / self.kernel_ms
+        return None
+
+    def invalid_reason(self) -> str | None:
+        """Why this record no longer applies (changed template/pass source), or None if valid."""
+        from .schedules import get_template
+
+        cur = template_hash(self.config.template)
+        if cur is None:
+            return f"template {self.config.template!r} is not registered"
+        if cur != self.template_hash:
+            return f"template {self.config.template!r} changed since it was measured"
+        if not get_template(self.config.template).available():
+            return f"template {self.config.template!r} cannot be built on this machine"
+        now = pass_hashes(self.config.pipeline)
+        for name, h in self.pass_hashes.items():
+            if now.get(name) != h:
+                return f"pass {name!r} changed since it was measured"
+        return None
+
+    @property
+    def valid(self) -> bool:
+        return self.invalid_reason() is None
+
+    def to_dict(self) -> dict:
+        return {"workload_digest": self.workload_digest, "target_digest": self.target_digest,
+                "objective": self.objective, "config": self.config.to_dict(), "kernel_ms": self.kernel_ms,
+                "preprocess_ms": self.preprocess_ms, "value_ms": self.value_ms, "baseline_ms": self.baseline_ms,
+                "baseline_name": self.baseline_name, "workload": dict(self.workload), "target": dict(self.target),
+                "template_hash": self.template_hash, "pass_hashes": dict(self.pass_hashes),
+                "study_name": self.study_name, "trial_number": self.trial_number, "created": self.created,
+                "extra": dict(self.extra)}
+
+
+def _feature_vector(workload: Mapping) -> dict[str, float]:
+    f = dict(workload.get("features") or {})
+    f["K"] = float(workload.get("K", 0))
+    return f
+
+
+def feature_distance(a: Mapping, b: Mapping) -> float:
+    """Distance of two workloads (``WorkloadKey.to_dict()``): log-scaled sizes, raw fractions."""
+    fa, fb = _feature_vector(a), _feature_vector(b)
+    d = 0.0
+    for k in sorted(set(fa) & set(fb)):
+        x, y = float(fa[k]), float(fb[k])
+        if k in ("density", "empty_rows", "bandwidth"):
+            # fractions in [0, 1]: compare on a log scale of their own, clipped
+            x, y = math.log10(max(x, 1e-9)), math.log10(max(y, 1e-9))
+            w = 0.25
+        else:
+            x, y = math.log2(1.0 + max(x, 0.0)), math.log2(1.0 + max(y, 0.0))
+            w = 2.0 if k == "K" else 1.0
+        d += w * (x - y) ** 2
+    return math.sqrt(d)
+
+
+class Database:
+    """The best-config records (and the Optuna storage) behind one SQLAlchemy URL."""
+
+    def __init__(self, storage: str | os.PathLike | None = None):
+        import sqlalchemy as sa
+
+        self.url = normalize_url(storage)
+        path = sqlite_path(self.url)
+        if path is not None:
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        self.engine = sa.create_engine(self.url, **_engine_kwargs(self.url))
+        if self.url.startswith("sqlite"):
+            # take the write lock at BEGIN so that read-compare-write is atomic across processes
+            @sa.event.listens_for(self.engine, "connect")
+            def _connect(dbapi_conn, _rec):
+                dbapi_conn.isolation_level = None
+
+            @sa.event.listens_for(self.engine, "begin")
+            def _begin(conn):
+                conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+        md = sa.MetaData()
+        self.table = sa.Table(
+            TABLE, md,
+            sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+            sa.Column("workload_digest", sa.String(64), nullable=False),
+            sa.Column("target_digest", sa.String(64), nullable=False),
+            sa.Column("objective", sa.String(64), nullable=False),
+            sa.Column("template", sa.String(128), nullable=False),
+            sa.Column("template_hash", sa.String(128), nullable=False),
+            sa.Column("op", sa.String(16)), sa.Column("reduce", sa.String(16)), sa.Column("K", sa.Integer),
+            sa.Column("rows", sa.BigInteger), sa.Column("cols", sa.BigInteger), sa.Column("nnz", sa.BigInteger),
+            sa.Column("workload", sa.Text), sa.Column("target", sa.Text), sa.Column("config", sa.Text),
+            sa.Column("pass_hashes", sa.Text),
+            sa.Column("kernel_ms", sa.Float), sa.Column("preprocess_ms", sa.Float),
+            sa.Column("value_ms", sa.Float, nullable=False),
+            sa.Column("baseline_ms", sa.Float), sa.Column("baseline_name", sa.String(256)),
+            sa.Column("study_name", sa.String(256)), sa.Column("trial_number", sa.Integer),
+            sa.Column("spcompile_version", sa.String(32)), sa.Column("created", sa.Float),
+            sa.Column("extra", sa.Text),
+            sa.UniqueConstraint("workload_digest", "target_digest", "objective", "template", "template_hash",
+                                name="uq_spcompile_record"),
+            sa.Index("ix_spcompile_records_lookup", "workload_digest", "target_digest"),
+        )
+        for _ in range(5):  # concurrent first-time creation may race
+            try:
+                md.create_all(self.engine, checkfirst=True)
+                break
+            except sa.exc.OperationalError:
+                time.sleep(0.2)
+            except sa.exc.ProgrammingError:  # another process created it meanwhile (PostgreSQL)
+                time.sleep(0.2)
+        self._sa = sa
+
+    def close(self):
+        self.engine.dispose()
+
+    # -- rows <-> records ----------------------------------------------------------------------
+    def _to_record(self, row) -> Record:
+        m = row._mapping
+        return Record(workload_digest=m["workload_digest"], target_digest=m["target_digest"],
+                      objective=m["objective"], config=Config.from_dict(json.loads(m["config"])),
+                      kernel_ms=m["kernel_ms"], preprocess_ms=m["preprocess_ms"], value_ms=m["value_ms"],
+                      baseline_ms=m["baseline_ms"], baseline_name=m["baseline_name"],
+                      workload=json.loads(m["workload"] or "{}"), target=json.loads(m["target"] or "{}"),
+                      template_hash=m["template_hash"], pass_hashes=json.loads(m["pass_hashes"] or "{}"),
+                      study_name=m["study_name"], trial_number=m["trial_number"], created=m["created"] or 0.0,
+                      extra=json.loads(m["extra"] or "{}"), id=m["id"])
+
+    def _values(self, rec: Record) -> dict:
+        w = rec.workload
+        return {"workload_digest": rec.workload_digest, "target_digest": rec.target_digest,
+                "objective": rec.objective, "template": rec.config.template, "template_hash": rec.template_hash,
+                "op": w.get("op"), "reduce": w.get("reduce"), "K": w.get("K"), "rows": w.get("rows"),
+                "cols": w.get("cols"), "nnz": w.get("nnz"),
+                "workload": json.dumps(dict(w), sort_keys=True), "target": json.dumps(dict(rec.target), sort_keys=True),
+                "config": json.dumps(rec.config.to_dict(), sort_keys=True),
+                "pass_hashes": json.dumps(dict(rec.pass_hashes), sort_keys=True),
+                "kernel_ms": float(rec.kernel_ms), "preprocess_ms": float(rec.preprocess_ms),
+                "value_ms": float(rec.value_ms),
+                "baseline_ms": None if rec.baseline_ms is None else float(rec.baseline_ms),
+                "baseline_name": rec.baseline_name, "study_name": rec.study_name,
+                "trial_number": rec.trial_number, "spcompile_version": __version__,
+                "created": rec.created or time.time(), "extra": json.dumps(dict(rec.extra), sort_keys=True, default=str)}
+
+    # -- writing -------------------------------------------------------------------------------
+    def save_if_better(self, rec: Record) -> bool:
+        """Store ``rec`` unless a record of the same template version measured at least as good
+        exists.  Atomic under concurrent writers (row lock / SQLite write lock + unique key).
+        Returns whether ``rec`` was stored."""
+        sa = self._sa
+        t = self.table
+        if not (rec.value_ms > 0 and math.isfinite(rec.value_ms)):
+            raise ValueError(f"a record needs a positive finite time, got {rec.value_ms}")
+        vals = self._values(rec)
+        key = [t.c.workload_digest == rec.workload_digest, t.c.target_digest == rec.target_digest,
+               t.c.objective == rec.objective, t.c.template == rec.config.template,
+               t.c.template_hash == rec.template_hash]
+        for attempt in range(20):
+            try:
+                with self.engine.begin() as conn:
+                    row = conn.execute(sa.select(t.c.id, t.c.value_ms).where(*key).with_for_update()).first()
+                    if row is None:
+                        conn.execute(t.insert().values(**vals))
+                        return True
+                    if row.value_ms <= rec.value_ms:
+                        return False
+                    conn.execute(t.update().where(t.c.id == row.id).values(**vals))
+                    return True
+            except sa.exc.IntegrityError:  # a concurrent writer inserted the key first: compare again
+                continue
+            except sa.exc.OperationalError as e:  # SQLite busy beyond its timeout, PG serialization
+                if attempt == 19:
+                    raise
+                time.sleep(0.05 * (attempt + 1))
+                last = e  # noqa: F841
+        return False
+
+    def delete(self, workload_digest: str | None = None) -> int:
+        t = self.table
+        with self.engine.begin() as conn:
+            q = t.delete()
+            if workload_digest is not None:
+                q = q.where(t.c.workload_digest == workload_digest)
+            return conn.execute(q).rowcount
+
+    # -- reading -------------------------------------------------------------------------------
+    def records(self, workload_digest: str | None = None, target_digest: str | None = None,
+                objective: str | None = None, op: str | None = None) -> list[Record]:
+        sa = self._sa
+        t = self.table
+        q = sa.select(t)
+        if workload_digest is not None:
+            q = q.where(t.c.workload_digest == workload_digest)
+        if target_digest is not None:
+            q = q.where(t.c.target_digest == target_digest)
+        if objective is not None:
+            q = q.where(t.c.objective == objective)
+        if op is not None:
+            q = q.where(t.c.op == op)
+        with self.engine.connect() as conn:
+            rows = conn.execute(q.order_by(t.c.value_ms)).fetchall()
+        return [self._to_record(r) for r in rows]
+
+    def lookup(self, key: WorkloadKey, target: str | Mapping, objective: str = "kernel_time") -> Record | None:
+        """The best *valid* record for this workload and target (None on a miss)."""
+        for rec in self.records(key.digest(), target_digest(target), objective):
+            if rec.valid:
+                return rec
+        return None
+
+    def best_records(self, *, include_invalid: bool = False, target: str | Mapping | None = None) -> list[Record]:
+        """Per (workload, target, objective) the best record (valid ones first)."""
+        recs = self.records(target_digest=None if target is None else target_digest(target))
+        best: dict[tuple, Record] = {}
+        for r in recs:  # sorted by value
+            k = (r.workload_digest, r.target_digest, r.objective)
+            if k in best:
+                continue
+            if include_invalid or r.valid:
+                best[k] = r
+        return sorted(best.values(), key=lambda r: (r.workload.get("op") or "", r.workload.get("rows") or 0,
+                                                    r.workload.get("K") or 0))
+
+    def similar(self, key: WorkloadKey, target: str | Mapping, objective: str = "kernel_time",
+                k: int = 3) -> list[tuple[float, Record]]:
+        """Best valid records of the ``k`` most similar *other* workloads (same op and reduce)."""
+        tdig = target_digest(target)
+        mine = key.to_dict()
+        own = key.digest()
+        per_workload: dict[str, Record] = {}
+        for r in self.records(target_digest=tdig, objective=objective, op=key.op):
+            if r.workload_digest == own or r.workload.get("reduce") != key.reduce or r.workload_digest in per_workload:
+                continue
+            if r.valid:
+                per_workload[r.workload_digest] = r
+        scored = sorted(((feature_distance(mine, r.workload), r) for r in per_workload.values()),
+                        key=lambda x: x[0])
+        return scored[:k]
+
+
+# -- shared handles -------------------------------------------------------------------------
+_DBS: dict[str, Database] = {}
+_STORAGES: dict[tuple, Any] = {}
+_HANDLE_LOCK = threading.Lock()
+
+
+def open_database(storage: str | os.PathLike | None = None) -> Database:
+    """A (per-process cached) :class:`Database` for ``storage``."""
+    url = normalize_url(storage)
+    with _HANDLE_LOCK:
+        db = _DBS.get((url, os.getpid()))
+        if db is None:
+            db = _DBS[(url, os.getpid())] = Database(url)
+        return db
+
+
+def optuna_storage(storage: str | os.PathLike | None = None, heartbeat_interval: int | None = 10,
+                   grace_period: int | None = 30):
+    """The Optuna RDB storage for ``storage`` with heartbeats (killed workers' trials go stale and
+    are failed by the surviving workers)."""
+    import optuna
+
+    url = normalize_url(storage)
+    k = (url, heartbeat_interval, grace_period, os.getpid())
+    with _HANDLE_LOCK:
+        st = _STORAGES.get(k)
+        if st is None:
+            path = sqlite_path(url)
+            if path is not None:
+                os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+            last = None
+            for _ in range(10):  # concurrent first-time schema creation may race
+                try:
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                        st = optuna.storages.RDBStorage(url, engine_kwargs=_engine_kwargs(url),
+                                                        heartbeat_interval=heartbeat_interval,
+                                                        grace_period=grace_period)
+                    break
+                except Exception as e:  # noqa: BLE001
+                    last = e
+                    time.sleep(0.3)
+            if st is None:
+                raise last
+            _STORAGES[k] = st
+        return st

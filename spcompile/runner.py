@@ -1,0 +1,389 @@
+"""Runners: build a configuration, check it against the float64 reference, then time it.
+
+Protocol (what the tuner needs; tests inject fakes)::
+
+    runner.measure(op, config, *, timeout=None, prune_above=None) -> MeasureResult
+    runner.baseline(op) -> MeasureResult          # .name says what was measured
+
+Measurement rules: the result is checked (output poisoned with NaN first) before any timing
+counts; warm-up calls; the median of repeats; inputs rotated over several sets (and on CUDA
+the L2 cache flushed) so that a small graph does not time the cache; preprocessing (the pass
+pipeline) timed separately from the kernel.  A compile error, launch error, timeout or wrong
+result gives ``MeasureResult(ok=False, status=..., error=...)`` — never an exception.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from . import reference
+from .ir import SparseModule, SparseOp
+from .module import CompiledModule, Config
+
+__all__ = ["MeasureResult", "Runner", "CPURunner", "CUDARunner", "make_runner", "build_timed", "make_inputs"]
+
+#: result statuses
+OK, PRUNED, COMPILE_ERROR, RUN_ERROR, WRONG_RESULT, TIMEOUT = (
+    "ok", "pruned", "compile_error", "run_error", "wrong_result", "timeout")
+
+
+@dataclass
+class MeasureResult:
+    """One measurement: ``ok`` with kernel seconds (median per call), or a failure ``status``
+    ("compile_error", "run_error", "wrong_result", "timeout") with its ``error`` text.
+    ``status == "pruned"`` means timing was cut short because the config was clearly slow;
+    ``kernel_s`` is then the estimate that showed it."""
+
+    status: str
+    kernel_s: float = math.inf
+    preprocess_s: float = 0.0
+    compile_s: float = 0.0
+    rel_error: float | None = None
+    error: str = ""
+    samples: list = field(default_factory=list)
+    name: str = ""
+    config: Config | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == OK
+
+    def to_dict(self) -> dict:
+        return {"status": self.status, "kernel_ms": self.kernel_s * 1e3 if math.isfinite(self.kernel_s) else None,
+                "preprocess_ms": self.preprocess_s * 1e3, "compile_ms": self.compile_s * 1e3,
+                "rel_error": self.rel_error, "error": self.error[-2000:], "name": self.name}
+
+
+class Runner(Protocol):
+    target: str
+
+    def measure(self, op: SparseOp, config: Config, *, timeout: float | None = None,
+                prune_above: float | None = None) -> MeasureResult: ...
+
+    def baseline(self, op: SparseOp) -> MeasureResult: ...
+
+
+class _Timeout(Exception):
+    pass
+
+
+class _Pruned(Exception):
+    def __init__(self, estimate: float):
+        self.estimate = estimate
+
+
+def make_inputs(op: SparseOp, n_sets: int, seed: int = 0) -> list[tuple[np.ndarray, ...]]:
+    """``n_sets`` independent random float32 input tuples for ``op``."""
+    rng = np.random.default_rng(seed)
+    return [tuple(rng.standard_normal(s, dtype=np.float32) for s in op.input_shapes) for _ in range(n_sets)]
+
+
+def build_timed(op: SparseOp, config: Config) -> tuple[CompiledModule, float, float]:
+    """Replay ``config`` like :func:`spcompile.compiler.build_from_config`, timing the pass
+    pipeline (preprocessing) and the template build (compilation) separately."""
+    from .ir import values_hash
+    from .passes import Pipeline
+    from .schedules import get_template
+
+    tpl = get_template(config.template)
+    if tpl.target != config.target:
+        raise ValueError(f"template {tpl.name!r} is for target {tpl.target!r}, not {config.target!r}")
+    if not tpl.available():
+        raise RuntimeError(f"template {tpl.name!r} cannot be built on this machine")
+    pipeline = Pipeline(config.pipeline)
+    t0 = time.perf_counter()
+    mod = pipeline(SparseModule.from_op(op))
+    t1 = time.perf_counter()
+    if not tpl.supports(mod):
+        raise ValueError(f"template {tpl.name!r} does not support this op after pipeline "
+                         f"{[p['name'] for p in pipeline.spec()]}")
+    params = tpl.check_params(mod, config.params)
+    kernel = tpl.build(mod, params)
+    t2 = time.perf_counter()
+    cfg = Config(tpl.name, params, tuple(pipeline.spec()), config.target, tpl.format)
+    cm = CompiledModule(op.key(), cfg, kernel, [r.to_dict() for r in mod.log], values_hash(op.A))
+    return cm, t1 - t0, t2 - t1
+
+
+def _short_error(e: BaseException) -> str:
+    tb = traceback.format_exception_only(type(e), e)
+    return "".join(tb).strip()[-2000:]
+
+
+class _BaseRunner:
+    """Shared flow: run the measurement in a worker thread with a deadline; failures as data."""
+
+    target = "cpu"
+
+    def __init__(self, *, warmup: int = 2, repeats: int = 7, n_input_sets: int = 3, min_repeat_s: float = 2e-3,
+                 max_number: int = 1000, rtol: float | None = None, seed: int = 0, prune_factor: float = 3.0,
+                 default_timeout: float | None = 120.0):
+        self.warmup = max(0, int(warmup))
+        self.repeats = max(1, int(repeats))
+        self.n_input_sets = max(3, int(n_input_sets))
+        self.min_repeat_s = float(min_repeat_s)
+        self.max_number = max(1, int(max_number))
+        self.rtol = rtol
+        self.seed = seed
+        self.prune_factor = prune_factor
+        self.default_timeout = default_timeout
+        self._cache: dict[int, tuple] = {}  # id(op) -> (op, inputs, refs)
+
+    # inputs and references are made once per op (float64 reference of every set)
+    def _data(self, op: SparseOp):
+        hit = self._cache.get(id(op))
+        if hit is not None and hit[0] is op:
+            return hit[1], hit[2]
+        inputs = make_inputs(op, self.n_input_sets, self.seed)
+        refs = [reference.run(op.op, op.reduce, op.A, *ins) for ins in inputs[:2]]
+        if len(self._cache) > 8:
+            self._cache.clear()
+        self._cache[id(op)] = (op, inputs, refs)
+        return inputs, refs
+
+    def _tol(self, op: SparseOp) -> float:
+        return self.rtol if self.rtol is not None else reference.tolerance(op.dtype)
+
+    def measure(self, op: SparseOp, config: Config, *, timeout: float | None = None,
+                prune_above: float | None = None) -> MeasureResult:
+        timeout = self.default_timeout if timeout is None else timeout
+        deadline = None if timeout is None else time.perf_counter() + timeout
+        box: dict[str, Any] = {}
+        cancel = threading.Event()
+
+        def work():
+            try:
+                box["res"] = self._measure(op, config, deadline, prune_above, cancel)
+            except BaseException as e:  # noqa: BLE001 - failures are data
+                box["res"] = MeasureResult(RUN_ERROR, error=_short_error(e), config=config)
+
+        th = threading.Thread(target=work, name="spcompile-measure", daemon=True)
+        th.start()
+        try:
+            th.join(None if timeout is None else timeout + 1.0)
+        except BaseException:
+            cancel.set()
+            raise
+        if th.is_alive():  # a hung compile or kernel: give up on it, the search goes on
+            cancel.set()
+            return MeasureResult(TIMEOUT, error=f"no result within {timeout:.1f} s", config=config)
+        return box["res"]
+
+    def _check_deadline(self, deadline, cancel):
+        if cancel.is_set() or (deadline is not None and time.perf_counter() > deadline):
+            raise _Timeout()
+
+    def _measure(self, op, config, deadline, prune_above, cancel) -> MeasureResult:
+        try:
+            cm, pre_s, comp_s = build_timed(op, config)
+        except BaseException as e:  # noqa: BLE001
+            return MeasureResult(COMPILE_ERROR, error=_short_error(e), config=config)
+        base = dict(preprocess_s=pre_s, compile_s=comp_s, config=cm.config)
+        try:
+            self._check_deadline(deadline, cancel)
+            err = self._check(op, cm)
+            if not (err <= self._tol(op)):
+                return MeasureResult(WRONG_RESULT, rel_error=err, error=f"relative error {err:.3g} > "
+                                     f"tolerance {self._tol(op):.1g}", **base)
+            samples = self._time(op, cm, deadline, prune_above, cancel)
+        except _Timeout:
+            return MeasureResult(TIMEOUT, error="measurement ran past the trial's time limit", **base)
+        except _Pruned as p:
+            return MeasureResult(PRUNED, kernel_s=p.estimate, rel_error=err, **base)
+        except BaseException as e:  # noqa: BLE001
+            return MeasureResult(RUN_ERROR, error=_short_error(e), **base)
+        return MeasureResult(OK, kernel_s=float(statistics.median(samples)), rel_error=err, samples=samples, **base)
+
+    def _check(self, op, cm) -> float:
+        raise NotImplementedError
+
+    def _time(self, op, cm, deadline, prune_above, cancel) -> list[float]:
+        raise NotImplementedError
+
+
+class CPURunner(_BaseRunner):
+    """Host runner: numpy inputs, ``time.perf_counter``, warm-up, median of repeats, each
+    repeat a calibrated number of calls rotating over >= 3 input sets."""
+
+    target = "cpu"
+
+    def _check(self, op, cm) -> float:
+        inputs, refs = self._data(op)
+        worst = 0.0
+        for ins, ref in zip(inputs, refs):
+            out = np.full(op.output_shape, np.nan, dtype=np.float32)  # poisoned: unwritten entries fail
+            cm.kernel(*ins, out=out)
+            worst = max(worst, reference.rel_error(out, ref))
+        return worst
+
+    def _time(self, op, cm, deadline, prune_above, cancel) -> list[float]:
+        inputs, _ = self._data(op)
+        outs = [np.empty(op.output_shape, dtype=np.float32) for _ in inputs]
+        fn = cm.kernel
+        n = len(inputs)
+        for i in range(self.warmup):
+            fn(*inputs[i % n], out=outs[i % n])
+        t0 = time.perf_counter()
+        fn(*inputs[0], out=outs[0])
+        one = time.perf_counter() - t0
+        if prune_above is not None and one > self.prune_factor * prune_above:
+            raise _Pruned(one)
+        number = int(min(self.max_number, max(1, math.ceil(self.min_repeat_s / max(one, 1e-9)))))
+        samples = []
+        for r in range(self.repeats):
+            self._check_deadline(deadline, cancel)
+            t0 = time.perf_counter()
+            for j in range(number):
+                k = (r * number + j) % n
+                fn(*inputs[k], out=outs[k])
+            samples.append((time.perf_counter() - t0) / number)
+            if r == 1 and prune_above is not None and min(samples) > self.prune_factor * prune_above:
+                raise _Pruned(min(samples))
+        return samples
+
+    def baseline(self, op: SparseOp) -> MeasureResult:
+        """scipy CSR @ dense for SpMM-sum (single-threaded vendor-style baseline); the default
+        heuristic config for every other op."""
+        if op.op == "spmm" and op.reduce == "sum":
+            S = op.A.to_scipy()
+            inputs, refs = self._data(op)
+            err = reference.rel_error(S @ inputs[0][0], refs[0])
+            for i in range(self.warmup):
+                S @ inputs[i % len(inputs)][0]
+            t0 = time.perf_counter()
+            S @ inputs[0][0]
+            one = time.perf_counter() - t0
+            number = int(min(self.max_number, max(1, math.ceil(self.min_repeat_s / max(one, 1e-9)))))
+            samples = []
+            for r in range(self.repeats):
+                t0 = time.perf_counter()
+                for j in range(number):
+                    S @ inputs[(r * number + j) % len(inputs)][0]
+                samples.append((time.perf_counter() - t0) / number)
+            return MeasureResult(OK, kernel_s=float(statistics.median(samples)), rel_error=err,
+                                 samples=samples, name="scipy.csr_matmul")
+        from .compiler import default_config
+
+        cfg = default_config(op, "cpu")
+        res = self.measure(op, cfg)
+        res.name = f"default:{cfg.template}"
+        return res
+
+
+class CUDARunner(_BaseRunner):
+    """GPU runner (CuPy): result checked against the float64 reference with the output poisoned
+    with NaN, then timed with CUDA events, the L2 cache flushed before every timed launch
+    (``flush_l2=True``) or, without flushing, many launches rotating over the input sets."""
+
+    target = "cuda"
+
+    def __init__(self, *, flush_l2: bool = True, repeats: int = 30, warmup: int = 3, **kw):
+        super().__init__(repeats=repeats, warmup=warmup, **kw)
+        self.flush_l2 = flush_l2
+        self._flush_buf = None
+        self._dev_cache: dict[int, tuple] = {}
+
+    def _dev_inputs(self, op):
+        import cupy as cp
+
+        hit = self._dev_cache.get(id(op))
+        if hit is not None and hit[0] is op:
+            return hit[1]
+        inputs, _ = self._data(op)
+        dev = [tuple(cp.asarray(x) for x in ins) for ins in inputs]
+        self._dev_cache = {id(op): (op, dev)}
+        return dev
+
+    def _flush(self):
+        import cupy as cp
+
+        if self._flush_buf is None:
+            try:
+                l2 = int(cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id).get("l2CacheSize", 0))
+            except Exception:
+                l2 = 0
+            self._flush_buf = cp.empty(max(2 * l2, 64 << 20) // 4, dtype=cp.float32)
+        self._flush_buf.fill(0)
+
+    def _check(self, op, cm) -> float:
+        import cupy as cp
+
+        dev = self._dev_inputs(op)
+        _, refs = self._data(op)
+        worst = 0.0
+        for ins, ref in zip(dev, refs):
+            out = cp.full(op.output_shape, cp.nan, dtype=cp.float32)
+            cm.kernel(*ins, out=out)
+            cp.cuda.runtime.deviceSynchronize()  # surfaces launch errors here
+            worst = max(worst, reference.rel_error(cp.asnumpy(out), ref))
+        return worst
+
+    def _time(self, op, cm, deadline, prune_above, cancel) -> list[float]:
+        import cupy as cp
+
+        dev = self._dev_inputs(op)
+        outs = [cp.empty(op.output_shape, dtype=cp.float32) for _ in dev]
+        fn = cm.kernel
+        n = len(dev)
+        for i in range(self.warmup):
+            fn(*dev[i % n], out=outs[i % n])
+        cp.cuda.runtime.deviceSynchronize()
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+
+        def timed(number: int, first: int) -> float:
+            if self.flush_l2:
+                self._flush()
+            start.record()
+            for j in range(number):
+                k = (first + j) % n
+                fn(*dev[k], out=outs[k])
+            end.record()
+            end.synchronize()
+            return cp.cuda.get_elapsed_time(start, end) * 1e-3 / number
+
+        one = timed(1, 0)
+        if prune_above is not None and one > self.prune_factor * prune_above:
+            raise _Pruned(one)
+        # with flushing, each sample is one cold launch; without, enough launches to fill min_repeat_s
+        number = 1 if self.flush_l2 else int(min(self.max_number, max(1, math.ceil(self.min_repeat_s / max(one, 1e-9)))))
+        samples = []
+        for r in range(self.repeats):
+            self._check_deadline(deadline, cancel)
+            samples.append(timed(number, r * number))
+        return samples
+
+    def baseline(self, op: SparseOp) -> MeasureResult:
+        """The template ``extern.cusparse`` when registered and available, else the default config."""
+        from .compiler import default_config
+        from .schedules import get_template
+
+        try:
+            tpl = get_template("extern.cusparse")
+            mod = SparseModule.from_op(op)
+            if tpl.available() and tpl.supports(mod):
+                res = self.measure(op, Config(tpl.name, tpl.default_params(mod), (), "cuda", tpl.format))
+                res.name = tpl.name
+                if res.ok:
+                    return res
+        except ValueError:
+            pass
+        cfg = default_config(op, "cuda")
+        res = self.measure(op, cfg)
+        res.name = f"default:{cfg.template}"
+        return res
+
+
+def make_runner(target: str, **kw) -> Runner:
+    if target == "cpu":
+        return CPURunner(**kw)
+    if target == "cuda":
+        return CUDARunner(**kw)
+    raise ValueError(f"no runner for target {target!r}")

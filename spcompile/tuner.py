@@ -1,0 +1,635 @@
+"""The autotuner: an Optuna ask/tell search over pipelines, templates and template parameters.
+
+The space is conditional: ``template`` (categorical, only templates that support the op and can
+be built on this machine), then ``<template>:pipeline`` (categorical over that template's pass
+pipelines, optionally behind a generic reordering), then ``<template>:<param>`` for each entry of
+the template's ``space()``.  The study is seeded (``enqueue_trial``) with every template's
+default, the papers' heuristics (``Template.seed_params``) and the best configs of the most
+similar matrices already in the database.
+
+Each trial is measured by a :mod:`~spcompile.runner` (correctness first, then timing).  Failures
+(compile error, launch error, timeout, wrong result) are told as ``FAIL`` with their reason and
+the search goes on; configs that are clearly slower than the best so far are ``PRUNED`` after a
+first timing; a config already measured is not measured again.  Successful trials are written to
+the tuning database with upsert-if-better semantics; a failed config is never stored.
+
+Budgets: ``trials`` counts the trials of the *study* that got a verdict (so a resumed or shared
+study continues where it stopped, and several workers on one storage share one budget) and
+``timeout`` bounds this call's wall time.  Workers send heartbeats; a killed worker's trial goes
+stale and is failed by the survivors, which then run the missing trials.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import threading
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+from .database import (Database, Record, config_digest, open_database, optuna_storage, pass_hashes,
+                       target_digest, target_key, template_hash)
+from .ir import SparseModule, SparseOp
+from .module import Config
+from .runner import MeasureResult, make_runner
+
+__all__ = ["Tuner", "TuneResult", "tune", "choose_config", "candidates", "objective_name", "DEFAULT_REORDERS"]
+
+#: lossless reorderings the tuner may put in front of a template's own pipeline
+DEFAULT_REORDERS = ("reorder.rcm", "reorder.degree")
+DEFAULT_TRIALS = 24
+FAIL_REASON = "fail_reason"
+INTERRUPTED = "interrupted"
+
+
+def objective_name(objective: str = "kernel_time", expected_calls: float | None = None) -> str:
+    if objective in ("kernel_time", None):
+        return "kernel_time"
+    if objective in ("amortized", "amortised"):
+        if not expected_calls or expected_calls <= 0:
+            raise ValueError("the amortized objective needs expected_calls > 0")
+        return f"amortized@{expected_calls:g}"
+    raise ValueError(f"unknown objective {objective!r}; expected 'kernel_time' or 'amortized'")
+
+
+def objective_value(res: MeasureResult, objective: str, expected_calls: float | None) -> float:
+    """Milliseconds: kernel time, or preprocessing / expected_calls + kernel time."""
+    v = res.kernel_s
+    if objective_name(objective, expected_calls) != "kernel_time":
+        v += res.preprocess_s / float(expected_calls)
+    return v * 1e3
+
+
+def _pipeline_label(spec: Sequence[Mapping]) -> str:
+    if not spec:
+        return "none"
+    return "+".join(p["name"] for p in spec)
+
+
+def candidates(op: SparseOp, target: str, reorders: Iterable[str] = DEFAULT_REORDERS) -> dict[str, dict[str, list]]:
+    """``{template: {pipeline label: pipeline spec}}`` offered for ``op`` on ``target``: templates
+    that support the op and whose toolchain is available, each with its own pipelines and those
+    pipelines behind each generic reordering."""
+    from .passes import Pipeline
+    from .passes.base import list_passes
+    from .schedules import list_templates
+
+    mod0 = SparseModule.from_op(op)
+    registered = set(list_passes())
+    reorders = [r for r in reorders if r in registered]
+    out: dict[str, dict[str, list]] = {}
+    for tpl in list_templates(target, op=op.op, reduce=op.reduce, available_only=True):
+        if (op.op, op.reduce) not in tpl.ops:
+            continue
+        try:
+            own = [Pipeline(p).spec() for p in tpl.pipelines(mod0)]
+        except Exception:  # a template naming passes that are not registered: not offered
+            continue
+        if not own:
+            continue
+        pipes: dict[str, list] = {}
+
+        def add(spec):
+            if spec in pipes.values():
+                return
+            label = _pipeline_label(spec)
+            i = 2
+            while label in pipes:
+                label = f"{_pipeline_label(spec)}#{i}"
+                i += 1
+            pipes[label] = spec
+
+        for spec in own:
+            add(spec)
+        for spec in own:
+            if spec and spec[0]["name"].startswith("reorder."):
+                continue
+            for r in reorders:
+                add(Pipeline([r]).spec() + spec)
+        if not own[0] and not tpl.supports(mod0):
+            continue
+        out[tpl.name] = pipes
+    return out
+
+
+def _suggest(trial, name: str, dist):
+    from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
+
+    if isinstance(dist, CategoricalDistribution):
+        return trial.suggest_categorical(name, list(dist.choices))
+    if isinstance(dist, IntDistribution):
+        return trial.suggest_int(name, dist.low, dist.high, step=dist.step, log=dist.log)
+    if isinstance(dist, FloatDistribution):
+        return trial.suggest_float(name, dist.low, dist.high, step=dist.step, log=dist.log)
+    raise TypeError(f"unsupported distribution for {name!r}: {dist!r}")
+
+
+def _contains(dist, value) -> bool:
+    try:
+        return bool(dist._contains(dist.to_internal_repr(value)))
+    except Exception:
+        return False
+
+
+@dataclass
+class TuneResult:
+    """Outcome of tuning one workload (also what ``spcompile tune`` tabulates)."""
+
+    key: Any
+    target: str
+    study_name: str
+    storage: str
+    objective: str
+    best_config: Config | None
+    best_value_ms: float | None
+    best_kernel_ms: float | None
+    best_preprocess_ms: float | None
+    baseline_ms: float | None
+    baseline_name: str | None
+    n_trials: int = 0
+    n_complete: int = 0
+    n_fail: int = 0
+    n_pruned: int = 0
+    n_stale: int = 0
+    interrupted: bool = False
+    stop_reason: str = ""
+    fail_reasons: dict = field(default_factory=dict)
+
+    @property
+    def speedup(self) -> float | None:
+        if self.baseline_ms and self.best_kernel_ms:
+            return self.baseline_ms / self.best_kernel_ms
+        return None
+
+    def to_dict(self) -> dict:
+        return {"workload": self.key.to_dict(), "target": self.target, "study": self.study_name,
+                "objective": self.objective,
+                "best_config": self.best_config.to_dict() if self.best_config else None,
+                "best_value_ms": self.best_value_ms, "best_kernel_ms": self.best_kernel_ms,
+                "best_preprocess_ms": self.best_preprocess_ms, "baseline_ms": self.baseline_ms,
+                "baseline_name": self.baseline_name, "speedup": self.speedup, "n_trials": self.n_trials,
+                "n_complete": self.n_complete, "n_fail": self.n_fail, "n_pruned": self.n_pruned,
+                "n_stale": self.n_stale, "interrupted": self.interrupted, "stop_reason": self.stop_reason,
+                "fail_reasons": dict(self.fail_reasons)}
+
+
+class _Heartbeat:
+    """Records a trial's heartbeat every ``interval`` seconds while it runs."""
+
+    def __init__(self, storage, trial_id: int, interval: int | None):
+        self._stop = threading.Event()
+        self._th = None
+        if interval and hasattr(storage, "record_heartbeat"):
+            storage.record_heartbeat(trial_id)
+
+            def beat():
+                while not self._stop.wait(interval):
+                    try:
+                        storage.record_heartbeat(trial_id)
+                    except Exception:  # a transient DB error must not kill the measurement
+                        pass
+
+            self._th = threading.Thread(target=beat, name="spcompile-heartbeat", daemon=True)
+            self._th.start()
+
+    def stop(self):
+        self._stop.set()
+        if self._th is not None:
+            self._th.join(timeout=5)
+
+
+class Tuner:
+    """Tunes one :class:`~spcompile.ir.SparseOp` on one target with an Optuna study.
+
+    ``runner``: measures configs (default: :func:`spcompile.runner.make_runner`); tests inject
+    fakes.  ``storage``: the tuning database (Optuna URL or SQLite path; default the embedded
+    file).  ``objective``: "kernel_time" or "amortized" (with ``expected_calls``).
+    ``similar``: how many similar matrices' best records seed the study.
+    ``callbacks``: functions called with a dict per event ("start", "trial", "end")."""
+
+    def __init__(self, op: SparseOp, target: str = "cpu", *, storage: str | None = None, runner=None,
+                 objective: str = "kernel_time", expected_calls: float | None = None, seed: int | None = None,
+                 similar: int = 3, reorders: Iterable[str] = DEFAULT_REORDERS, trial_timeout: float | None = None,
+                 heartbeat_interval: int = 10, grace_period: int = 30, prune: bool = True,
+                 callbacks: Sequence[Callable[[dict], None]] = (), study_name: str | None = None,
+                 max_duplicates: int = 30):
+        self.op = op
+        self.target = target
+        self.db: Database = open_database(storage)
+        self.storage_url = self.db.url
+        self.runner = runner if runner is not None else make_runner(target)
+        self.objective = objective_name(objective, expected_calls)
+        self.expected_calls = expected_calls
+        self.seed = seed
+        self.similar = similar
+        self.trial_timeout = trial_timeout
+        self.heartbeat_interval = heartbeat_interval
+        self.grace_period = grace_period
+        self.prune = prune
+        self.callbacks = list(callbacks)
+        self.max_duplicates = max_duplicates
+        self.key = op.key()
+        self.target_info = target_key(target)
+        self.target_digest = target_digest(self.target_info)
+        self.space = candidates(op, target, reorders)
+        if not self.space:
+            raise RuntimeError(f"no template on target {target!r} can run op={op.op!r} reduce={op.reduce!r} "
+                               "on this machine")
+        self._mod0 = SparseModule.from_op(op)
+        self._dists = {}
+        from .schedules import get_template
+
+        for t in self.space:
+            self._dists[t] = dict(get_template(t).space(self._mod0))
+        space_sig = json.dumps({t: {"pipes": p, "hash": template_hash(t),
+                                    "dists": {k: repr(d) for k, d in self._dists[t].items()}}
+                                for t, p in self.space.items()}, sort_keys=True, default=str)
+        self.space_digest = hashlib.sha256(space_sig.encode()).hexdigest()[:8]
+        red = f"-{op.reduce}" if op.reduce else ""
+        self.study_name = study_name or (f"spcompile-{op.op}{red}-K{op.K}-{self.key.digest()[:16]}-"
+                                         f"{self.target_digest[:12]}-{self.objective}-{self.space_digest}")
+        self._storage = optuna_storage(self.storage_url, heartbeat_interval, grace_period)
+        self.study = self._create_study()
+
+    # -- study ---------------------------------------------------------------------------------
+    def _create_study(self):
+        import optuna
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            sampler = optuna.samplers.TPESampler(seed=self.seed, multivariate=True, group=True,
+                                                 n_startup_trials=8, constant_liar=True)
+        for _ in range(10):  # concurrent workers may race on the creation
+            try:
+                return optuna.create_study(study_name=self.study_name, storage=self._storage, sampler=sampler,
+                                           direction="minimize", load_if_exists=True)
+            except optuna.exceptions.DuplicatedStudyError:
+                time.sleep(0.2)
+        return optuna.load_study(study_name=self.study_name, storage=self._storage, sampler=sampler)
+
+    def _emit(self, **event):
+        for cb in self.callbacks:
+            cb(event)
+
+    # -- configs <-> trial params ----------------------------------------------------------------
+    def config_from_trial(self, trial) -> Config:
+        from .schedules import get_template
+
+        tname = trial.suggest_categorical("template", sorted(self.space))
+        tpl = get_template(tname)
+        pipes = self.space[tname]
+        label = trial.suggest_categorical(f"{tname}:pipeline", list(pipes))
+        params = dict(tpl.default_params(self._mod0))
+        for pname, dist in self._dists[tname].items():
+            params[pname] = _suggest(trial, f"{tname}:{pname}", dist)
+        return Config(tname, params, tuple(pipes[label]), self.target, tpl.format)
+
+    def params_from_config(self, cfg: Config) -> dict | None:
+        """Optuna params (for ``enqueue_trial``) reproducing ``cfg``; None if outside the space."""
+        from .passes import Pipeline
+
+        if cfg.template not in self.space or cfg.target != self.target:
+            return None
+        try:
+            spec = Pipeline(cfg.pipeline).spec()
+        except Exception:
+            return None
+        label = next((lab for lab, p in self.space[cfg.template].items() if p == spec), None)
+        if label is None:
+            return None
+        out = {"template": cfg.template, f"{cfg.template}:pipeline": label}
+        for pname, dist in self._dists[cfg.template].items():
+            if pname in cfg.params and _contains(dist, cfg.params[pname]):
+                out[f"{cfg.template}:{pname}"] = cfg.params[pname]
+        return out
+
+    def seed_configs(self) -> list[tuple[str, Config]]:
+        """Known-good starting points: defaults, the papers' heuristics, similar matrices' bests."""
+        from .passes import Pipeline
+        from .schedules import get_template
+
+        seeds: list[tuple[str, Config]] = []
+        for tname, pipes in self.space.items():
+            tpl = get_template(tname)
+            own = next(iter(pipes.values()))
+            seeds.append(("default", Config(tname, tpl.default_params(self._mod0), tuple(own), self.target,
+                                            tpl.format)))
+            mod = self._mod0
+            if own:  # heuristics may need the format data the template's pipeline produces
+                try:
+                    mod = Pipeline(own)(self._mod0)
+                except Exception:
+                    mod = self._mod0
+            try:
+                heur = tpl.seed_params(mod)
+            except Exception:
+                heur = []
+            for p in heur:
+                seeds.append(("heuristic", Config(tname, {**tpl.default_params(self._mod0), **dict(p)},
+                                                  tuple(own), self.target, tpl.format)))
+        if self.similar:
+            try:
+                for dist, rec in self.db.similar(self.key, self.target_info, self.objective, self.similar):
+                    seeds.append((f"similar:{rec.workload_digest[:12]}", rec.config))
+            except Exception:
+                pass
+        return seeds
+
+    def _enqueue_seeds(self):
+        if self.study.user_attrs.get("seeded"):
+            return
+        seen = []
+        for source, cfg in self.seed_configs():
+            params = self.params_from_config(cfg)
+            if params is None or params in seen:
+                continue
+            seen.append(params)
+            self.study.enqueue_trial(params, user_attrs={"seed": source}, skip_if_exists=True)
+        self.study.set_user_attr("seeded", True)
+
+    # -- the loop ------------------------------------------------------------------------------
+    def _baseline(self) -> tuple[float | None, str | None]:
+        b = self.study.user_attrs.get("baseline")
+        if b is None:
+            res = self.runner.baseline(self.op)
+            b = {"ms": res.kernel_s * 1e3 if res.ok else None, "name": res.name or "baseline",
+                 "status": res.status, "error": res.error[-500:]}
+            self.study.set_user_attr("baseline", b)
+        return b.get("ms"), b.get("name")
+
+    @staticmethod
+    def _counted(t) -> bool:
+        from optuna.trial import TrialState
+
+        if t.state == TrialState.COMPLETE:
+            return "duplicate_of" not in t.user_attrs
+        if t.state == TrialState.PRUNED:
+            return True
+        if t.state == TrialState.FAIL:  # stale trials of killed workers and interruptions don't count
+            r = t.user_attrs.get(FAIL_REASON)
+            return r is not None and r != INTERRUPTED
+        return False
+
+    def _scan(self):
+        from optuna.trial import TrialState
+
+        trials = self.study.get_trials(deepcopy=False)
+        done = sum(1 for t in trials if self._counted(t))
+        running = sum(1 for t in trials if t.state == TrialState.RUNNING)
+        measured = {}
+        best_kernel = math.inf
+        best_value = math.inf
+        for t in trials:
+            if t.state == TrialState.COMPLETE and "config_digest" in t.user_attrs:
+                measured.setdefault(t.user_attrs["config_digest"], (t.number, t.value))
+                if "duplicate_of" not in t.user_attrs:
+                    best_kernel = min(best_kernel, t.user_attrs.get("kernel_ms", math.inf))
+                    best_value = min(best_value, t.value)
+        return done, running, measured, best_kernel, best_value
+
+    def run(self, trials: int | None = None, timeout: float | None = None) -> TuneResult:
+        """Tune until the study has ``trials`` trials with a verdict or ``timeout`` seconds pass.
+        Ctrl-C stops cleanly: the trial in flight is marked failed ('interrupted') and what was
+        measured stays in the study and the database."""
+        import optuna
+        from optuna.trial import TrialState
+
+        if trials is None and timeout is None:
+            trials = DEFAULT_TRIALS
+        t_start = time.perf_counter()
+        interrupted = False
+        stop = ""
+        baseline_ms = baseline_name = None
+        try:
+            self._enqueue_seeds()
+            baseline_ms, baseline_name = self._baseline()
+            self._emit(event="start", total=trials, study=self.study_name, baseline_ms=baseline_ms,
+                       baseline_name=baseline_name, key=self.key)
+            dup_streak = 0
+            wait_since = None
+            while True:
+                if timeout is not None and time.perf_counter() - t_start >= timeout:
+                    stop = "timeout"
+                    break
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # experimental API notice
+                    optuna.storages.fail_stale_trials(self.study)
+                done, running, measured, best_kernel, best_value = self._scan()
+                if trials is not None and done >= trials:
+                    stop = "budget"
+                    break
+                if trials is not None and done + running >= trials:
+                    # the rest is in flight on other workers: wait for them (or for them to go stale)
+                    wait_since = wait_since or time.perf_counter()
+                    limit = 3 * (self.grace_period or 2 * (self.heartbeat_interval or 10)) + 10
+                    if time.perf_counter() - wait_since > limit:
+                        stop = "waiting for other workers"
+                        break
+                    time.sleep(min(1.0, self.heartbeat_interval or 1.0))
+                    continue
+                wait_since = None
+                if dup_streak >= self.max_duplicates:
+                    stop = "search space exhausted"
+                    break
+                with warnings.catch_warnings():
+                    # heartbeats are recorded by _Heartbeat below (Optuna only does so in optimize())
+                    warnings.simplefilter("ignore", UserWarning)
+                    trial = self.study.ask()
+                hb = _Heartbeat(self._storage, trial._trial_id, self.heartbeat_interval)
+                try:
+                    try:
+                        cfg = self.config_from_trial(trial)
+                    except Exception as e:  # noqa: BLE001 - a broken template space is a failed trial
+                        trial.set_user_attr(FAIL_REASON, "space_error")
+                        trial.set_user_attr("error", str(e)[-1000:])
+                        self.study.tell(trial, state=TrialState.FAIL)
+                        continue
+                    dig = config_digest(cfg)
+                    trial.set_user_attr("config_digest", dig)
+                    trial.set_user_attr("config", cfg.to_dict())
+                    if dig in measured:
+                        num, val = measured[dig]
+                        trial.set_user_attr("duplicate_of", num)
+                        self.study.tell(trial, val)
+                        dup_streak += 1
+                        self._emit(event="trial", number=trial.number, status="duplicate", value_ms=val,
+                                   best_ms=best_value, best_kernel_ms=best_kernel, baseline_ms=baseline_ms,
+                                   done=done, total=trials, counted=False)
+                        continue
+                    dup_streak = 0
+                    prune_above = (best_kernel * 1e-3 if self.prune and self.objective == "kernel_time"
+                                   and math.isfinite(best_kernel) else None)
+                    res = self.runner.measure(self.op, cfg, timeout=self.trial_timeout, prune_above=prune_above)
+                    self._tell(trial, cfg, res, baseline_ms, baseline_name)
+                    val = objective_value(res, self.objective, self.expected_calls) if res.ok else None
+                    if val is not None:
+                        best_value = min(best_value, val)
+                        best_kernel = min(best_kernel, res.kernel_s * 1e3)
+                    self._emit(event="trial", number=trial.number, status=res.status, value_ms=val,
+                               error=res.error, best_ms=best_value, best_kernel_ms=best_kernel,
+                               baseline_ms=baseline_ms, done=done + 1, total=trials, counted=True)
+                except KeyboardInterrupt:
+                    interrupted = True
+                    try:
+                        trial.set_user_attr(FAIL_REASON, INTERRUPTED)
+                        self.study.tell(trial, state=TrialState.FAIL)
+                    except Exception:
+                        pass
+                    stop = "interrupted"
+                    break
+                finally:
+                    hb.stop()
+        except KeyboardInterrupt:
+            interrupted = True
+            stop = "interrupted"
+        result = self.result(stop, interrupted)
+        self._emit(event="end", result=result)
+        return result
+
+    def _tell(self, trial, cfg: Config, res: MeasureResult, baseline_ms, baseline_name):
+        from optuna.trial import TrialState
+
+        final_cfg = res.config or cfg
+        for k, v in res.to_dict().items():
+            if v is not None and k != "name":
+                trial.set_user_attr(k, v)
+        trial.set_user_attr("config", final_cfg.to_dict())
+        if res.ok:
+            value = objective_value(res, self.objective, self.expected_calls)
+            if not (math.isfinite(value) and value > 0):
+                trial.set_user_attr(FAIL_REASON, "bad_time")
+                self.study.tell(trial, state=TrialState.FAIL)
+                return
+            self.study.tell(trial, value)
+            rec = Record(self.key.digest(), self.target_digest, self.objective, final_cfg,
+                         kernel_ms=res.kernel_s * 1e3, preprocess_ms=res.preprocess_s * 1e3, value_ms=value,
+                         baseline_ms=baseline_ms, baseline_name=baseline_name, workload=self.key.to_dict(),
+                         target=self.target_info, template_hash=template_hash(final_cfg.template) or "",
+                         pass_hashes=pass_hashes(final_cfg.pipeline), study_name=self.study_name,
+                         trial_number=trial.number, created=time.time(),
+                         extra={"compile_ms": res.compile_s * 1e3, "rel_error": res.rel_error})
+            self.db.save_if_better(rec)
+        elif res.status == "pruned":
+            if math.isfinite(res.kernel_s):
+                trial.report(res.kernel_s * 1e3, 0)
+            self.study.tell(trial, state=TrialState.PRUNED)
+        else:
+            trial.set_user_attr(FAIL_REASON, res.status)
+            self.study.tell(trial, state=TrialState.FAIL)
+
+    def result(self, stop: str = "", interrupted: bool = False) -> TuneResult:
+        """Summary of the study as it stands (best COMPLETE trial; failures never count)."""
+        from optuna.trial import TrialState
+
+        trials = self.study.get_trials(deepcopy=False)
+        best = None
+        fails: dict[str, int] = {}
+        n_stale = 0
+        for t in trials:
+            if t.state == TrialState.COMPLETE and "duplicate_of" not in t.user_attrs and "config" in t.user_attrs:
+                if best is None or t.value < best.value:
+                    best = t
+            elif t.state == TrialState.FAIL:
+                r = t.user_attrs.get(FAIL_REASON)
+                if r is None:
+                    n_stale += 1
+                else:
+                    fails[r] = fails.get(r, 0) + 1
+        b = self.study.user_attrs.get("baseline") or {}
+        return TuneResult(
+            key=self.key, target=self.target, study_name=self.study_name, storage=self.storage_url,
+            objective=self.objective,
+            best_config=Config.from_dict(best.user_attrs["config"]) if best else None,
+            best_value_ms=best.value if best else None,
+            best_kernel_ms=best.user_attrs.get("kernel_ms") if best else None,
+            best_preprocess_ms=best.user_attrs.get("preprocess_ms") if best else None,
+            baseline_ms=b.get("ms"), baseline_name=b.get("name"),
+            n_trials=sum(1 for t in trials if self._counted(t)),
+            n_complete=sum(1 for t in trials if t.state == TrialState.COMPLETE and "duplicate_of" not in t.user_attrs),
+            n_fail=sum(fails.values()), n_pruned=sum(1 for t in trials if t.state == TrialState.PRUNED),
+            n_stale=n_stale, interrupted=interrupted, stop_reason=stop, fail_reasons=fails)
+
+
+def tune(A, op: str = "spmm", K: int | Sequence[int] | None = None, reduce: str | None = None, *,
+         target: str = "auto", dtype: str = "float32", trials: int | None = None, timeout: float | None = None,
+         storage: str | None = None, **options) -> TuneResult | list[TuneResult]:
+    """Tune ``A`` for ``op`` at width ``K`` (or each width of a list) and store the best configs
+    in the tuning database.  ``options`` go to :class:`Tuner` (runner, objective, expected_calls,
+    seed, similar, trial_timeout, callbacks, ...).  Returns a :class:`TuneResult` (a list for
+    several K); a KeyboardInterrupt stops after the current workload with ``interrupted=True``."""
+    from .compiler import make_op
+    from .runtime import resolve_target
+
+    target = resolve_target(target)
+    Ks = list(K) if isinstance(K, (list, tuple)) else [K]
+    results = []
+    for k in Ks:
+        sop = make_op(A, op, k, reduce, dtype)
+        res = Tuner(sop, target, storage=storage, **options).run(trials, timeout)
+        results.append(res)
+        if res.interrupted:
+            break
+    return results if isinstance(K, (list, tuple)) else results[0]
+
+
+def choose_config(sop: SparseOp, target: str, storage: str | None = None, tune: bool = False,
+                  trials: int | None = None, timeout: float | None = None, objective: str = "kernel_time",
+                  expected_calls: float | None = None, **options) -> tuple[Config, dict]:
+    """The decision :func:`spcompile.build` replays: the database's best valid record (a hit:
+    no tuning); on a miss the default heuristics, or tuning when ``tune``/``trials``/``timeout``
+    asks for it.  Returns ``(config, info)``; ``info`` says where the decision came from."""
+    from .compiler import default_config
+    from .database import normalize_url, sqlite_path
+    import os
+
+    obj = objective_name(objective, expected_calls)
+    url = normalize_url(storage)
+    want_tune = bool(tune or trials or timeout)
+    db = None
+    path = sqlite_path(url)
+    if want_tune or path is None or os.path.exists(path):
+        try:
+            db = open_database(url)
+        except Exception as e:
+            if storage is not None or want_tune:
+                raise
+            db = None
+            db_error = str(e)
+    if db is not None:
+        try:
+            rec = db.lookup(sop.key(), target, obj)
+        except Exception as e:  # an unreadable default database must not break build()
+            if storage is not None:
+                raise
+            rec, db_error = None, str(e)
+        if rec is not None:
+            return rec.config, {"source": "database", "storage": _safe_url(url), "objective": obj,
+                                "kernel_ms": rec.kernel_ms, "preprocess_ms": rec.preprocess_ms,
+                                "baseline_ms": rec.baseline_ms, "baseline_name": rec.baseline_name,
+                                "study": rec.study_name, "trial": rec.trial_number}
+    if want_tune:
+        res = Tuner(sop, target, storage=url, objective=objective, expected_calls=expected_calls,
+                    **options).run(trials, timeout)
+        if res.best_config is not None:
+            return res.best_config, {"source": "tuned", "storage": _safe_url(url), "objective": obj,
+                                     "kernel_ms": res.best_kernel_ms, "preprocess_ms": res.best_preprocess_ms,
+                                     "baseline_ms": res.baseline_ms, "baseline_name": res.baseline_name,
+                                     "study": res.study_name, "trials": res.n_trials}
+        cfg = default_config(sop, target)
+        return cfg, {"source": "heuristic", "reason": "tuning found no working config", "objective": obj}
+    info = {"source": "heuristic", "objective": obj}
+    if db is None and "db_error" in locals():
+        info["db_error"] = db_error[-300:]
+    return default_config(sop, target), info
+
+
+def _safe_url(url: str) -> str:
+    """The URL without its password (it goes into artifacts)."""
+    try:
+        from sqlalchemy.engine import make_url
+
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:
+        return url.split("@")[-1]
