@@ -1,0 +1,140 @@
+"""Shared fixtures: random test matrices with the awkward cases (empty rows, one very long row,
+non-square), the shared graph data set, a cache of built modules and result checking."""
+from __future__ import annotations
+
+import os
+import pathlib
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+
+import spcompile
+from spcompile import reference
+from spcompile.formats import as_csr
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def graphs_dir() -> pathlib.Path:
+    """The shared graph set: $SPCOMPILE_GRAPHS, else ../shared/data/graphs beside the repo."""
+    env = os.environ.get("SPCOMPILE_GRAPHS")
+    return pathlib.Path(env) if env else REPO.parent / "shared" / "data" / "graphs"
+
+
+def load_graph(name: str) -> sp.csr_matrix:
+    d = graphs_dir()
+    if not d.is_dir():  # only where the data set is absent (never in CI)
+        pytest.skip(f"shared graph folder {d} not present")
+    path = d / f"{name}.npz"
+    assert path.is_file(), f"graph {name!r} missing from {d}"
+    return sp.load_npz(path).tocsr()
+
+
+def random_matrix(m: int, n: int, *, density: float = 0.05, seed: int = 0, empty_rows: int = 3,
+                  long_row: bool = True, dtype=np.float32) -> sp.csr_matrix:
+    """Random m x n CSR with ``empty_rows`` rows that hold nothing and (when ``long_row``) one row
+    holding every column.  Values are signed so that max/min/sum differ."""
+    rng = np.random.default_rng(seed)
+    nnz = max(1, int(density * m * n))
+    rows = rng.integers(0, m, nnz)
+    cols = rng.integers(0, n, nnz)
+    vals = rng.standard_normal(nnz)
+    long = m // 2 if long_row and m > 0 else -1
+    if long_row and m > 0:
+        rows = np.concatenate([rows, np.full(n, long)])
+        cols = np.concatenate([cols, np.arange(n)])
+        vals = np.concatenate([vals, rng.standard_normal(n)])
+    A = sp.coo_matrix((vals, (rows, cols)), shape=(m, n)).tocsr()
+    A.sum_duplicates()
+    if empty_rows and m > 2:
+        cand = np.setdiff1d(np.arange(m), [long])
+        empty = rng.choice(cand, size=min(empty_rows, cand.size), replace=False)
+        # always include the first and the last row: the edges of the row loop
+        empty = np.unique(np.concatenate([empty, [cand[0], cand[-1]]]))
+        keep = np.ones(m, bool)
+        keep[empty] = False
+        A = sp.diags(keep.astype(np.float64)) @ A
+        A = A.tocsr()
+        A.eliminate_zeros()
+    return A.astype(dtype)
+
+
+def empty_row_ids(A) -> np.ndarray:
+    return np.flatnonzero(np.diff(sp.csr_matrix(A).indptr) == 0)
+
+
+def inputs_for(op: str, shape, K: int, seed: int = 1):
+    rng = np.random.default_rng(seed)
+    m, n = shape
+    if op == "spmm":
+        return (rng.standard_normal((n, K)).astype(np.float32),)
+    return (rng.standard_normal((m, K)).astype(np.float32), rng.standard_normal((n, K)).astype(np.float32))
+
+
+def check_result(out, A, op: str, reduce, inputs, *, dtype: str = "float32"):
+    """``out`` (float32, caller's order) against the float64 scipy reference."""
+    out = np.asarray(out)
+    # the reference sees the float32 values the kernel sees, computed in float64
+    ref = reference.run(op, reduce, as_csr(A), *inputs)
+    assert out.shape == ref.shape, (out.shape, ref.shape)
+    assert out.dtype == np.float32
+    assert np.all(np.isfinite(out))
+    err = reference.rel_error(out, ref)
+    assert err <= reference.tolerance(dtype), f"relative error {err:.3g} for {op}/{reduce}"
+    scale = float(np.max(np.abs(ref))) if ref.size else 0.0
+    np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-5 * max(scale, 1.0))
+    return ref
+
+
+class ModuleCache:
+    """Builds each (matrix, op, reduce, K, pipeline) once per test session: CPU kernels take
+    0.1-0.5 s to compile, and many tests only need *a* module of a given kind."""
+
+    def __init__(self):
+        self._mods = {}
+
+    def get(self, name: str, A, op: str, K: int, reduce=None, pipeline=(), **kw):
+        key = (name, op, reduce, K, tuple(map(str, pipeline)), tuple(sorted(kw.items())))
+        if key not in self._mods:
+            self._mods[key] = spcompile.build(A, op, K=K, reduce=reduce, target="cpu",
+                                              pipeline=list(pipeline) or None, **kw)
+        return self._mods[key]
+
+
+@pytest.fixture(scope="session")
+def module_cache():
+    return ModuleCache()
+
+
+@pytest.fixture(scope="session")
+def rect_matrix():
+    """Non-square 120 x 90, empty rows (first and last included), one row holding all 90 columns."""
+    return random_matrix(120, 90, density=0.04, seed=7)
+
+
+@pytest.fixture(scope="session")
+def square_matrix():
+    A = random_matrix(150, 150, density=0.03, seed=11)
+    return A
+
+
+@pytest.fixture(scope="session")
+def cora():
+    return load_graph("cora")
+
+
+@pytest.fixture(scope="session")
+def pubmed():
+    return load_graph("pubmed")
+
+
+@pytest.fixture
+def no_cuda(monkeypatch):
+    """Make CUDA unavailable whatever the machine has (deterministic target='cuda' errors)."""
+    from spcompile.runtime import target
+
+    monkeypatch.setenv("SPCOMPILE_DISABLE_CUDA", "1")
+    target.cuda_available.cache_clear()
+    yield
+    target.cuda_available.cache_clear()
