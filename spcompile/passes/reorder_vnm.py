@@ -49,7 +49,8 @@ Output
 ``mod.metrics["reorder.vnm"]``: V, N, M, k, symmetric, violations_before / violations_after
 (segment vectors violating N:M), improvement_rate ((before - after) / before; 1.0 when before
 is 0), mbscore_before / mbscore_after, conforms_before / conforms (whole matrix meets V:N:M),
-iterations, stage1_accepted, swaps, seconds, and ``best_vnm`` (only with ``search_best=True``).
+violations_lower_bound (no permutation can do better: rows denser than N per segment on
+average), iterations, stage1_accepted, swaps, seconds, and ``best_vnm`` (only with ``search_best=True``).
 
 ``mod.formats["vnm"]`` (a plain dict describing ``mod.A``, the reordered matrix) with keys:
 
@@ -69,10 +70,11 @@ from __future__ import annotations
 import time
 
 import numpy as np
+import scipy.sparse as sp
 
 from .base import Pass, register_pass
 
-__all__ = ["VNMReorder", "best_vnm", "sogre", "hamming_position_code", "segment_vectors", "pscore",
+__all__ = ["VNMReorder", "best_vnm", "sogre", "vnm_format", "violations_lower_bound", "hamming_position_code", "segment_vectors", "pscore",
            "mbscore", "K_COLUMNS"]
 
 K_COLUMNS = 4  # columns a V x M meta-block may use (SPTC hardware, paper §2)
@@ -102,12 +104,19 @@ def segment_vectors(rows: np.ndarray, cols: np.ndarray, M: int, nseg: int, msb_f
     if rows.size == 0:
         e = np.zeros(0, np.int64)
         return e, e.copy(), np.zeros(0, np.uint64)
+    order = np.argsort(rows * (nseg * M) + cols)
+    return _group_sorted(rows[order], cols[order], M, nseg, msb_first)
+
+
+def _group_sorted(rows, cols, M, nseg, msb_first):
+    """segment_vectors for entries already sorted by (row, col)."""
+    if rows.size == 0:
+        e = np.zeros(0, np.int64)
+        return e, e.copy(), np.zeros(0, np.uint64)
     seg = cols // M
     off = cols - seg * M
     key = rows * nseg + seg
-    order = np.argsort(key, kind="stable")
-    key = key[order]
-    shift = (M - 1 - off[order]) if msb_first else off[order]
+    shift = (M - 1 - off) if msb_first else off
     bit = np.left_shift(np.uint64(1), shift.astype(np.uint64))
     start = np.flatnonzero(np.concatenate(([True], key[1:] != key[:-1])))
     bits = np.bitwise_or.reduceat(bit, start)
@@ -152,6 +161,8 @@ class _State:
         self.symmetric = symmetric
         self.nseg = -(-self.n // M)
         self.row_ids = A.row_ids.astype(np.int64)
+        self.indptr = A.indptr.astype(np.int64)
+        self.row_len = np.diff(self.indptr)
         self.cols = A.indices.astype(np.int64)
         S = A.to_scipy().tocsc()
         S.sort_indices()
@@ -172,9 +183,26 @@ class _State:
             qc[self.cperm] = np.arange(self.n)
         return qr[self.row_ids], qc[self.cols]
 
-    def segvecs(self, msb_first=True):
-        r, c = self._positions()
-        return segment_vectors(r, c, self.M, self.nseg, msb_first)
+    def segvecs(self, msb_first=True, original_rows=False):
+        """Non-empty segment vectors of the current matrix, sorted by (row, seg): rows are gathered
+        CSR-style and only the (short) rows are sorted (scipy's per-row sort), no global sort."""
+        qc = np.empty(self.n, np.int64)
+        qc[self.cperm] = np.arange(self.n)
+        if original_rows:  # (PScore does not depend on the row order)
+            nl, nip, src = self.row_len, self.indptr, np.arange(self.indptr[-1], dtype=np.int64)
+        else:
+            nl = self.row_len[self.rperm]
+            nip = np.zeros(self.m + 1, np.int64)
+            np.cumsum(nl, out=nip[1:])
+            src = np.arange(nip[-1], dtype=np.int64) - np.repeat(nip[:-1] - self.indptr[self.rperm], nl)
+        idt = np.int32 if max(self.n, int(nip[-1])) < 2**31 - 1 else np.int64
+        c = qc[self.cols[src]].astype(idt)
+        S = sp.csr_matrix((c, c, nip.astype(idt)), shape=(self.m, self.n))
+        S.has_sorted_indices = False
+        S.sort_indices()
+        c = S.indices.astype(np.int64)
+        r = np.repeat(np.arange(self.m, dtype=np.int64), nl)
+        return _group_sorted(r, c, self.M, self.nseg, msb_first)
 
     def scores(self):
         rows, seg, bits = self.segvecs()
@@ -183,9 +211,7 @@ class _State:
 
     def seg_pscore(self):
         """PScore per segment (independent of the row order: rows are original ids here)."""
-        qc = np.empty(self.n, np.int64)
-        qc[self.cperm] = np.arange(self.n)
-        _, seg, bits = segment_vectors(self.row_ids, qc[self.cols], self.M, self.nseg)
+        _, seg, bits = self.segvecs(original_rows=True)
         viol = _popcount(bits) > self.N
         return np.bincount(seg[viol], minlength=self.nseg).astype(np.int64)
 
@@ -211,20 +237,10 @@ def _lex_row_order(m: int, rows: np.ndarray, seg: np.ndarray, code: np.ndarray) 
     with an MSD refinement that only keeps still-tied groups."""
     if m == 0:
         return np.zeros(0, np.int64)
-    T = len(code)
     neg = code < 0
-    cls = np.where(neg, 0, 2).astype(np.int64)
-    s_key = np.where(neg, seg, -seg)
-    o = np.lexsort((code, s_key, cls))
-    tok = np.empty(T, np.int64)
-    sorted_keys = np.stack([cls[o], s_key[o], code[o]])
-    new = np.concatenate(([True], np.any(sorted_keys[:, 1:] != sorted_keys[:, :-1], axis=0)))
-    rank = np.cumsum(new) - 1
-    # ranks of negative tokens stay, positive tokens shift by one to leave room for END
-    npos_start = int(np.count_nonzero(~neg))
-    tok[o] = rank
-    end_tok = int(rank[np.searchsorted(cls[o], 2)] if npos_start else (rank[-1] + 1 if T else 0))
-    tok[~neg] += 1
+    sk = np.where(neg, seg, -seg) + (1 << 26)
+    tok = (np.where(neg, 0, 2).astype(np.int64) << 60) | (sk << 33) | (code + (1 << 32))
+    end_tok = 1 << 60
     row_start = np.zeros(m + 1, np.int64)
     np.cumsum(np.bincount(rows, minlength=m), out=row_start[1:])
     lens = np.diff(row_start)
@@ -463,6 +479,15 @@ def _stage2(st: _State, max_rounds: int, rng: np.random.Generator, max_offsets: 
 # ---------------------------------------------------------------------------------------------
 # driver
 # ---------------------------------------------------------------------------------------------
+def violations_lower_bound(A, N: int, M: int) -> int:
+    """A lower bound on the N:M-violating segment vectors under *any* row/column permutation: a row
+    with d entries spread over nseg segments of which v violate holds at most N*(nseg-v) + M*v
+    entries, so v >= ceil((d - N*nseg) / (M - N))."""
+    nseg = -(-A.shape[1] // M)
+    d = np.diff(A.indptr).astype(np.int64)
+    return int(np.sum(np.maximum(0, -(-(d - N * nseg) // (M - N)))))
+
+
 def _check(V, N, M, k):
     for name, x in (("V", V), ("N", N), ("M", M), ("k", k)):
         if isinstance(x, bool) or not isinstance(x, (int, np.integer)) or int(x) < 1:
@@ -514,6 +539,7 @@ def sogre(A, V: int = 1, N: int = 2, M: int = 4, max_iter: int = 10, symmetric: 
         "conforms_before": bool(start[0] == 0), "conforms": bool(best[0] == 0),
         "iterations": int(it), "stage1_accepted": int(acc_total), "swaps": int(swaps_total),
         "segments": int(st.nseg),
+        "violations_lower_bound": violations_lower_bound(A, N, M),
     }
     rperm, cperm = best_state
     if not symmetric and V == 1:
@@ -638,4 +664,5 @@ def _metrics_for(A, rp, cp, V, N, M, k=K_COLUMNS):
             "violations_before": b, "violations_after": a,
             "improvement_rate": float((b - a) / b) if b else 1.0,
             "mbscore_before": mb0, "mbscore_after": mb1, "conforms_before": mb0 == 0,
-            "conforms": mb1 == 0, "segments": nseg}
+            "conforms": mb1 == 0, "segments": nseg,
+            "violations_lower_bound": violations_lower_bound(A, N, M)}
