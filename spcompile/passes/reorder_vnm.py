@@ -74,7 +74,8 @@ import scipy.sparse as sp
 
 from .base import Pass, register_pass
 
-__all__ = ["VNMReorder", "best_vnm", "sogre", "vnm_format", "violations_lower_bound", "hamming_position_code", "segment_vectors", "pscore",
+__all__ = ["VNMReorder", "best_vnm", "sogre", "vnm_format", "violations_lower_bound", "stage1_codes",
+           "stage1_order", "hamming_position_code", "segment_vectors", "pscore",
            "mbscore", "K_COLUMNS"]
 
 K_COLUMNS = 4  # columns a V x M meta-block may use (SPTC hardware, paper §2)
@@ -271,11 +272,30 @@ def _lex_row_order(m: int, rows: np.ndarray, seg: np.ndarray, code: np.ndarray) 
     return np.argsort(grp, kind="stable").astype(np.int64)
 
 
+def _codes(bits, N, M):
+    code = hamming_position_code(bits, M)
+    return np.where(_popcount(bits) > N, -code, code)
+
+
+def stage1_codes(A, N: int = 2, M: int = 4):
+    """Algorithm 2, lines 4-10, for the canonical CSR ``A``: ``(row, seg, code)`` of every non-empty
+    segment vector, code = Hamming position code, negated when the vector violates N:M (absent
+    segment vectors have code 0)."""
+    nseg = -(-A.shape[1] // M)
+    rows, seg, bits = segment_vectors(A.row_ids, A.indices, M, nseg, msb_first=True)
+    return rows, seg, _codes(bits, N, M)
+
+
+def stage1_order(A, N: int = 2, M: int = 4) -> np.ndarray:
+    """The row order of one stage-1 step (new position -> row): rows sorted lexicographically by
+    their vectors of position codes."""
+    rows, seg, code = stage1_codes(A, N, M)
+    return _lex_row_order(A.shape[0], rows, seg, code)
+
+
 def _stage1_order(st: _State) -> np.ndarray:
     rows, seg, bits = st.segvecs(msb_first=True)
-    code = hamming_position_code(bits, st.M)
-    code = np.where(_popcount(bits) > st.N, -code, code)
-    return _lex_row_order(st.m, rows, seg, code)
+    return _lex_row_order(st.m, rows, seg, _codes(bits, st.N, st.M))
 
 
 def _stage1(st: _State, max_iter: int, best):
