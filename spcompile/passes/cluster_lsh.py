@@ -1,0 +1,427 @@
+"""``cluster.lsh``: row reordering by MinHash-LSH + hierarchical clustering (Jiang, Hong, Agrawal,
+"A Novel Data Transformation and Execution Strategy for Accelerating Sparse Matrix Multiplication
+on GPUs", PPoPP'20, Algorithm 3).
+
+Pipeline of the pass (all vectorised numpy except the merge loop, which is per candidate pair):
+
+1. MinHash signatures of every row's column set (``siglen`` random hash tables over the column
+   ids; per row ``np.minimum.reduceat``).
+2. Banding: ``siglen / bsize`` bands of ``bsize`` signature values; rows whose band values agree
+   fall into one bucket.  Inside a bucket (rows in random order) each row is paired with its next
+   ``window`` rows, so a bucket of s rows gives at most ``s * window`` pairs instead of s^2/2; a
+   bucket of at most ``window + 1`` rows gives all its pairs, as in the paper.  If more than
+   ``max_pairs`` distinct pairs remain, those colliding in the most bands are kept.
+3. Jaccard similarity of each candidate pair (exact, or estimated from the signatures when the
+   exact work would be too large: ``similarity="auto"``).
+4. Algorithm 3: max-heap of pairs, union-find clusters, the smaller cluster merged into the larger
+   (ties: the smaller row index represents), a cluster reaching ``threshold_size`` rows is closed;
+   pairs whose rows are no longer representatives are re-queued with the representatives'
+   similarity.  Rows are then output cluster by cluster (clusters in order of their
+   representative, rows ascending inside a cluster).
+
+Rounds (ASpT-RR, the paper's Fig. 5): ``round=1`` permutes the module's rows (``row_perm``; the
+dense input X is not permuted, only the output rows, which the compiled module un-permutes) so
+that similar rows share ASpT row panels.  It is skipped when the dense-tile ratio before it is
+above ``skip_dense_ratio`` (10 %).  ``round=2`` reorders the *sparse remainder*: when the module
+holds an ASpT format (``tile.aspt`` ran before), only the processing order of the remainder rows
+(``formats["aspt"].rem_rows``) is permuted and the panels / dense tiles stay as they are; without
+an ASpT format the whole matrix is the remainder and its rows are permuted.  It is skipped when
+the average Jaccard similarity of consecutive (remainder) rows is above ``skip_similarity`` (0.1).
+``round="auto"`` (default) means 2 when an ASpT format is present, else 1.  ASpT-RR is therefore
+``["cluster.lsh", "tile.aspt", "cluster.lsh"]``.  A round-1 run on a module that already holds an
+ASpT format re-tiles it with the same parameters (``SparseModule.permute`` drops format data).
+"""
+from __future__ import annotations
+
+import heapq
+import time
+
+import numpy as np
+
+from ..formats import CSR
+from .base import Pass, register_pass
+from .tile_aspt import build_aspt, dense_ratio
+
+__all__ = ["minhash_signatures", "lsh_candidate_pairs", "jaccard_pairs", "consecutive_similarity",
+           "cluster_rows", "lsh_order", "ClusterLSH"]
+
+_U32_MAX = np.uint32(0xFFFFFFFF)
+_MIX = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _lengths(A: CSR) -> np.ndarray:
+    return np.diff(A.indptr.astype(np.int64))
+
+
+def minhash_signatures(A: CSR, siglen: int = 128, seed: int = 0, block: int = 16,
+                       chunk_nnz: int = 1 << 21) -> np.ndarray:
+    """(m, siglen) uint32 MinHash signatures of the rows' column sets: ``sig[i, k] = min over the
+    columns c of row i of H_k[c]`` with ``H_k`` a random uint32 table over the columns.  Empty rows
+    get 0xFFFFFFFF everywhere.  Work: siglen x nnz gathers, ``block`` hash functions at a time."""
+    m, n = A.shape
+    sig = np.full((m, siglen), _U32_MAX, dtype=np.uint32)
+    if A.nnz == 0 or siglen == 0:
+        return sig
+    rng = np.random.default_rng(seed)
+    indptr = A.indptr.astype(np.int64)
+    lens = np.diff(indptr)
+    ind = A.indices
+    # row-aligned chunks of about chunk_nnz entries keep the gathered (chunk, block) array small
+    cuts = np.unique(np.clip(np.searchsorted(indptr, np.arange(0, A.nnz + chunk_nnz, chunk_nnz)), 0, m))
+    cuts = np.unique(np.concatenate(([0], cuts, [m])))
+    for k0 in range(0, siglen, block):
+        kb = min(block, siglen - k0)
+        H = rng.integers(0, 1 << 32, size=(n, kb), dtype=np.uint32)
+        for a, b in zip(cuts[:-1], cuts[1:]):
+            s = indptr[a:b]
+            nz = lens[a:b] > 0
+            if not nz.any():
+                continue
+            g = H[ind[s[0]:indptr[b]]]
+            sig[a:b, k0:k0 + kb][nz] = np.minimum.reduceat(g, (s - s[0])[nz], axis=0)
+    return sig
+
+
+def _band_keys(sig: np.ndarray, b: int, bsize: int) -> np.ndarray:
+    cols = sig[:, b * bsize:(b + 1) * bsize].astype(np.uint64)
+    if bsize == 1:
+        return cols[:, 0]
+    if bsize == 2:  # exact: two 32-bit values side by side
+        return (cols[:, 0] << np.uint64(32)) | cols[:, 1]
+    key = np.zeros(cols.shape[0], dtype=np.uint64)
+    for c in range(bsize):  # 64-bit mix; a rare false collision only adds a candidate pair
+        key = (key ^ cols[:, c]) * _MIX
+        key ^= key >> np.uint64(29)
+    return key
+
+
+def _merge_counts(keys, counts, new_keys):
+    if keys is None:
+        u, c = np.unique(new_keys, return_counts=True)
+        return u, c.astype(np.int64)
+    allk = np.concatenate([keys, new_keys])
+    u, inv = np.unique(allk, return_inverse=True)
+    w = np.concatenate([counts, np.ones(new_keys.shape[0], dtype=np.int64)])
+    return u, np.bincount(inv, weights=w, minlength=u.shape[0]).astype(np.int64)
+
+
+def lsh_candidate_pairs(sig: np.ndarray, rows: np.ndarray | None = None, bsize: int = 2, window: int = 8,
+                        max_pairs: int | None = None, seed: int = 0):
+    """Candidate pairs by banding the signatures of ``rows`` (default: all rows).
+
+    Returns ``(i, j, hits)``: int64 row ids with i < j and the number of bands in which the pair
+    collided (a similarity estimate used to keep the best ``max_pairs`` pairs)."""
+    m, siglen = sig.shape
+    rows = np.arange(m, dtype=np.int64) if rows is None else np.asarray(rows, dtype=np.int64)
+    e = np.zeros(0, dtype=np.int64)
+    if rows.shape[0] < 2 or siglen < bsize:
+        return e, e, e
+    rng = np.random.default_rng(seed + 0x5EED)
+    rows = rows[rng.permutation(rows.shape[0])]  # random order inside each bucket
+    s = sig[rows]
+    keys = counts = None
+    pending: list[np.ndarray] = []
+    pending_n = 0
+    flush_at = max(1 << 22, 4 * rows.shape[0])
+    for b in range(siglen // bsize):
+        bk = _band_keys(s, b, bsize)
+        order = np.argsort(bk, kind="stable")
+        sk = bk[order]
+        ro = rows[order]
+        for d in range(1, window + 1):
+            if d >= ro.shape[0]:
+                break
+            same = sk[d:] == sk[:-d]
+            if not same.any():
+                break  # no bucket has more than d rows
+            a, c = ro[:-d][same], ro[d:][same]
+            lo, hi = np.minimum(a, c), np.maximum(a, c)
+            pending.append(lo * m + hi)
+            pending_n += lo.shape[0]
+        if pending_n > flush_at:
+            keys, counts = _merge_counts(keys, counts, np.concatenate(pending))
+            pending, pending_n = [], 0
+    if pending:
+        keys, counts = _merge_counts(keys, counts, np.concatenate(pending))
+    if keys is None:
+        return e, e, e
+    if max_pairs is not None and keys.shape[0] > max_pairs:
+        keep = np.sort(np.argsort(-counts, kind="stable")[:max_pairs])
+        keys, counts = keys[keep], counts[keep]
+    return keys // m, keys % m, counts
+
+
+def _global_keys(A: CSR) -> np.ndarray:
+    m, n = A.shape
+    return np.repeat(np.arange(m, dtype=np.int64), _lengths(A)) * np.int64(n) + A.indices.astype(np.int64)
+
+
+def jaccard_pairs(A: CSR, i, j, gkeys: np.ndarray | None = None, chunk: int = 1 << 22) -> np.ndarray:
+    """Exact Jaccard similarity |S_i & S_j| / |S_i | S_j| of the column sets of row pairs (i, j).
+    Each shorter row's columns are looked up in the sorted (row, column) keys of A; work is the sum
+    of the shorter lengths.  Two empty rows have similarity 0."""
+    i = np.asarray(i, dtype=np.int64)
+    j = np.asarray(j, dtype=np.int64)
+    m, n = A.shape
+    out = np.zeros(i.shape[0])
+    if i.shape[0] == 0 or A.nnz == 0:
+        return out
+    G = _global_keys(A) if gkeys is None else gkeys
+    indptr = A.indptr.astype(np.int64)
+    lens = np.diff(indptr)
+    li, lj = lens[i], lens[j]
+    swap = li > lj
+    short = np.where(swap, j, i)
+    other = np.where(swap, i, j)
+    ls = np.minimum(li, lj)
+    csum = np.cumsum(ls)
+    inter = np.zeros(i.shape[0])
+    start = 0
+    while start < i.shape[0]:
+        # pairs [start, stop) cover about `chunk` lookups
+        stop = int(np.searchsorted(csum, (csum[start - 1] if start else 0) + chunk, side="right"))
+        stop = max(stop, start + 1)
+        cl = ls[start:stop]
+        T = int(cl.sum())
+        if T:
+            rep = np.repeat(np.arange(stop - start), cl)
+            base = np.cumsum(cl) - cl
+            src = indptr[short[start:stop]][rep] + (np.arange(T) - base[rep])
+            q = other[start:stop][rep] * np.int64(n) + A.indices[src].astype(np.int64)
+            p = np.searchsorted(G, q)
+            np.minimum(p, G.shape[0] - 1, out=p)
+            inter[start:stop] = np.bincount(rep, weights=(G[p] == q), minlength=stop - start)
+        start = stop
+    union = li + lj - inter
+    np.divide(inter, union, out=out, where=union > 0)
+    return out
+
+
+def consecutive_similarity(A: CSR) -> float:
+    """Average Jaccard similarity of consecutive rows (the paper's §4 indicator; 0 if m < 2)."""
+    m = A.shape[0]
+    if m < 2 or A.nnz == 0:
+        return 0.0
+    r = np.arange(m - 1, dtype=np.int64)
+    return float(jaccard_pairs(A, r, r + 1).mean())
+
+
+class _Similarity:
+    """Similarity of two rows inside the merge loop (exact via cached column sets, or MinHash)."""
+
+    def __init__(self, A: CSR, sig: np.ndarray | None, exact: bool):
+        self.indptr = A.indptr.tolist() if exact else None
+        self.indices = A.indices
+        self.sig = sig
+        self.exact = exact
+        self.cache: dict[int, frozenset] = {}
+
+    def _set(self, i):
+        s = self.cache.get(i)
+        if s is None:
+            s = frozenset(self.indices[self.indptr[i]:self.indptr[i + 1]].tolist())
+            self.cache[i] = s
+        return s
+
+    def __call__(self, i, j) -> float:
+        if self.exact:
+            a, b = self._set(i), self._set(j)
+            u = len(a) + len(b)
+            if u == 0:
+                return 0.0
+            x = len(a & b)
+            return x / (u - x)
+        return float(np.count_nonzero(self.sig[i] == self.sig[j])) / self.sig.shape[1]
+
+
+def cluster_rows(m: int, pi, pj, sims, threshold_size: int = 256, similarity=None,
+                 min_similarity: float = 0.0) -> np.ndarray:
+    """Algorithm 3's clustering on candidate pairs ``(pi[k], pj[k])`` with similarities ``sims``.
+
+    Pairs with similarity <= ``min_similarity`` are never merged (deviation from Alg. 3, which
+    would merge re-queued pairs of similarity 0 and so interleave unrelated clusters, since rows
+    are output in index order inside a cluster).
+
+    ``similarity(a, b)`` gives the similarity of two representative rows for re-queued pairs.
+    Returns the row order (new position -> row): clusters in order of their representative row,
+    rows ascending inside each cluster."""
+    pi = np.asarray(pi, dtype=np.int64)
+    pj = np.asarray(pj, dtype=np.int64)
+    sims = np.asarray(sims, dtype=np.float64)
+    keep = sims > min_similarity
+    pi, pj, sims = pi[keep], pj[keep], sims[keep]
+    order = np.argsort(-sims, kind="stable")  # the heap of initial pairs, as a sorted list
+    PI, PJ, S = pi[order].tolist(), pj[order].tolist(), sims[order].tolist()
+    E = len(S)
+    cand = set((np.minimum(pi, pj) * m + np.maximum(pi, pj)).tolist())
+    parent = list(range(m))
+    size = [1] * m
+    deleted = [False] * m
+    nclusters = m
+    heap: list = []
+    seq = 0
+    k = 0
+
+    def root(x):
+        while x != parent[x]:
+            parent[x] = parent[parent[x]]  # path halving (Alg. 3 line 8)
+            x = parent[x]
+        return x
+
+    while nclusters > 0:
+        if heap and (k >= E or -heap[0][0] > S[k]):
+            _, _, i, j = heapq.heappop(heap)
+        elif k < E:
+            i, j = PI[k], PJ[k]
+            k += 1
+        else:
+            break
+        if parent[i] == i and parent[j] == j:
+            if i == j or deleted[i] or deleted[j]:
+                continue
+            si, sj = size[i], size[j]
+            keep, gone = (i, j) if (si > sj or (si == sj and i < j)) else (j, i)
+            parent[gone] = keep
+            size[keep] = si + sj
+            nclusters -= 1
+            if size[keep] >= threshold_size:
+                deleted[keep] = True
+                nclusters -= 1
+        else:
+            i, j = root(i), root(j)
+            if i == j or deleted[i] or deleted[j]:
+                continue
+            key = min(i, j) * m + max(i, j)
+            if key in cand:
+                continue
+            cand.add(key)
+            s = similarity(i, j) if similarity is not None else 0.0
+            if s <= min_similarity:
+                continue
+            heapq.heappush(heap, (-s, seq, i, j))
+            seq += 1
+    roots = np.asarray(parent, dtype=np.int64)
+    while True:  # vectorised pointer jumping to the representatives
+        nxt = roots[roots]
+        if np.array_equal(nxt, roots):
+            break
+        roots = nxt
+    return np.argsort(roots, kind="stable")
+
+
+def lsh_order(A: CSR, siglen: int = 128, bsize: int = 2, threshold_size: int = 256, seed: int = 0,
+              window: int = 8, max_pairs: int | None = 2_000_000, similarity: str = "auto",
+              exact_budget: int = 1 << 25) -> tuple[np.ndarray, dict]:
+    """Row order of ``A`` by LSH + clustering (new position -> row) and some statistics."""
+    m = A.shape[0]
+    t0 = time.perf_counter()
+    sig = minhash_signatures(A, siglen, seed)
+    t1 = time.perf_counter()
+    rows = np.flatnonzero(_lengths(A) > 0)
+    pi, pj, hits = lsh_candidate_pairs(sig, rows, bsize, window, max_pairs, seed)
+    t2 = time.perf_counter()
+    lens = _lengths(A)
+    work = int(np.minimum(lens[pi], lens[pj]).sum()) if pi.size else 0
+    exact = similarity == "exact" or (similarity == "auto" and work <= exact_budget)
+    if similarity not in ("auto", "exact", "minhash"):
+        raise ValueError(f"similarity must be 'auto', 'exact' or 'minhash', got {similarity!r}")
+    if exact:
+        sims = jaccard_pairs(A, pi, pj)
+    else:
+        sims = np.empty(pi.shape[0])
+        for a in range(0, pi.shape[0], 1 << 16):
+            b = a + (1 << 16)
+            sims[a:b] = np.count_nonzero(sig[pi[a:b]] == sig[pj[a:b]], axis=1) / siglen
+    t3 = time.perf_counter()
+    order = cluster_rows(m, pi, pj, sims, threshold_size, _Similarity(A, sig, exact))
+    t4 = time.perf_counter()
+    return order, {"candidate_pairs": int(pi.shape[0]), "exact_similarity": bool(exact),
+                   "seconds_minhash": t1 - t0, "seconds_banding": t2 - t1,
+                   "seconds_similarity": t3 - t2, "seconds_clustering": t4 - t3}
+
+
+def _is_identity(p: np.ndarray) -> bool:
+    return bool(np.array_equal(p, np.arange(p.shape[0])))
+
+
+@register_pass("cluster.lsh")
+class ClusterLSH(Pass):
+    """Row reordering by MinHash-LSH candidate pairs + hierarchical clustering (Jiang et al. PPoPP'20)."""
+
+    default_options = {
+        "siglen": 128, "bsize": 2, "threshold_size": 256,
+        "round": "auto",               # 1, 2 or "auto" (2 when an ASpT format is present)
+        "skip": True,                  # apply the paper's skip rules
+        "skip_dense_ratio": 0.1,       # round 1 skipped when the dense-tile ratio is above this
+        "skip_similarity": 0.1,        # round 2 skipped when consecutive-row similarity is above this
+        "panel_height": 32, "dense_threshold": 2,  # ASpT parameters for the dense-ratio rule/metric
+        "window": 8,                   # pairs per row per band inside a bucket
+        "max_pairs": 2_000_000,        # cap on candidate pairs (the merge loop is per pair)
+        "similarity": "auto",          # "exact", "minhash" or "auto"
+    }
+
+    def _order(self, A, ctx):
+        o = self.options
+        return lsh_order(A, int(o["siglen"]), int(o["bsize"]), int(o["threshold_size"]), ctx.seed,
+                         int(o["window"]), o["max_pairs"], o["similarity"])
+
+    def transform(self, mod, ctx):
+        t0 = time.perf_counter()
+        o = self.options
+        rnd = o["round"]
+        if rnd == "auto":
+            rnd = 2 if "aspt" in mod.formats else 1
+        if rnd not in (1, 2):
+            raise ValueError(f"round must be 1, 2 or 'auto', got {o['round']!r}")
+        fmt = mod.formats.get("aspt")
+        ph = fmt.panel_height if fmt is not None else int(o["panel_height"])
+        dt = fmt.dense_threshold if fmt is not None else int(o["dense_threshold"])
+        metrics: dict = {"round": rnd, "skipped": False, "reordered": False}
+        if rnd == 2 and fmt is not None:
+            R = fmt.remainder_csr()
+            metrics["target"] = "aspt_remainder"
+            metrics["dense_ratio_before"] = metrics["dense_ratio_after"] = fmt.dense_ratio
+            sim_before = consecutive_similarity(R)
+            metrics["avg_similarity_before"] = sim_before
+            out = mod
+            if o["skip"] and sim_before > o["skip_similarity"]:
+                metrics["skipped"] = True
+                metrics["avg_similarity_after"] = sim_before
+            else:
+                perm, info = self._order(R, ctx)
+                metrics.update(info)
+                if not _is_identity(perm):
+                    fmt2 = fmt.reorder_remainder(perm)
+                    out = mod.with_format("aspt", fmt2)
+                    metrics["reordered"] = True
+                    metrics["avg_similarity_after"] = consecutive_similarity(fmt2.remainder_csr())
+                else:
+                    metrics["avg_similarity_after"] = sim_before
+        else:
+            A = mod.A
+            metrics["target"] = "rows"
+            dr_before = dense_ratio(A, ph, dt)
+            sim_before = consecutive_similarity(A)
+            metrics["dense_ratio_before"] = dr_before
+            metrics["avg_similarity_before"] = sim_before
+            skip = o["skip"] and ((rnd == 1 and dr_before > o["skip_dense_ratio"]) or
+                                  (rnd == 2 and sim_before > o["skip_similarity"]))
+            out = mod
+            if skip:
+                metrics["skipped"] = True
+            else:
+                perm, info = self._order(A, ctx)
+                metrics.update(info)
+                if not _is_identity(perm):
+                    out = mod.permute(perm, None)
+                    metrics["reordered"] = True
+                    if fmt is not None:  # keep the pipeline's ASpT tiling valid for the new order
+                        out = out.with_format("aspt", build_aspt(out.A, ph, dt))
+            if metrics["reordered"]:
+                metrics["dense_ratio_after"] = dense_ratio(out.A, ph, dt)
+                metrics["avg_similarity_after"] = consecutive_similarity(out.A)
+            else:
+                metrics["dense_ratio_after"] = dr_before
+                metrics["avg_similarity_after"] = sim_before
+        metrics["seconds"] = time.perf_counter() - t0
+        return out.with_metrics(self.name, metrics)
