@@ -52,7 +52,10 @@ def build_from_config(op: SparseOp, config: Config, ctx: PassContext | None = No
                          f"after pipeline {[p['name'] for p in pipeline.spec()]}")
     params = tpl.check_params(mod, config.params)
     kernel = tpl.build(mod, params)
-    cfg = Config(tpl.name, params, tuple(pipeline.spec()), config.target, tpl.format)
+    # the options each pass actually ran with (PassContext overrides included), so that the
+    # config replays to exactly this module
+    ran = tuple({"name": r.name, "options": dict(r.options)} for r in mod.log)
+    cfg = Config(tpl.name, params, ran, config.target, tpl.format)
     return CompiledModule(op.key(), cfg, kernel, [r.to_dict() for r in mod.log], values_hash(op.A), tuning)
 
 

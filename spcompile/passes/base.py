@@ -91,8 +91,18 @@ def _check_name(name: str) -> str:
 
 def _as_pass_class(name: str, obj, options=None, requires=(), produces=()) -> type[Pass]:
     if inspect.isclass(obj) and issubclass(obj, Pass):
-        if not obj.name:
-            obj.name = name
+        # a class's own name must be the registered one: the name recorded in pipeline specs
+        # (configs, artifacts) is what replays it.  An inherited name is the parent's, not ours.
+        own = obj.__dict__.get("name")
+        if own and own != name:
+            raise ValueError(f"pass class {obj.__name__} is named {own!r} but registered as {name!r}")
+        obj.name = name
+        if options:
+            obj.default_options = {**obj.default_options, **dict(options)}
+        if requires:
+            obj.requires = tuple(requires)
+        if produces:
+            obj.produces = tuple(produces)
         return obj
     if callable(obj):
         sig = inspect.signature(obj)
@@ -134,14 +144,14 @@ def _load_entry_points():
         if ep.name in _REGISTRY:
             continue
         try:
-            obj = ep.load()
+            cls = _as_pass_class(_check_name(ep.name), ep.load())
         except Exception as e:  # a broken plug-in must not break spcompile
             import warnings
 
             warnings.warn(f"could not load spcompile pass entry point {ep.name!r}: {e}")
             continue
         with _LOCK:
-            _REGISTRY.setdefault(ep.name, _as_pass_class(ep.name, obj))
+            _REGISTRY.setdefault(ep.name, cls)
 
 
 def _load_builtin():
