@@ -1,0 +1,268 @@
+"""Device-side correctness check of the CUDA templates (run on a GPU machine).
+
+For every CUDA template x reduction x K in {1, 3, 32, 100, 128} and several parameter sets (the
+template's seeds plus every coarsening factor with split rows): random matrices with empty rows
+and one 10k-nonzero row, inputs as torch CUDA tensors, CuPy arrays and numpy arrays in turn, the
+output poisoned with NaN before every run, compared with the float64 reference.  Then a few shared
+graphs, save/load of a CUDA module, and the per-call overhead of the module.
+
+    python benchmarks/gpu_check.py --out DIR            # full check, JSON log in DIR
+    python benchmarks/gpu_check.py --quick              # small, for compute-sanitizer memcheck
+    python benchmarks/gpu_check.py --precompile         # CPU only: fill the kernel cache
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+import scipy.sparse as sp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from spcompile import reference  # noqa: E402
+from spcompile.compiler import build_from_config, make_op  # noqa: E402
+from spcompile.ir import SparseModule  # noqa: E402
+from spcompile.module import Config  # noqa: E402
+from spcompile.schedules import get_template  # noqa: E402
+
+KS = (1, 3, 32, 100, 128)
+REDUCES = ("sum", "max", "min", "mean")
+
+
+def random_matrix(seed: int, m=3000, n=12000, density=0.001, long_row=10000, empty_frac=0.1):
+    rng = np.random.default_rng(seed)
+    A = sp.random(m, n, density=density, format="lil", random_state=rng, dtype=np.float32,
+                  data_rvs=lambda k: rng.standard_normal(k).astype(np.float32))
+    empty = rng.choice(m, int(empty_frac * m), replace=False)
+    for i in empty:
+        A.rows[i] = []
+        A.data[i] = []
+    A = A.tocsr()
+    if long_row:
+        r = int(rng.integers(m))
+        cols = np.sort(rng.choice(n, long_row, replace=False))
+        L = sp.csr_matrix((rng.standard_normal(long_row).astype(np.float32), (np.full(long_row, r), cols)), shape=(m, n))
+        A = A.tolil()
+        A.rows[r] = []
+        A.data[r] = []
+        A = (A.tocsr() + L).tocsr()
+    A.sort_indices()
+    return A
+
+
+def param_sets(tpl, mod):
+    sets = list(tpl.seed_params(mod))
+    if tpl.name == "csr.crc_cwm":
+        d = tpl.default_params(mod)
+        for cf in (1, 2, 4, 8):
+            sets.append({**d, "group": 32, "vec": 1, "cf": cf, "max_seg": 64})
+        sets.append({**d, "group": 8, "vec": 4, "cf": 1, "max_seg": 1024, "rows_per_warp": 4})
+        sets.append({**d, "group": 4, "vec": 2, "cf": 2, "max_seg": 0, "warps_per_block": 8})
+    elif tpl.name == "csr.sddmm":
+        sets.append({**tpl.default_params(mod), "k_chunks": 1, "group": 4})   # multi-tile path
+        sets.append({**tpl.default_params(mod), "vec": 1, "k_chunks": 8, "group": 32})
+    out, seen = [], set()
+    for s in sets:
+        t = tuple(sorted(s.items()))
+        if t not in seen:
+            seen.add(t)
+            out.append(s)
+    return out
+
+
+def cases(quick: bool):
+    """(template, op, reduce, K) combinations."""
+    ks = (3, 32) if quick else KS
+    reds = ("sum", "max") if quick else REDUCES
+    for K in ks:
+        for r in reds:
+            yield "csr.crc_cwm", "spmm", r, K
+            if r in ("sum", "mean"):
+                yield "extern.cusparse", "spmm", r, K
+        yield "csr.sddmm", "sddmm", None, K
+        yield "extern.cusparse", "sddmm", None, K
+
+
+def precompile(quick: bool):
+    """Build every configuration the check uses (compiles into the kernel cache; no GPU)."""
+    A = random_matrix(0, m=200, n=12000, density=0.01)
+    n = 0
+    for tname, op, red, K in cases(quick):
+        tpl = get_template(tname)
+        if tname.startswith("extern"):
+            continue
+        mod = SparseModule.from_op(make_op(A, op, K, red))
+        for p in param_sets(tpl, mod):
+            tpl.build(mod, p)
+            n += 1
+    return n
+
+
+def _inputs(kind, arrays):
+    if kind == "numpy":
+        return list(arrays)
+    if kind == "torch":
+        import torch
+
+        return [torch.from_numpy(a).cuda() for a in arrays]
+    import cupy
+
+    return [cupy.asarray(a) for a in arrays]
+
+
+def _poisoned(kind, shape):
+    if kind == "numpy":
+        return np.full(shape, np.nan, dtype=np.float32)
+    if kind == "torch":
+        import torch
+
+        return torch.full(shape, float("nan"), dtype=torch.float32, device="cuda")
+    import cupy
+
+    return cupy.full(shape, np.nan, dtype=cupy.float32)
+
+
+def _host(x):
+    if isinstance(x, np.ndarray):
+        return x
+    if type(x).__module__.startswith("torch"):
+        return x.cpu().numpy()
+    return x.get()
+
+
+def check_matrix(A, label, quick, log, kinds=("torch", "cupy", "numpy"), templates=None):
+    fails = 0
+    rng = np.random.default_rng(1)
+    i = 0
+    for tname, op, red, K in cases(quick):
+        if templates and tname not in templates:
+            continue
+        tpl = get_template(tname)
+        sop = make_op(A, op, K, red)
+        mod = SparseModule.from_op(sop)
+        inputs = [rng.standard_normal(s).astype(np.float32) for s in sop.input_shapes]
+        ref = reference.run(op, red, sop.A, *inputs)
+        psets = param_sets(tpl, mod) if not quick else param_sets(tpl, mod)[:3]
+        for p in psets:
+            kind = kinds[i % len(kinds)]
+            i += 1
+            rec = {"matrix": label, "template": tname, "op": op, "reduce": red, "K": K, "params": p, "kind": kind}
+            try:
+                cm = build_from_config(sop, Config(tname, p, (), "cuda", tpl.format))
+                out = _poisoned(kind, sop.output_shape)
+                res = cm(*_inputs(kind, inputs), out=out)
+                err = reference.rel_error(_host(res), ref)
+                rec["rel_err"] = err
+                rec["ok"] = bool(err <= 1e-5)
+            except Exception as e:  # results are data
+                rec["ok"] = False
+                rec["error"] = f"{type(e).__name__}: {e}"[:500]
+            fails += not rec["ok"]
+            log.append(rec)
+            if not rec["ok"]:
+                print("FAIL", json.dumps(rec, default=str), flush=True)
+    return fails
+
+
+def check_save_load(log):
+    import torch
+
+    A = random_matrix(5, m=500, n=12000, density=0.003)
+    X = torch.randn(A.shape[1], 64, device="cuda")
+    ok = True
+    with tempfile.TemporaryDirectory() as d:
+        for tname, red in (("csr.crc_cwm", "max"), ("csr.crc_cwm", "sum"), ("extern.cusparse", "sum")):
+            sop = make_op(A, "spmm", 64, red)
+            tpl = get_template(tname)
+            cm = build_from_config(sop, Config(tname, tpl.default_params(SparseModule.from_op(sop)), (), "cuda"))
+            p = cm.save(os.path.join(d, f"m_{tname}_{red}.spc"))
+            from spcompile.module import load
+
+            cm2 = load(p, A)
+            y1, y2 = cm(X).cpu().numpy(), cm2(X).cpu().numpy()
+            files = list(cm2.kernel.files.values())
+            same = bool(np.array_equal(y1, y2)) and all(f.startswith(cm2._tmpdir) for f in files)
+            log.append({"save_load": tname, "reduce": red, "ok": same})
+            ok &= same
+    return 0 if ok else 1
+
+
+def call_overhead(log):
+    """Host time per call of mod(X, out=Y) on a tiny matrix (module overhead), and of mod(X)."""
+    import torch
+
+    A = random_matrix(7, m=64, n=64, density=0.1, long_row=0)
+    X = torch.randn(64, 32, device="cuda")
+    Y = torch.empty(64, 32, device="cuda")
+    res = {}
+    for tname in ("csr.crc_cwm", "extern.cusparse"):
+        sop = make_op(A, "spmm", 32, "sum")
+        tpl = get_template(tname)
+        cm = build_from_config(sop, Config(tname, tpl.default_params(SparseModule.from_op(sop)), (), "cuda"))
+        for _ in range(100):
+            cm(X, out=Y)
+        torch.cuda.synchronize()
+        n = 2000
+        t0 = time.perf_counter()
+        for _ in range(n):
+            cm(X, out=Y)
+        t1 = time.perf_counter()
+        for _ in range(n):
+            cm(X)
+        t2 = time.perf_counter()
+        torch.cuda.synchronize()
+        res[tname] = {"us_per_call_out": (t1 - t0) / n * 1e6, "us_per_call_alloc": (t2 - t1) / n * 1e6}
+    # the raw launch floor: cupy kernel launch alone
+    k = cm.kernel
+    log.append({"call_overhead_us": res})
+    return res
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--precompile", action="store_true")
+    ap.add_argument("--graphs", type=int, default=6, help="shared graphs to check (smallest first)")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    if a.precompile:
+        n = precompile(a.quick)
+        print(f"precompiled {n} builds")
+        return 0
+    import cupy
+
+    log: list = []
+    fails = 0
+    if a.quick:
+        cupy.cuda.set_allocator(None)  # no pool: memcheck sees every buffer's true bounds
+        A = random_matrix(3, m=100, n=3000, density=0.01, long_row=2500)
+        fails += check_matrix(A, "random-quick", True, log, kinds=("torch",))
+    else:
+        for seed in (0, 1):
+            fails += check_matrix(random_matrix(seed), f"random{seed}", False, log)
+        gdir = os.environ.get("SPCOMPILE_GRAPHS")
+        if gdir:
+            paths = sorted(glob.glob(os.path.join(gdir, "*.npz")), key=os.path.getsize)[: a.graphs]
+            for p in paths:
+                fails += check_matrix(sp.load_npz(p).tocsr().astype(np.float32), os.path.basename(p)[:-4], True, log,
+                                      kinds=("torch",))
+        fails += check_save_load(log)
+        ov = call_overhead(log)
+        print("call overhead (us):", json.dumps(ov))
+    n = len([r for r in log if "ok" in r])
+    print(f"gpu_check: {n - fails}/{n} passed, {fails} failed")
+    if a.out:
+        os.makedirs(a.out, exist_ok=True)
+        with open(os.path.join(a.out, "gpu_check_quick.json" if a.quick else "gpu_check.json"), "w") as f:
+            json.dump(log, f, indent=1, default=str)
+    return 1 if fails else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
