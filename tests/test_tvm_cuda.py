@@ -21,7 +21,6 @@ import zipfile
 
 import numpy as np
 import pytest
-import scipy.sparse as sp
 
 from conftest import check_result, inputs_for, random_matrix  # noqa: E402
 
