@@ -355,15 +355,19 @@ class ClusterLSH(Pass):
         "skip_dense_ratio": 0.1,       # round 1 skipped when the dense-tile ratio is above this
         "skip_similarity": 0.1,        # round 2 skipped when consecutive-row similarity is above this
         "panel_height": 32, "dense_threshold": 2,  # ASpT parameters for the dense-ratio rule/metric
-        "window": 8,                   # pairs per row per band inside a bucket
-        "max_pairs": 2_000_000,        # cap on candidate pairs (the merge loop is per pair)
+        "window": 4,                   # pairs per row per band inside a bucket
+        "max_pairs": 2_000_000,        # cap on candidate pairs (the merge loop is per pair) ...
+        "pairs_per_row": 8,            # ... and at most this many per clustered row (E ~ N)
         "similarity": "auto",          # "exact", "minhash" or "auto"
     }
 
     def _order(self, A, ctx):
         o = self.options
+        n_rows = int(np.count_nonzero(_lengths(A)))
+        cap = [c for c in (o["max_pairs"], None if o["pairs_per_row"] is None else int(o["pairs_per_row"] * n_rows))
+               if c is not None]
         return lsh_order(A, int(o["siglen"]), int(o["bsize"]), int(o["threshold_size"]), ctx.seed,
-                         int(o["window"]), o["max_pairs"], o["similarity"])
+                         int(o["window"]), min(cap) if cap else None, o["similarity"])
 
     def transform(self, mod, ctx):
         t0 = time.perf_counter()
