@@ -80,8 +80,24 @@ def sqlite_path(url: str) -> str | None:
 
 
 def _engine_kwargs(url: str) -> dict:
+    path = sqlite_path(url)
+    if path is not None:
+        def connect():
+            import sqlite3
+
+            # concurrent workers on one file wait for the lock instead of failing at once;
+            # WAL + synchronous=NORMAL: no fsync per commit (the studies commit a lot), still
+            # crash-safe for the database file
+            c = sqlite3.connect(path, timeout=120, check_same_thread=False)
+            try:
+                c.execute("PRAGMA journal_mode=WAL")
+                c.execute("PRAGMA synchronous=NORMAL")
+            except sqlite3.OperationalError:  # e.g. a file system without shared memory: keep defaults
+                pass
+            return c
+
+        return {"creator": connect}
     if url.startswith("sqlite"):
-        # concurrent workers on one file wait for the lock instead of failing at once
         return {"connect_args": {"timeout": 120}}
     return {"pool_pre_ping": True}
 

@@ -21,6 +21,8 @@ stale and is failed by the survivors, which then run the missing trials.
 from __future__ import annotations
 
 import hashlib
+import os
+import socket
 import json
 import math
 import threading
@@ -47,6 +49,8 @@ INTERRUPTED = "interrupted"
 def objective_name(objective: str = "kernel_time", expected_calls: float | None = None) -> str:
     if objective in ("kernel_time", None):
         return "kernel_time"
+    if isinstance(objective, str) and objective.startswith("amortized@"):
+        return objective
     if objective in ("amortized", "amortised"):
         if not expected_calls or expected_calls <= 0:
             raise ValueError("the amortized objective needs expected_calls > 0")
@@ -57,8 +61,9 @@ def objective_name(objective: str = "kernel_time", expected_calls: float | None 
 def objective_value(res: MeasureResult, objective: str, expected_calls: float | None) -> float:
     """Milliseconds: kernel time, or preprocessing / expected_calls + kernel time."""
     v = res.kernel_s
-    if objective_name(objective, expected_calls) != "kernel_time":
-        v += res.preprocess_s / float(expected_calls)
+    name = objective_name(objective, expected_calls)
+    if name != "kernel_time":
+        v += res.preprocess_s / float(expected_calls or name.split("@", 1)[1])
     return v * 1e3
 
 
@@ -385,7 +390,7 @@ class Tuner:
             if t.state == TrialState.COMPLETE and "config_digest" in t.user_attrs:
                 measured.setdefault(t.user_attrs["config_digest"], (t.number, t.value))
                 if "duplicate_of" not in t.user_attrs:
-                    best_kernel = min(best_kernel, t.user_attrs.get("kernel_ms", math.inf))
+                    best_kernel = min(best_kernel, (t.user_attrs.get("result") or {}).get("kernel_ms") or math.inf)
                     best_value = min(best_value, t.value)
         return done, running, measured, best_kernel, best_value
 
@@ -449,6 +454,7 @@ class Tuner:
                     dig = config_digest(cfg)
                     trial.set_user_attr("config_digest", dig)
                     trial.set_user_attr("config", cfg.to_dict())
+                    trial.set_user_attr("worker", f"{socket.gethostname()}:{os.getpid()}")
                     if dig in measured:
                         num, val = measured[dig]
                         trial.set_user_attr("duplicate_of", num)
@@ -492,10 +498,11 @@ class Tuner:
         from optuna.trial import TrialState
 
         final_cfg = res.config or cfg
-        for k, v in res.to_dict().items():
-            if v is not None and k != "name":
-                trial.set_user_attr(k, v)
-        trial.set_user_attr("config", final_cfg.to_dict())
+        d = res.to_dict()
+        d.pop("name", None)
+        trial.set_user_attr("result", d)  # one attribute: every attribute write is a commit
+        if final_cfg != cfg:
+            trial.set_user_attr("config", final_cfg.to_dict())
         if res.ok:
             value = objective_value(res, self.objective, self.expected_calls)
             if not (math.isfinite(value) and value > 0):
@@ -543,8 +550,8 @@ class Tuner:
             objective=self.objective,
             best_config=Config.from_dict(best.user_attrs["config"]) if best else None,
             best_value_ms=best.value if best else None,
-            best_kernel_ms=best.user_attrs.get("kernel_ms") if best else None,
-            best_preprocess_ms=best.user_attrs.get("preprocess_ms") if best else None,
+            best_kernel_ms=best.user_attrs.get("result", {}).get("kernel_ms") if best else None,
+            best_preprocess_ms=best.user_attrs.get("result", {}).get("preprocess_ms") if best else None,
             baseline_ms=b.get("ms"), baseline_name=b.get("name"),
             n_trials=sum(1 for t in trials if self._counted(t)),
             n_complete=sum(1 for t in trials if t.state == TrialState.COMPLETE and "duplicate_of" not in t.user_attrs),

@@ -1,0 +1,292 @@
+"""Tuner logic on CPU: the real CPU templates and an injected fake runner (seeding, FAIL handling,
+pruning, duplicates, budgets, resume after interruption, amortisation, build() integration)."""
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+
+import numpy as np
+import optuna
+import pytest
+import scipy.sparse as sp
+
+import spcompile
+from spcompile import reference
+from spcompile.compiler import make_op
+from spcompile.database import Record, open_database, pass_hashes, target_digest, target_key, template_hash
+from spcompile.module import Config
+from spcompile.runner import CPURunner, MeasureResult
+from spcompile.schedules import base as sched_base
+from spcompile.schedules.base import Kernel, Template
+from spcompile.tuner import Tuner, candidates, choose_config, tune
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+TV = optuna.trial.TrialState
+
+
+def graph(n=120, density=0.05, seed=0):
+    A = sp.random(n, n, density=density, format="csr", random_state=seed, dtype=np.float32)
+    A.data[:] = 1.0
+    return A
+
+
+def _h(cfg: Config) -> int:
+    return int(hashlib.sha256(json.dumps(cfg.to_dict(), sort_keys=True).encode()).hexdigest()[:8], 16)
+
+
+class FakeRunner:
+    """Deterministic times from the config; configs whose hash % fail_mod == 0 fail."""
+
+    target = "cpu"
+
+    def __init__(self, fail_mod=0, interrupt_at=None, preprocess=None):
+        self.calls: list[Config] = []
+        self.prune_args = []
+        self.fail_mod = fail_mod
+        self.interrupt_at = interrupt_at
+        self.preprocess = preprocess or (lambda cfg: 0.0)
+
+    def kernel_s(self, cfg):
+        base = 1e-3 * (1 + (_h(cfg) % 97) / 10)
+        return base * (0.5 if cfg.pipeline else 1.0)  # pipelines make the kernel faster
+
+    def measure(self, op, cfg, *, timeout=None, prune_above=None):
+        self.calls.append(cfg)
+        self.prune_args.append(prune_above)
+        if self.interrupt_at is not None and len(self.calls) == self.interrupt_at:
+            raise KeyboardInterrupt
+        if self.fail_mod and _h(cfg) % self.fail_mod == 0:
+            return MeasureResult("compile_error", error="fake compile error", config=cfg)
+        t = self.kernel_s(cfg)
+        if prune_above is not None and t > 3 * prune_above:
+            return MeasureResult("pruned", kernel_s=t, config=cfg)
+        return MeasureResult("ok", kernel_s=t, preprocess_s=self.preprocess(cfg), config=cfg, rel_error=0.0)
+
+    def baseline(self, op):
+        return MeasureResult("ok", kernel_s=5e-3, name="fake-baseline")
+
+
+@pytest.fixture
+def db(tmp_path):
+    return str(tmp_path / "tune.db")
+
+
+def test_space_only_available_templates_of_the_target(monkeypatch):
+    op = make_op(graph(), "spmm", 16)
+    space = candidates(op, "cpu")
+    assert space and all(spcompile.get_template(t).target == "cpu" for t in space)
+    assert all("none" in pipes for pipes in space.values())
+    assert any("reorder.rcm" in pipes for pipes in space.values())
+    name = next(iter(space))
+    monkeypatch.setattr(type(spcompile.get_template(name)), "available", lambda self: False)
+    assert name not in candidates(op, "cpu")
+
+
+def test_seeds_defaults_first_and_fail_handling(db):
+    op = make_op(graph(), "spmm", 16)
+    runner = FakeRunner(fail_mod=3)
+    res = Tuner(op, "cpu", storage=db, runner=runner, seed=0).run(trials=12)
+    assert res.n_trials == 12 and res.stop_reason == "budget"
+    tname = next(iter(candidates(op, "cpu")))
+    tpl = spcompile.get_template(tname)
+    first = runner.calls[0]
+    assert first.template == tname and dict(first.params) == tpl.default_params(spcompile.SparseModule.from_op(op))
+    tn = Tuner(op, "cpu", storage=db, runner=runner)
+    trials = tn.study.get_trials()
+    assert trials[0].user_attrs.get("seed") == "default"
+    fails = [t for t in trials if t.state == TV.FAIL]
+    assert fails and all(t.user_attrs["fail_reason"] == "compile_error" for t in fails)
+    assert res.n_fail == len(fails)
+    # the best is the fastest *successful* config, and failed configs are never stored
+    ok = [t for t in trials if t.state == TV.COMPLETE and "duplicate_of" not in t.user_attrs]
+    assert res.best_value_ms == pytest.approx(min(t.value for t in ok))
+    rec = open_database(db).lookup(op.key(), "cpu")
+    assert rec is not None and rec.value_ms == pytest.approx(res.best_value_ms)
+    failed_cfgs = {json.dumps(t.user_attrs["config"], sort_keys=True) for t in fails}
+    for r in open_database(db).records():
+        assert json.dumps(r.config.to_dict(), sort_keys=True) not in failed_cfgs
+    assert res.baseline_ms == pytest.approx(5.0) and res.speedup == pytest.approx(5.0 / res.best_kernel_ms)
+
+
+def test_pruning_and_duplicates_are_not_remeasured(db):
+    op = make_op(graph(), "spmm", 16)
+    runner = FakeRunner()
+    res = Tuner(op, "cpu", storage=db, runner=runner, seed=1).run(trials=16)
+    assert runner.prune_args[0] is None  # nothing to compare with yet
+    assert any(p is not None for p in runner.prune_args[1:])
+    digests = [json.dumps(c.to_dict(), sort_keys=True) for c in runner.calls]
+    assert len(digests) == len(set(digests)), "a config was measured twice"
+    trials = Tuner(op, "cpu", storage=db, runner=runner).study.get_trials()
+    pruned = [t for t in trials if t.state == TV.PRUNED]
+    assert res.n_pruned == len(pruned)
+    for t in pruned:  # pruned trials carry the estimate that condemned them
+        assert t.intermediate_values
+
+
+def test_budget_by_wall_time(db):
+    op = make_op(graph(), "spmm", 16)
+
+    class Slow(FakeRunner):
+        def measure(self, *a, **k):
+            time.sleep(0.2)
+            return super().measure(*a, **k)
+
+    t0 = time.perf_counter()
+    res = Tuner(op, "cpu", storage=db, runner=Slow()).run(timeout=1.0)
+    assert time.perf_counter() - t0 < 4.0
+    assert res.stop_reason == "timeout" and 1 <= res.n_trials <= 7
+
+
+def test_resume_after_interruption(db):
+    op = make_op(graph(), "spmm", 16)
+    r1 = FakeRunner(interrupt_at=4)
+    res = Tuner(op, "cpu", storage=db, runner=r1, seed=0).run(trials=10)
+    assert res.interrupted and res.n_trials == 3
+    trials = Tuner(op, "cpu", storage=db, runner=r1).study.get_trials()
+    assert [t.user_attrs.get("fail_reason") for t in trials if t.state == TV.FAIL] == ["interrupted"]
+    assert not [t for t in trials if t.state == TV.RUNNING]
+    r2 = FakeRunner()
+    res2 = Tuner(op, "cpu", storage=db, runner=r2, seed=0).run(trials=10)
+    assert res2.n_trials == 10 and not res2.interrupted
+    measured_before = {json.dumps(c.to_dict(), sort_keys=True) for c in r1.calls[:3]}
+    assert not measured_before & {json.dumps(c.to_dict(), sort_keys=True) for c in r2.calls}
+    assert len(r2.calls) <= 7 + 1  # the rest of the budget (+ the interrupted config again)
+    # a finished study is not tuned again
+    r3 = FakeRunner()
+    assert Tuner(op, "cpu", storage=db, runner=r3).run(trials=10).n_trials == 10 and not r3.calls
+
+
+def test_similar_matrices_seed_the_study(db):
+    A = graph(150, seed=3)
+    other = make_op(graph(160, seed=4), "spmm", 16)
+    tn_other = Tuner(other, "cpu", storage=db, runner=FakeRunner())
+    tname, pipes = next(iter(tn_other.space.items()))
+    label = [lab for lab in pipes if lab != "none"][0]
+    tpl = spcompile.get_template(tname)
+    mod = spcompile.SparseModule.from_op(other)
+    params = dict(tpl.default_params(mod))
+    space = tpl.space(mod)
+    pname, dist = next(iter(space.items()))
+    params[pname] = dist.choices[-1] if hasattr(dist, "choices") else dist.high
+    cfg = Config(tname, params, tuple(pipes[label]), "cpu", tpl.format)
+    rec = Record(other.key().digest(), target_digest("cpu"), "kernel_time", cfg, 1.0, 0.1, 1.0,
+                 workload=other.key().to_dict(), target=target_key("cpu"), template_hash=template_hash(tname),
+                 pass_hashes=pass_hashes(cfg.pipeline))
+    assert open_database(db).save_if_better(rec)
+    op = make_op(A, "spmm", 16)
+    runner = FakeRunner()
+    Tuner(op, "cpu", storage=db, runner=runner).run(trials=len(candidates(op, "cpu")) * 3 + 2)
+    seeded = [c for c in runner.calls if c.template == tname and list(c.pipeline) == list(cfg.pipeline)
+              and c.params.get(pname) == params[pname]]
+    assert seeded, "the similar matrix's best config was not tried"
+
+
+def test_amortized_objective_prefers_cheap_preprocessing(db):
+    op = make_op(graph(), "spmm", 16)
+    # pipelines halve the kernel time but cost 1 s of preprocessing
+    pre = lambda cfg: 1.0 if cfg.pipeline else 0.0  # noqa: E731
+    r = Tuner(op, "cpu", storage=db, runner=FakeRunner(preprocess=pre), objective="amortized",
+              expected_calls=10, seed=0).run(trials=15)
+    assert r.best_config is not None and not r.best_config.pipeline
+    r2 = Tuner(op, "cpu", storage=db, runner=FakeRunner(preprocess=pre), seed=0).run(trials=15)
+    assert r2.best_config.pipeline  # kernel time alone: the reordered configs win
+    assert r.study_name != r2.study_name
+
+
+# -- the real CPU templates and the real runner ----------------------------------------------
+class _BrokenKernel(Kernel):
+    def __init__(self, mode, **kw):
+        super().__init__(**kw)
+        self.mode = mode
+
+    def __call__(self, *inputs, out):
+        if self.mode == "wrong":
+            out[...] = 0.0
+        elif self.mode == "slow":
+            time.sleep(30)
+        elif self.mode == "raise":
+            raise RuntimeError("launch failed")
+        return out
+
+
+class _Broken(Template):
+    name = "cpu.test_broken"
+    target = "cpu"
+    ops = (("spmm", "sum"),)
+    priority = -100
+
+    def space(self, mod):
+        from optuna.distributions import CategoricalDistribution
+
+        return {"mode": CategoricalDistribution(["wrong", "slow", "raise", "compile"])}
+
+    def default_params(self, mod):
+        return {"mode": "wrong"}
+
+    def build(self, mod, params):
+        if params["mode"] == "compile":
+            raise RuntimeError("does not compile")
+        return _BrokenKernel(params["mode"], template=self.name, params=params, arrays={})
+
+
+@pytest.fixture
+def broken_template():
+    sched_base.register_template(_Broken)
+    yield sched_base._TEMPLATES[_Broken.name]
+    with sched_base._LOCK:
+        sched_base._TEMPLATES.pop(_Broken.name, None)
+
+
+def test_cpu_runner_failures_are_data(broken_template):
+    op = make_op(graph(60), "spmm", 8)
+    runner = CPURunner(repeats=3, warmup=1)
+    for mode, status in (("wrong", "wrong_result"), ("raise", "run_error"), ("compile", "compile_error")):
+        res = runner.measure(op, Config(_Broken.name, {"mode": mode}, (), "cpu"))
+        assert res.status == status and not res.ok and res.error
+    t0 = time.perf_counter()
+    res = runner.measure(op, Config(_Broken.name, {"mode": "slow"}, (), "cpu"), timeout=0.5)
+    assert res.status == "timeout" and time.perf_counter() - t0 < 5
+
+
+def test_real_cpu_templates_tune_then_build_hits_the_database(db):
+    A = graph(200, density=0.03, seed=5)
+    runner = CPURunner(repeats=3, warmup=1, min_repeat_s=5e-4)
+    res = tune(A, "spmm", K=16, target="cpu", trials=4, storage=db, runner=runner, seed=0)
+    assert res.best_config is not None and res.n_complete >= 1
+    assert res.baseline_name == "scipy.csr_matmul" and res.baseline_ms > 0
+    op = make_op(A, "spmm", 16)
+    rec = open_database(db).lookup(op.key(), "cpu")
+    assert rec.config.template == res.best_config.template and rec.valid
+    cfg, info = choose_config(op, "cpu", storage=db)
+    assert info["source"] == "database" and cfg == rec.config
+    mod = spcompile.build(A, "spmm", K=16, target="cpu", storage=db)
+    assert mod.tuning["source"] == "database" and mod.config.params == rec.config.params
+    X = np.random.default_rng(0).standard_normal((200, 16), dtype=np.float32)
+    assert reference.rel_error(mod(X), reference.spmm(spcompile.as_csr(A), X)) < 1e-5
+    # a miss (another K) uses the heuristics unless tuning is asked for
+    cfg2, info2 = choose_config(make_op(A, "spmm", 8), "cpu", storage=db)
+    assert info2["source"] == "heuristic"
+    cfg3, info3 = choose_config(make_op(A, "spmm", 8), "cpu", storage=db, trials=2, runner=FakeRunner())
+    assert info3["source"] == "tuned"
+
+
+def test_cli_tune_and_best(tmp_path, capsys):
+    import argparse
+
+    from spcompile import cli_tune
+
+    g = tmp_path / "g.npz"
+    sp.save_npz(g, graph(150, seed=7))
+    p = argparse.ArgumentParser()
+    sub = p.add_subparsers()
+    cli_tune.add_commands(sub)
+    dbp = str(tmp_path / "cli.db")
+    args = p.parse_args(["tune", str(g), "--op", "spmm", "-K", "8", "--trials", "3", "--storage", dbp,
+                         "--target", "cpu", "--no-progress"])
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    assert "baseline ms" in out and "speed-up" in out and "g " in out
+    args = p.parse_args(["best", "--storage", dbp])
+    assert args.func(args) == 0
+    assert "spmm/sum" in capsys.readouterr().out
