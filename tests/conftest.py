@@ -138,3 +138,10 @@ def no_cuda(monkeypatch):
     target.cuda_available.cache_clear()
     yield
     target.cuda_available.cache_clear()
+
+
+@pytest.fixture
+def no_tuning_db(monkeypatch, tmp_path_factory):
+    """build() without a tuning database: decisions come from the default heuristics, never from
+    records that happen to be in tuning_logs/ (and nothing is written there)."""
+    monkeypatch.setenv("SPCOMPILE_TUNING_DB", str(tmp_path_factory.getbasetemp() / "absent" / "none.db"))

@@ -13,6 +13,8 @@ from spcompile.formats import as_csr
 
 from conftest import check_result, empty_row_ids, inputs_for, random_matrix
 
+pytestmark = pytest.mark.usefixtures("no_tuning_db")
+
 OP_REDUCE = [("spmm", "sum"), ("spmm", "mean"), ("spmm", "max"), ("spmm", "min"), ("sddmm", None)]
 KS = [1, 3, 64, 100]
 
@@ -213,10 +215,21 @@ def test_target_cuda_without_gpu_is_a_clear_error(no_cuda, rect_matrix):
 
 
 def test_explicit_template_and_params(rect_matrix):
+    from spcompile.compiler import make_op
+    from spcompile.ir import SparseModule
+
+    tpl = spcompile.get_template("cpu.csr_spmm")
+    smod = SparseModule.from_op(make_op(rect_matrix, "spmm", K=10, reduce="min"))
+    params = dict(tpl.default_params(smod))
+    # a non-default value for every categorical parameter of the template's search space
+    for name, dist in tpl.space(smod).items():
+        choices = [c for c in getattr(dist, "choices", ()) if c != params.get(name)]
+        if choices:
+            params[name] = choices[0]
     mod = spcompile.build(rect_matrix, "spmm", K=10, reduce="min", target="cpu", template="cpu.csr_spmm",
-                          params={"rows_per_task": 1, "k_tile": 4})
+                          params=params)
     assert mod.config.template == "cpu.csr_spmm"
-    assert dict(mod.config.params) == {"rows_per_task": 1, "k_tile": 4}
+    assert {k: mod.config.params[k] for k in params} == params
     X = inputs_for("spmm", rect_matrix.shape, 10)[0]
     check_result(mod(X), rect_matrix, "spmm", "min", (X,))
 

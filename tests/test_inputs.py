@@ -14,6 +14,8 @@ from spcompile.ir import SparseModule, SparseOp
 
 from conftest import random_matrix
 
+pytestmark = pytest.mark.usefixtures("no_tuning_db")
+
 IP = np.array([0, 1, 3])
 IX = np.array([0, 1, 2])
 DATA = np.array([1.0, 2.0, 3.0])
@@ -303,9 +305,11 @@ def test_target_cuda_unavailable(no_cuda):
 # -- bad X / Y at call time -----------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def small_mods():
-    spmm = spcompile.build(A_SMALL, "spmm", K=4, reduce="max", target="cpu")
-    sddmm = spcompile.build(A_SMALL, "sddmm", K=4, target="cpu")
+def small_mods(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:  # module scope: no_tuning_db is not set up yet
+        mp.setenv("SPCOMPILE_TUNING_DB", str(tmp_path_factory.getbasetemp() / "absent" / "none.db"))
+        spmm = spcompile.build(A_SMALL, "spmm", K=4, reduce="max", target="cpu")
+        sddmm = spcompile.build(A_SMALL, "sddmm", K=4, target="cpu")
     return spmm, sddmm
 
 

@@ -19,6 +19,8 @@ from spcompile.module import _manifest_digest
 
 from conftest import check_result, inputs_for, random_matrix
 
+pytestmark = pytest.mark.usefixtures("no_tuning_db")
+
 
 @pytest.fixture(scope="module")
 def matrix():

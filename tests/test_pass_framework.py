@@ -19,6 +19,8 @@ from spcompile.passes import run as run_pass
 
 from conftest import check_result, inputs_for, random_matrix
 
+pytestmark = pytest.mark.usefixtures("no_tuning_db")
+
 
 @pytest.fixture(autouse=True)
 def clean_registry(monkeypatch):
