@@ -233,6 +233,11 @@ def run_bench(op: str, templates, ks, graphs, out_dir, tag):
                   + f"x{row['speedup_kernel']:.2f} lat x{row['speedup_latency']:.2f} floor {row['floor_fraction']:.2f} "
                   f"[{time.time() - t_start:.0f}s]", flush=True)
             del mods
+        _write(rows, templates, bw, torch, out_dir, tag, final=False)  # partial results survive a timeout
+    return _write(rows, templates, bw, torch, out_dir, tag, final=True)
+
+
+def _write(rows, templates, bw, torch, out_dir, tag, final):
     summary = summarize(rows, templates)
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, f"{tag}.json"), "w") as f:
@@ -241,7 +246,8 @@ def run_bench(op: str, templates, ks, graphs, out_dir, tag):
     md = markdown(rows, summary, templates, bw, torch.cuda.get_device_name(), tag)
     with open(os.path.join(out_dir, f"{tag}.md"), "w") as f:
         f.write(md)
-    print(md)
+    if final:
+        print(md.split("| graph |")[0])
     return rows, summary
 
 

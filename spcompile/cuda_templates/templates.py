@@ -146,8 +146,11 @@ class _NvccKernel(rt.CUDAKernel):
     def _upload(self, names):
         import cupy
 
-        self._dev = {k: cupy.asarray(self.arrays[k]) for k in names}
-        return tuple(int(self._dev[k].data.ptr) for k in names)
+        # keep every uploaded array referenced by the kernel: the launch passes raw pointers
+        dev = self.__dict__.setdefault("_dev", {})
+        for k in names:
+            dev[k] = cupy.asarray(self.arrays[k])
+        return tuple(int(dev[k].data.ptr) for k in names)
 
 
 # ------------------------------------------------------------------------------------------
