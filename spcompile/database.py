@@ -376,11 +376,12 @@ class Database:
         for attempt in range(20):
             try:
                 with self.engine.begin() as conn:
-                    row = conn.execute(sa.select(t.c.id, t.c.value_ms).where(*key).with_for_update()).first()
+                    row = conn.execute(sa.select(t).where(*key).with_for_update()).first()
                     if row is None:
                         conn.execute(t.insert().values(**vals))
                         return True
-                    if row.value_ms <= rec.value_ms:
+                    # a better record wins unless it was invalidated (e.g. a pass it used changed)
+                    if row.value_ms <= rec.value_ms and self._to_record(row).valid:
                         return False
                     conn.execute(t.update().where(t.c.id == row.id).values(**vals))
                     return True
