@@ -1,0 +1,218 @@
+"""tc.wmma_sgt (TC-GNN) and aspt.tiled (ASpT): every variant compiles with nvcc for sm_90 and
+sm_80; the arrays the templates upload reproduce A @ X (numpy emulation in float64, in the
+caller's order, after permuting passes too); on a GPU the kernels match the float64 reference
+with NaN-poisoned outputs at precision-appropriate tolerances."""
+import subprocess
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+
+from spcompile import reference
+from spcompile.compiler import make_op
+from spcompile.ir import SparseModule
+from spcompile.passes import Pipeline
+from spcompile.runtime import cuda as rt
+from spcompile.runtime import cuda_available
+from spcompile.schedules import get_template
+
+from conftest import random_matrix
+
+
+def _mod(A, K, reduce="sum", pipeline=()):
+    return Pipeline(list(pipeline))(SparseModule.from_op(make_op(A, "spmm", K, reduce)))
+
+
+def _ref(A, X, reduce="sum"):
+    from spcompile.formats import as_csr
+
+    return reference.run("spmm", reduce, as_csr(A), X)
+
+
+MATRICES = {
+    "random": lambda: random_matrix(300, 257, density=0.03, seed=0),
+    "clustered": lambda: sp.csr_matrix(sp.block_diag([sp.random(40, 40, density=0.5, random_state=i)
+                                                      for i in range(6)]) + sp.random(240, 240, density=0.005,
+                                                                                      random_state=9)).astype(np.float32),
+    "tiny": lambda: sp.csr_matrix(np.array([[0, 2.0, 0], [0, 0, 0], [1.0, 0, -3.0]], dtype=np.float32)),
+}
+
+
+# ------------------------------------------------------------------------------------------
+# CPU: template metadata and numpy emulation of the uploaded packing
+# ------------------------------------------------------------------------------------------
+def test_registered_with_pipelines():
+    tc, aspt = get_template("tc.wmma_sgt"), get_template("aspt.tiled")
+    A = MATRICES["random"]()
+    mod = _mod(A, 32)
+    assert tc.requires(mod) == ("sgt",) and aspt.requires(mod) == ("aspt",)
+    assert not tc.supports(mod) and not aspt.supports(mod)   # formats missing before passes
+    assert [p[-1]["name"] for p in tc.pipelines(mod)] == ["tile.sgt", "tile.sgt"]
+    assert ["cluster.lsh", "tile.aspt"] in [[x["name"] for x in p] for p in aspt.pipelines(mod)]
+    for pipe in tc.pipelines(mod):
+        assert tc.supports(_mod(A, 32, pipeline=pipe))
+    for pipe in aspt.pipelines(mod):
+        assert aspt.supports(_mod(A, 32, pipeline=pipe))
+    from spcompile.tuner import candidates
+
+    cands = candidates(make_op(A, "spmm", 32, "sum"), "cuda")
+    if rt.nvcc_available():
+        assert "tc.wmma_sgt" in cands and "aspt.tiled" in cands
+        assert any("cluster.lsh" in label for label in cands["aspt.tiled"])
+
+
+@pytest.mark.parametrize("name", sorted(MATRICES))
+@pytest.mark.parametrize("prec,shape", [("tf32", "tf32"), ("tf32", "fp16"), ("fp16", "fp16"), ("bf16", "fp16")])
+@pytest.mark.parametrize("dense_a", [0, 1])
+@pytest.mark.parametrize("reorder", [None, "reorder.rcm", "reorder.degree"])
+def test_tc_packing_emulation(name, prec, shape, dense_a, reorder):
+    from spcompile.cuda_templates.tc_wmma_sgt import emulate_tc_spmm, tc_arrays
+    from spcompile.passes.base import list_passes
+
+    if reorder and reorder not in list_passes():
+        pytest.skip(f"{reorder} not registered")
+    A = MATRICES[name]()
+    K = 19
+    pipe = ([reorder] if reorder else []) + [("tile.sgt", {"shape": shape})]
+    mod = _mod(A, K, pipeline=pipe)
+    fmt = mod.formats["sgt"]
+    arrays = tc_arrays(mod, prec, bool(dense_a))
+    X = np.random.default_rng(1).standard_normal((A.shape[1], K)).astype(np.float32)
+    meta = {"m": A.shape[0], "BW": fmt.BLK_W, "precision": prec}
+    Y = emulate_tc_spmm(arrays, meta, X)
+    ref = _ref(A, X)
+    tol = 1e-12 if (prec == "tf32" or not dense_a) else 1e-2   # dense low-precision tiles are rounded
+    assert reference.rel_error(Y, ref) <= tol
+
+
+@pytest.mark.parametrize("name", sorted(MATRICES))
+@pytest.mark.parametrize("pipe", [[("tile.aspt", {})], [("tile.aspt", {"panel_height": 16})],
+                                  ["cluster.lsh", ("tile.aspt", {})],
+                                  ["cluster.lsh", ("tile.aspt", {}), "cluster.lsh"]])
+@pytest.mark.parametrize("reduce", ["sum", "mean"])
+def test_aspt_packing_emulation(name, pipe, reduce):
+    from spcompile.cuda_templates.aspt_tiled import aspt_arrays, emulate_aspt_spmm
+
+    A = MATRICES[name]()
+    mod = _mod(A, 7, reduce, pipeline=pipe)
+    arrays = aspt_arrays(mod)
+    X = np.random.default_rng(2).standard_normal((A.shape[1], 7)).astype(np.float32)
+    Y = emulate_aspt_spmm(arrays, {"m": A.shape[0], "H": mod.formats["aspt"].panel_height}, X)
+    assert reference.rel_error(Y, _ref(A, X, reduce)) <= 1e-6
+
+
+def test_tc_mean_scaling_and_empty():
+    from spcompile.cuda_templates.tc_wmma_sgt import emulate_tc_spmm, tc_arrays
+
+    A = MATRICES["random"]()
+    mod = _mod(A, 5, "mean", pipeline=[("tile.sgt", {"shape": "tf32"})])
+    X = np.random.default_rng(3).standard_normal((A.shape[1], 5)).astype(np.float32)
+    Y = emulate_tc_spmm(tc_arrays(mod), {"m": A.shape[0], "BW": 8, "precision": "tf32"}, X)
+    assert reference.rel_error(Y, _ref(A, X, "mean")) <= 1e-6
+
+
+# ------------------------------------------------------------------------------------------
+# nvcc: every variant compiles for sm_90 and sm_80
+# ------------------------------------------------------------------------------------------
+def _all_instances(which):
+    inst = set()
+    if which == "tc":
+        t = get_template("tc.wmma_sgt")
+        for prec, bws in (("tf32", (8, 16)), ("fp16", (16,)), ("bf16", (16,))):
+            for bw in bws:
+                for tpw in (1, 2, 4):
+                    for d in (0, 1):
+                        inst.update(t.instances(prec, bw, tpw, d, 4))
+    else:
+        t = get_template("aspt.tiled")
+        for vec in (1, 2, 4):
+            for cf in (1, 2, 4):
+                for rpw in (1, 2, 4, 8):
+                    inst.update(t.instances(vec, cf, rpw))
+    return t, sorted(inst)
+
+
+@pytest.mark.skipif(not rt.nvcc_available(), reason="nvcc not installed")
+@pytest.mark.parametrize("arch", [90, 80])
+@pytest.mark.parametrize("which", ["tc", "aspt"])
+def test_compile_all_variants(tmp_path, arch, which):
+    t, inst = _all_instances(which)
+    src = tmp_path / f"{which}.cu"
+    src.write_text(t.render(inst))
+    out = tmp_path / f"{which}.cubin"
+    r = subprocess.run([rt.nvcc_path(), "-cubin", "-O3", "-std=c++17", f"-arch=sm_{arch}", "-o", str(out), str(src)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-4000:]
+    data = out.read_bytes()
+    for name, _ in inst:
+        assert name.encode() in data, name
+
+
+@pytest.mark.skipif(not rt.nvcc_available(), reason="nvcc not installed")
+def test_build_without_gpu(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPCOMPILE_KERNEL_CACHE", str(tmp_path / "cache"))
+    A = MATRICES["random"]()
+    tc = get_template("tc.wmma_sgt")
+    mod = _mod(A, 64, pipeline=tc.pipelines(_mod(A, 64))[0])
+    k = tc.build(mod, tc.default_params(mod))
+    assert k.files["kernel.fatbin"].startswith(str(tmp_path)) and k.meta["precision"] == "tf32"
+    with pytest.raises(ValueError):
+        tc.build(mod, {**tc.default_params(mod), "precision": "fp16"})   # 8-wide blocks: tf32 only
+    at = get_template("aspt.tiled")
+    mod = _mod(A, 64, pipeline=at.pipelines(_mod(A, 64))[0])
+    k = at.build(mod, at.default_params(mod))
+    assert k.meta["warps"] == 8 and k.meta["KT"] == 128
+
+
+# ------------------------------------------------------------------------------------------
+# GPU: correctness against float64, NaN-poisoned outputs
+# ------------------------------------------------------------------------------------------
+TOL = {"tf32": 2e-3, "fp16": 1e-2, "bf16": 2e-2, "fp32": 1e-5}
+
+
+def gpu_cases():
+    """(label, matrix, K, reduce, template, pipeline, params, tolerance) for the GPU checks."""
+    out = []
+    tc, at = get_template("tc.wmma_sgt"), get_template("aspt.tiled")
+    mats = {"random": random_matrix(1500, 3000, density=0.002, seed=5),
+            "clustered": MATRICES["clustered"](), "tiny": MATRICES["tiny"]()}
+    for mname, A in mats.items():
+        for K in (1, 19, 64, 128, 256):
+            for reduce in ("sum", "mean"):
+                base = _mod(A, K, reduce)
+                for pipe in tc.pipelines(base):
+                    mod = _mod(A, K, reduce, pipe)
+                    for p in tc.seed_params(mod):
+                        out.append((f"{mname}/K{K}/{reduce}/tc/{pipe[0]['options']['shape']}/{p}", A, K, reduce,
+                                    "tc.wmma_sgt", pipe, p, TOL[p["precision"]]))
+                for pipe in at.pipelines(base):
+                    mod = _mod(A, K, reduce, pipe)
+                    for p in at.seed_params(mod):
+                        out.append((f"{mname}/K{K}/{reduce}/aspt/{len(pipe)}/{p}", A, K, reduce, "aspt.tiled",
+                                    pipe, p, TOL["fp32"]))
+    return out
+
+
+def run_gpu_case(A, K, reduce, template, pipe, params, rng):
+    """Build, run on fresh inputs with a NaN-poisoned output; returns the relative error."""
+    import cupy
+
+    tpl = get_template(template)
+    mod = _mod(A, K, reduce, pipe)
+    kern = tpl.build(mod, params)
+    X = rng.standard_normal((A.shape[1], K)).astype(np.float32)
+    out = cupy.full((A.shape[0], K), np.nan, dtype=cupy.float32)
+    rt.call(kern, "cupy", [cupy.asarray(X)], out, out.shape)
+    return reference.rel_error(cupy.asnumpy(out), _ref(A, X, reduce))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not cuda_available(), reason="no usable CUDA GPU")
+def test_gpu_correct():
+    rng = np.random.default_rng(7)
+    bad = []
+    for label, A, K, reduce, template, pipe, params, tol in gpu_cases():
+        err = run_gpu_case(A, K, reduce, template, pipe, params, rng)
+        if not err <= tol:
+            bad.append((label, err))
+    assert not bad, bad[:10]
