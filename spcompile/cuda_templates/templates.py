@@ -239,8 +239,14 @@ class CrcCwm(_NvccTemplate):
         d = self.default_params(mod)
         K = mod.op.K
         seeds = [d]
-        for ms in (0, 256, 1024):
+        for ms in (0, 32, 64, 256, 1024):
             seeds.append({**d, "max_seg": ms})
+        # few rows with long-ish rows (small dense-ish graphs): short slices give parallelism
+        vec4 = _largest_vec(K, 4)
+        cf4 = min(4, max(1, -(-K // (32 * vec4))))
+        cf4 = 1 << (cf4 - 1).bit_length() if cf4 > 1 else 1
+        for ms in (32, 64):
+            seeds.append({**d, "group": 32, "vec": vec4, "cf": cf4, "max_seg": ms})
         vec = _largest_vec(K, 4)
         for cf in (1, 2, 4, 8):
             if 32 * vec * cf <= max(32 * vec, 2 * K):
@@ -426,10 +432,15 @@ class CusparseKernel(rt.CUDAKernel):
     def run(self, kind, inputs, out, stream):
         torch = self._torch
         if kind != "torch":
-            inputs = [torch.from_dlpack(x) for x in inputs]
-            out = torch.from_dlpack(out)
-            with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
-                self._run(inputs, out)
+            # CuPy callers: order against CuPy's stream by synchronising around the library call
+            # (the vendor baseline only; our own kernels launch on the caller's stream directly)
+            import cupy
+
+            cupy.cuda.ExternalStream(stream).synchronize()
+            t_in = [torch.from_dlpack(x) for x in inputs]
+            t_out = torch.from_dlpack(out)
+            self._run(t_in, t_out)
+            torch.cuda.current_stream().synchronize()
         else:
             self._run(inputs, out)
 
