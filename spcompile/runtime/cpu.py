@@ -51,7 +51,36 @@ def export(lib, directory: str | None = None, name: str = "kernel.so") -> str:
 def load(path: str):
     import tvm
 
+    configure_threads()
     return tvm.runtime.load_module(path)
+
+
+@functools.lru_cache(maxsize=None)
+def num_threads() -> int:
+    """Worker threads TVM's pool runs parallel loops on: ``TVM_NUM_THREADS`` when set, else every
+    CPU this process may run on (TVM's own default halves the count on x86, assuming SMT, which
+    leaves half of a small VM idle)."""
+    env = os.environ.get("TVM_NUM_THREADS")
+    if env and env.strip().isdigit() and int(env) > 0:
+        return int(env)
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+@functools.lru_cache(maxsize=None)
+def configure_threads() -> int:
+    """Size TVM's thread pool once per process (see :func:`num_threads`); returns the count."""
+    n = num_threads()
+    if "TVM_NUM_THREADS" not in os.environ:
+        import tvm  # noqa: F401  (registers the runtime functions)
+        import tvm_ffi
+
+        cfg = tvm_ffi.get_global_func("runtime.config_threadpool", allow_missing=True)
+        if cfg is not None:
+            cfg(0, n)  # mode 0: big cores / all, n worker threads
+    return n
 
 
 def as_tensor(a):

@@ -1,17 +1,37 @@
 """TVM TensorIR CPU kernels (llvm target) for CSR SpMM (sum/max/min/mean) and SDDMM.
 
+Both kernels run a ``T.parallel`` loop over *tasks*, each a contiguous block of rows whose
+boundaries are computed at build time (``task_bounds``, an array handed to the kernel) so that
+every task carries about the same work.  TVM's pool splits the task loop statically between its
+threads, so balanced tasks mean balanced threads even on power-law graphs with very long rows.
+
 Schedule parameters (tunable through ``space()``):
 
-* ``rows_per_task``: rows handled by one parallel task (the outer loop is ``T.parallel`` over
-  chunks of rows; larger chunks mean less scheduling overhead, smaller ones better balance),
-* ``k_tile``: width of the slice of K kept in a register accumulator while walking a row's
-  nonzeros (the row's structure is re-read once per slice, X's slice rows stay in cache).
+* ``parallel``: run the task loop on TVM's thread pool (False: one task, no pool wake-up),
+* ``tasks_per_thread``: tasks per pool thread (more tasks: finer, smaller blocks of rows),
+* ``balance``: ``"nnz"`` cuts tasks at equal ``nnz + rows`` (work), ``"rows"`` at equal row counts,
+* ``k_tile`` (SpMM): width of the slice of K held in vector registers while a row's nonzeros are
+  walked; a row's structure is re-read once per slice,
+* ``tile_order`` (SpMM): ``"row"`` finishes all K slices of a row before the next row (X's rows
+  are read once per nonzero); ``"task"`` sweeps all rows of a task once per K slice, so only a
+  ``k_tile``-wide column slice of X has to stay in cache (wins when X does not fit in L2/L3),
+* ``k_tile`` (SDDMM): the vector accumulator width of the dot products.
 
-The kernel works in the caller's order: ``indices`` are original column ids and ``row_ids`` /
+The compiled code depends only on (K, reduce, k_tile, tile_order, index dtype): the matrix enters
+as data, so builds of the same configuration share one compiled library.
+Row loops are written as ``for r in range(count): i = start + r``: a loop whose start depends on
+the parallel variable lost its offset in TVM 0.27's lowering (rows were read from 0).
+
+The kernels work in the caller's order: ``indices`` are original column ids and ``row_ids`` /
 ``nnz_ids`` say where outputs go (see :func:`~spcompile.schedules.base.csr_kernel_arrays`).
+Scalar helpers are ``T.meta_var`` expressions and accumulators are ``global``-scope buffers on
+purpose: TVM lowers let-bound scalars and ``local`` buffers inside a parallel body to
+``TVMBackendAllocWorkspace`` calls, while small ``global`` buffers become stack slots that LLVM
+keeps in registers.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -20,88 +40,188 @@ from ..ir import SparseModule
 from ..runtime import cpu as rt
 from .base import Kernel, Template, csr_kernel_arrays, register_template
 
-_REDUCE_CODE = {"sum": 0, "mean": 0, "max": 1, "min": 2}
+PARALLEL_MIN_WORK = 1 << 21  # nnz * K below which the default runs on one thread (measured)
 
 
-def _spmm_func(K: int, reduce: str, rows_per_task: int, k_tile: int, idx: str):
-    import tvm
+def task_bounds(indptr: np.ndarray, ntasks: int, balance: str = "nnz", row_cost: float = 1.0) -> np.ndarray:
+    """Row boundaries (length ``ntasks + 1``, from 0 to m) of ``ntasks`` contiguous row blocks of
+    about equal work: ``nnz + row_cost * rows`` for ``balance="nnz"``, rows for ``"rows"``."""
+    indptr = np.asarray(indptr, dtype=np.int64)
+    m = indptr.shape[0] - 1
+    ntasks = max(1, min(int(ntasks), max(m, 1)))
+    if balance == "rows":
+        return np.linspace(0, m, ntasks + 1).round().astype(np.int64)
+    if balance != "nnz":
+        raise ValueError(f"balance must be 'nnz' or 'rows', got {balance!r}")
+    work = indptr.astype(np.float64) + row_cost * np.arange(m + 1, dtype=np.float64)
+    targets = np.linspace(0.0, work[-1], ntasks + 1)
+    b = np.searchsorted(work, targets, side="left").astype(np.int64)
+    b[0], b[-1] = 0, m
+    return np.maximum.accumulate(b)
+
+
+def _tiles(K: int, k_tile: int) -> tuple[int, int, int]:
+    KT = max(1, min(int(k_tile), K))
+    return KT, K // KT, K % KT
+
+
+def _spmm_func(K: int, reduce: str, k_tile: int, tile_order: str, idx: str, parallel: bool = True):
     from tvm.script import tirx as T
 
-    KT = max(1, min(k_tile, K))
-    NT = K // KT  # full tiles
-    REM = K - NT * KT
-    R = _REDUCE_CODE[reduce]
-    MEAN = 1 if reduce == "mean" else 0
-    RPT = max(1, rows_per_task)
-    init = 0.0 if R == 0 else (-math.inf if R == 1 else math.inf)
+    LOOP = T.parallel if parallel else T.serial
+
+    KT, NT, REM = _tiles(K, k_tile)
+    # size-1 buffers become TIR scalars that do not survive the parallel lowering: keep >= 2
+    AW, RW = max(KT, 2), max(REM, 2)
+    SUM = reduce in ("sum", "mean")
+    MAX = reduce == "max"
+    MEAN = reduce == "mean"
+    init = 0.0 if SUM else (-math.inf if MAX else math.inf)
+    ROW_ORDER = tile_order == "row"
 
     @T.prim_func
-    def spmm(a_indptr: T.handle, a_indices: T.handle, a_data: T.handle, a_rows: T.handle,
-             x: T.handle, y: T.handle):
+    def spmm(a_bounds: T.handle, a_indptr: T.handle, a_indices: T.handle, a_data: T.handle,
+             a_rows: T.handle, x: T.handle, y: T.handle):
         T.func_attr({"global_symbol": "spmm", "tir.noalias": True})
         m = T.int32()
         nnz = T.int32()
         n = T.int32()
+        nb = T.int32()
+        bounds = T.match_buffer(a_bounds, (nb,), idx, align=4)
         indptr = T.match_buffer(a_indptr, (m + 1,), idx, align=4)
         indices = T.match_buffer(a_indices, (nnz,), idx, align=4)
         data = T.match_buffer(a_data, (nnz,), "float32", align=4)
         rows = T.match_buffer(a_rows, (m,), idx, align=4)
         X = T.match_buffer(x, (n, K), "float32", align=4)
         Y = T.match_buffer(y, (m, K), "float32", align=4)
-        for c in T.parallel((m + RPT - 1) // RPT):
-            for r in T.serial(RPT):
-                i = c * RPT + r
-                if i < m:
-                    lo = T.Cast("int32", indptr[i])
-                    hi = T.Cast("int32", indptr[i + 1])
-                    orow = rows[i]
-                    acc = T.alloc_buffer((KT,), "float32", scope="local")
+        for task in LOOP(nb - 1):
+            acc = T.alloc_buffer((AW,), "float32", scope="global")
+            racc = T.alloc_buffer((RW,), "float32", scope="global")
+            if ROW_ORDER:
+                for r in T.serial(T.Cast("int32", bounds[task + 1]) - T.Cast("int32", bounds[task])):
+                    i = T.meta_var(T.Cast("int32", bounds[task]) + r)
+                    lo = T.meta_var(T.Cast("int32", indptr[i]))
+                    hi = T.meta_var(T.Cast("int32", indptr[i + 1]))
+                    orow = T.meta_var(T.Cast("int64", rows[i]))
                     for t in T.serial(NT):
                         for k in T.vectorized(KT):
                             acc[k] = T.float32(init)
                         for j in T.serial(lo, hi):
+                            col = T.meta_var(T.Cast("int64", indices[j]))
                             for k in T.vectorized(KT):
-                                acc[k] = T.Select(
-                                    R == 0, acc[k] + data[j] * X[indices[j], t * KT + k],
-                                    T.Select(R == 1, T.max(acc[k], data[j] * X[indices[j], t * KT + k]),
-                                             T.min(acc[k], data[j] * X[indices[j], t * KT + k])))
+                                if SUM:
+                                    acc[k] = acc[k] + data[j] * X[col, t * KT + k]
+                                elif MAX:
+                                    acc[k] = T.max(acc[k], data[j] * X[col, t * KT + k])
+                                else:
+                                    acc[k] = T.min(acc[k], data[j] * X[col, t * KT + k])
                         for k in T.vectorized(KT):
-                            Y[orow, t * KT + k] = T.Select(
-                                hi == lo, T.float32(0),
-                                T.Select(MEAN == 1, acc[k] / T.Cast("float32", hi - lo), acc[k]))
+                            if MEAN:
+                                Y[orow, t * KT + k] = acc[k] / T.Cast("float32", T.max(hi - lo, 1))
+                            elif SUM:
+                                Y[orow, t * KT + k] = acc[k]
+                            else:
+                                Y[orow, t * KT + k] = T.Select(hi == lo, T.float32(0), acc[k])
                     if REM > 0:
-                        for k in T.serial(REM):
+                        for k in T.vectorized(REM):
+                            racc[k] = T.float32(init)
+                        for j in T.serial(lo, hi):
+                            col = T.meta_var(T.Cast("int64", indices[j]))
+                            for k in T.vectorized(REM):
+                                if SUM:
+                                    racc[k] = racc[k] + data[j] * X[col, NT * KT + k]
+                                elif MAX:
+                                    racc[k] = T.max(racc[k], data[j] * X[col, NT * KT + k])
+                                else:
+                                    racc[k] = T.min(racc[k], data[j] * X[col, NT * KT + k])
+                        for k in T.vectorized(REM):
+                            if MEAN:
+                                Y[orow, NT * KT + k] = racc[k] / T.Cast("float32", T.max(hi - lo, 1))
+                            elif SUM:
+                                Y[orow, NT * KT + k] = racc[k]
+                            else:
+                                Y[orow, NT * KT + k] = T.Select(hi == lo, T.float32(0), racc[k])
+            else:
+                for t in T.serial(NT):
+                    for r in T.serial(T.Cast("int32", bounds[task + 1]) - T.Cast("int32", bounds[task])):
+                        i = T.meta_var(T.Cast("int32", bounds[task]) + r)
+                        lo = T.meta_var(T.Cast("int32", indptr[i]))
+                        hi = T.meta_var(T.Cast("int32", indptr[i + 1]))
+                        orow = T.meta_var(T.Cast("int64", rows[i]))
+                        for k in T.vectorized(KT):
                             acc[k] = T.float32(init)
                         for j in T.serial(lo, hi):
-                            for k in T.serial(REM):
-                                acc[k] = T.Select(
-                                    R == 0, acc[k] + data[j] * X[indices[j], NT * KT + k],
-                                    T.Select(R == 1, T.max(acc[k], data[j] * X[indices[j], NT * KT + k]),
-                                             T.min(acc[k], data[j] * X[indices[j], NT * KT + k])))
-                        for k in T.serial(REM):
-                            Y[orow, NT * KT + k] = T.Select(
-                                hi == lo, T.float32(0),
-                                T.Select(MEAN == 1, acc[k] / T.Cast("float32", hi - lo), acc[k]))
+                            col = T.meta_var(T.Cast("int64", indices[j]))
+                            for k in T.vectorized(KT):
+                                if SUM:
+                                    acc[k] = acc[k] + data[j] * X[col, t * KT + k]
+                                elif MAX:
+                                    acc[k] = T.max(acc[k], data[j] * X[col, t * KT + k])
+                                else:
+                                    acc[k] = T.min(acc[k], data[j] * X[col, t * KT + k])
+                        for k in T.vectorized(KT):
+                            if MEAN:
+                                Y[orow, t * KT + k] = acc[k] / T.Cast("float32", T.max(hi - lo, 1))
+                            elif SUM:
+                                Y[orow, t * KT + k] = acc[k]
+                            else:
+                                Y[orow, t * KT + k] = T.Select(hi == lo, T.float32(0), acc[k])
+                if REM > 0:
+                    for r in T.serial(T.Cast("int32", bounds[task + 1]) - T.Cast("int32", bounds[task])):
+                        i = T.meta_var(T.Cast("int32", bounds[task]) + r)
+                        lo = T.meta_var(T.Cast("int32", indptr[i]))
+                        hi = T.meta_var(T.Cast("int32", indptr[i + 1]))
+                        orow = T.meta_var(T.Cast("int64", rows[i]))
+                        for k in T.vectorized(REM):
+                            racc[k] = T.float32(init)
+                        for j in T.serial(lo, hi):
+                            col = T.meta_var(T.Cast("int64", indices[j]))
+                            for k in T.vectorized(REM):
+                                if SUM:
+                                    racc[k] = racc[k] + data[j] * X[col, NT * KT + k]
+                                elif MAX:
+                                    racc[k] = T.max(racc[k], data[j] * X[col, NT * KT + k])
+                                else:
+                                    racc[k] = T.min(racc[k], data[j] * X[col, NT * KT + k])
+                        for k in T.vectorized(REM):
+                            if MEAN:
+                                Y[orow, NT * KT + k] = racc[k] / T.Cast("float32", T.max(hi - lo, 1))
+                            elif SUM:
+                                Y[orow, NT * KT + k] = racc[k]
+                            else:
+                                Y[orow, NT * KT + k] = T.Select(hi == lo, T.float32(0), racc[k])
 
     return spmm
 
 
-def _sddmm_func(K: int, rows_per_task: int, k_tile: int, idx: str):
+def _sddmm_func(K: int, k_tile: int, idx: str, parallel: bool = True):
     from tvm.script import tirx as T
 
-    KT = max(1, min(k_tile, K))
-    NT = K // KT
-    REM = K - NT * KT
-    RPT = max(1, rows_per_task)
+    LOOP = T.parallel if parallel else T.serial
+
+    KT, NT, REM = _tiles(K, k_tile)
+    # horizontal sum of the KT-lane accumulator by halving (log2 steps) while the width is even
+    halves = []
+    w = KT
+    while w % 2 == 0 and w > 1:
+        w //= 2
+        halves.append(w)
+    TAIL = w  # lanes left after halving, summed one by one
+    if len(halves) > 8:
+        raise ValueError(f"SDDMM k_tile {KT} too wide (at most 256 lanes)")
+    H0, H1, H2, H3, H4, H5, H6, H7 = halves + [0] * (8 - len(halves))
+    AW = max(KT, 2)  # size-1 buffers become TIR scalars that do not survive the parallel lowering
 
     @T.prim_func
-    def sddmm(a_indptr: T.handle, a_indices: T.handle, a_data: T.handle, a_rows: T.handle,
-              a_nnz_ids: T.handle, x: T.handle, y: T.handle, o: T.handle):
+    def sddmm(a_bounds: T.handle, a_indptr: T.handle, a_indices: T.handle, a_data: T.handle,
+              a_rows: T.handle, a_nnz_ids: T.handle, x: T.handle, y: T.handle, o: T.handle):
         T.func_attr({"global_symbol": "sddmm", "tir.noalias": True})
         m = T.int32()
         nnz = T.int32()
         n = T.int32()
         mx = T.int32()
+        nb = T.int32()
+        bounds = T.match_buffer(a_bounds, (nb,), idx, align=4)
         indptr = T.match_buffer(a_indptr, (m + 1,), idx, align=4)
         indices = T.match_buffer(a_indices, (nnz,), idx, align=4)
         data = T.match_buffer(a_data, (nnz,), "float32", align=4)
@@ -110,27 +230,58 @@ def _sddmm_func(K: int, rows_per_task: int, k_tile: int, idx: str):
         X = T.match_buffer(x, (mx, K), "float32", align=4)
         Y = T.match_buffer(y, (n, K), "float32", align=4)
         out = T.match_buffer(o, (nnz,), "float32", align=4)
-        for c in T.parallel((m + RPT - 1) // RPT):
-            for r in T.serial(RPT):
-                i = c * RPT + r
-                if i < m:
-                    orow = rows[i]
-                    acc = T.alloc_buffer((KT,), "float32", scope="local")
-                    s = T.alloc_buffer((1,), "float32", scope="local")
-                    for j in T.serial(T.Cast("int32", indptr[i]), T.Cast("int32", indptr[i + 1])):
+        for task in LOOP(nb - 1):
+            acc = T.alloc_buffer((AW,), "float32", scope="global")
+            s = T.alloc_buffer((2,), "float32", scope="global")
+            for r in T.serial(T.Cast("int32", bounds[task + 1]) - T.Cast("int32", bounds[task])):
+                i = T.meta_var(T.Cast("int32", bounds[task]) + r)
+                orow = T.meta_var(T.Cast("int64", rows[i]))
+                for j in T.serial(T.Cast("int32", indptr[i]), T.Cast("int32", indptr[i + 1])):
+                    col = T.meta_var(T.Cast("int64", indices[j]))
+                    for k in T.vectorized(KT):
+                        acc[k] = T.float32(0)
+                    for t in T.serial(NT):
                         for k in T.vectorized(KT):
-                            acc[k] = T.float32(0)
-                        for t in T.serial(NT):
-                            for k in T.vectorized(KT):
-                                acc[k] = acc[k] + X[orow, t * KT + k] * Y[indices[j], t * KT + k]
-                        s[0] = T.float32(0)
-                        for k in T.serial(REM):
-                            s[0] = s[0] + X[orow, NT * KT + k] * Y[indices[j], NT * KT + k]
-                        for k in T.serial(KT):
-                            s[0] = s[0] + acc[k]
-                        out[nnz_ids[j]] = data[j] * s[0]
+                            acc[k] = acc[k] + X[orow, t * KT + k] * Y[col, t * KT + k]
+                    if H0 > 0:
+                        for k in T.vectorized(H0):
+                            acc[k] = acc[k] + acc[k + H0]
+                    if H1 > 0:
+                        for k in T.vectorized(H1):
+                            acc[k] = acc[k] + acc[k + H1]
+                    if H2 > 0:
+                        for k in T.vectorized(H2):
+                            acc[k] = acc[k] + acc[k + H2]
+                    if H3 > 0:
+                        for k in T.vectorized(H3):
+                            acc[k] = acc[k] + acc[k + H3]
+                    if H4 > 0:
+                        for k in T.vectorized(H4):
+                            acc[k] = acc[k] + acc[k + H4]
+                    if H5 > 0:
+                        for k in T.vectorized(H5):
+                            acc[k] = acc[k] + acc[k + H5]
+                    if H6 > 0:
+                        for k in T.vectorized(H6):
+                            acc[k] = acc[k] + acc[k + H6]
+                    if H7 > 0:
+                        for k in T.vectorized(H7):
+                            acc[k] = acc[k] + acc[k + H7]
+                    s[0] = T.float32(0)
+                    for k in T.serial(REM):
+                        s[0] = s[0] + X[orow, NT * KT + k] * Y[col, NT * KT + k]
+                    for k in T.serial(TAIL):
+                        s[0] = s[0] + acc[k]
+                    out[T.Cast("int64", nnz_ids[j])] = data[j] * s[0]
 
     return sddmm
+
+
+@functools.lru_cache(maxsize=64)
+def _compiled(kind: str, *key) -> str:
+    """Compile (once per process and configuration) and export; returns the library path."""
+    func = _spmm_func(*key) if kind == "spmm" else _sddmm_func(*key)
+    return rt.export(rt.compile_primfunc(func))
 
 
 class _CPUKernel(Kernel):
@@ -150,7 +301,7 @@ class _CPUKernel(Kernel):
 
 class _CPUTemplate(Template):
     target = "cpu"
-    version = "1"
+    version = "2"
     priority = 10
     entry = ""
     array_order: tuple[str, ...] = ()
@@ -164,55 +315,101 @@ class _CPUTemplate(Template):
         except Exception:
             return False
 
-    def space(self, mod):
+    def _task_space(self):
         from optuna.distributions import CategoricalDistribution
 
-        K = mod.op.K
-        tiles = sorted({t for t in (4, 8, 16, 32, 64, 128) if t <= max(4, K)} | {min(K, 256)})
-        return {"rows_per_task": CategoricalDistribution([1, 4, 16, 64, 256]),
-                "k_tile": CategoricalDistribution(tiles)}
+        return {"parallel": CategoricalDistribution([True, False]),
+                "tasks_per_thread": CategoricalDistribution([1, 2, 4, 8, 32]),
+                "balance": CategoricalDistribution(["nnz", "rows"])}
 
-    def default_params(self, mod):
-        return {"rows_per_task": 16, "k_tile": min(mod.op.K, 32)}
+    @staticmethod
+    def _parallel_default(mod) -> bool:
+        # waking the thread pool costs about as much as a tiny product: run those serially
+        return mod.A.nnz * mod.op.K >= PARALLEL_MIN_WORK
 
-    def _func(self, mod, params, idx):
+    def _code_key(self, mod, params, idx) -> tuple:
         raise NotImplementedError
 
     def build(self, mod: SparseModule, params) -> Kernel:
         params = self.check_params(mod, params)
-        arrays = {k: v for k, v in csr_kernel_arrays(mod).items() if k in self.array_order}
-        idx = str(arrays["indptr"].dtype)
-        lib = rt.compile_primfunc(self._func(mod, params, idx))
-        path = rt.export(lib)
+        arrays = csr_kernel_arrays(mod)
+        idt = arrays["indptr"].dtype
+        nthreads = rt.num_threads()
+        ntasks = nthreads * int(params["tasks_per_thread"]) if params["parallel"] else 1
+        arrays["task_bounds"] = task_bounds(arrays["indptr"], ntasks, str(params["balance"])).astype(idt)
+        arrays = {k: v for k, v in arrays.items() if k in self.array_order}
+        path = _compiled(self.entry, *self._code_key(mod, params, str(idt)))
         meta = {"array_order": list(self.array_order), "llvm_target": rt.host_llvm_target(),
-                "entry": self.entry}
+                "entry": self.entry, "threads": nthreads}
         return _CPUKernel(self.name, params, arrays, {"kernel.so": path}, meta, rt.load(path), self.entry)
 
     def load(self, params, arrays, files, meta):
         return _CPUKernel(self.name, params, arrays, files, meta, rt.load(files["kernel.so"]), meta["entry"])
 
 
+def _k_tiles(K: int) -> list[int]:
+    """Register-tile widths worth trying for width K: multiples of a vector up to 256, and K."""
+    tiles = {t for t in (16, 32, 64, 128, 256) if t <= K}
+    if K <= 256:
+        tiles.add(K)
+    return sorted(tiles)
+
+
 @register_template
 class CPUSpMM(_CPUTemplate):
-    """CSR SpMM (sum/max/min/mean) as a TensorIR kernel: parallel row chunks, K tiles in registers."""
+    """CSR SpMM (sum/max/min/mean) as a TensorIR kernel: nnz-balanced parallel row blocks,
+    K slices accumulated in vector registers."""
 
     name = "cpu.csr_spmm"
     ops = tuple(("spmm", r) for r in ("sum", "max", "min", "mean"))
     entry = "spmm"
-    array_order = ("indptr", "indices", "data", "row_ids")
+    array_order = ("task_bounds", "indptr", "indices", "data", "row_ids")
 
-    def _func(self, mod, params, idx):
-        return _spmm_func(mod.op.K, mod.op.reduce, int(params["rows_per_task"]), int(params["k_tile"]), idx)
+    def space(self, mod):
+        from optuna.distributions import CategoricalDistribution
+
+        return {**self._task_space(),
+                "k_tile": CategoricalDistribution(_k_tiles(mod.op.K)),
+                "tile_order": CategoricalDistribution(["row", "task"])}
+
+    def default_params(self, mod):
+        K = mod.op.K
+        # one register tile per row up to 64 lanes (4 zmm); wider K is cut into 64-lane slices.
+        # Measured: sweeping the slices task by task pays off when X outgrows the caches *and*
+        # rows are long enough (mean >= 16) that re-reading the structure per slice is cheap.
+        k_tile = K if K <= 64 else 64
+        A = mod.A
+        x_bytes = A.shape[1] * K * 4
+        mean_row = A.nnz / max(1, A.shape[0])
+        order = "task" if (K > 64 and x_bytes > (4 << 20) and mean_row >= 16) else "row"
+        return {"parallel": self._parallel_default(mod), "tasks_per_thread": 4, "balance": "nnz",
+                "k_tile": k_tile, "tile_order": order}
+
+    def _code_key(self, mod, params, idx):
+        return (mod.op.K, mod.op.reduce, int(params["k_tile"]), str(params["tile_order"]), idx,
+                bool(params["parallel"]))
 
 
 @register_template
 class CPUSDDMM(_CPUTemplate):
-    """CSR SDDMM as a TensorIR kernel: parallel row chunks, vectorised dot products per nonzero."""
+    """CSR SDDMM as a TensorIR kernel: nnz-balanced parallel row blocks, vectorised dot products."""
 
     name = "cpu.csr_sddmm"
     ops = (("sddmm", None),)
     entry = "sddmm"
-    array_order = ("indptr", "indices", "data", "row_ids", "nnz_ids")
+    array_order = ("task_bounds", "indptr", "indices", "data", "row_ids", "nnz_ids")
 
-    def _func(self, mod, params, idx):
-        return _sddmm_func(mod.op.K, int(params["rows_per_task"]), int(params["k_tile"]), idx)
+    def space(self, mod):
+        from optuna.distributions import CategoricalDistribution
+
+        K = mod.op.K
+        tiles = sorted({t for t in (16, 32, 64) if t <= K} | ({K} if K < 16 else set()))
+        return {**self._task_space(), "k_tile": CategoricalDistribution(tiles)}
+
+    def default_params(self, mod):
+        K = mod.op.K
+        return {"parallel": self._parallel_default(mod), "tasks_per_thread": 4, "balance": "nnz",
+                "k_tile": 32 if K >= 64 else min(K, 16)}
+
+    def _code_key(self, mod, params, idx):
+        return (mod.op.K, int(params["k_tile"]), idx, bool(params["parallel"]))
