@@ -8,7 +8,7 @@
 # when no server binaries are found (unless SPCOMPILE_PG_NO_INSTALL=1), creates a cluster in a
 # temporary directory owned by a non-root user (postgres refuses to run as root), starts it on a
 # free port with trust authentication on 127.0.0.1 only, and creates the database spcompile_test.
-# Stop it with: "$SPCOMPILE_TEST_PG_CTL" stop (run as the cluster's owner).
+# Stop it with: runuser -u "$SPCOMPILE_TEST_PG_OWNER" -- "$SPCOMPILE_TEST_PG_CTL" -D "$SPCOMPILE_TEST_PG_DATA" stop
 # Failures are reported on stderr and return non-zero without ending the calling shell.
 
 _spc_pg_log() { echo "[postgres.sh] $*" >&2; }
@@ -93,7 +93,8 @@ _spc_pg_setup() {
   fi
   export SPCOMPILE_TEST_PG_URL="postgresql+psycopg2://postgres@127.0.0.1:${port}/spcompile_test"
   export SPCOMPILE_TEST_PG_DATA="$base/data"
-  export SPCOMPILE_TEST_PG_CTL="$bindir/pg_ctl -D $base/data"
+  export SPCOMPILE_TEST_PG_CTL="$bindir/pg_ctl"
+  export SPCOMPILE_TEST_PG_OWNER="$owner"
   _spc_pg_log "PostgreSQL running: ${SPCOMPILE_TEST_PG_URL} (data ${base}/data, owner ${owner})"
   return 0
 }
@@ -101,7 +102,8 @@ _spc_pg_setup() {
 if _spc_pg_setup; then
   echo "SPCOMPILE_TEST_PG_URL=${SPCOMPILE_TEST_PG_URL}"
   echo "SPCOMPILE_TEST_PG_DATA=${SPCOMPILE_TEST_PG_DATA:-}"
-  echo "SPCOMPILE_TEST_PG_OWNER=$( [ "$(id -u)" = "0" ] && echo postgres || id -un )"
+  echo "SPCOMPILE_TEST_PG_CTL=${SPCOMPILE_TEST_PG_CTL:-}"
+  echo "SPCOMPILE_TEST_PG_OWNER=${SPCOMPILE_TEST_PG_OWNER:-}"
 else
   _spc_pg_log "no PostgreSQL server: the postgres tests will try again and fail in CI"
   if [ "${BASH_SOURCE[0]}" = "$0" ]; then exit 1; fi

@@ -319,14 +319,14 @@ class Database:
                                 name="uq_spcompile_record"),
             sa.Index("ix_spcompile_records_lookup", "workload_digest", "target_digest"),
         )
-        for _ in range(5):  # concurrent first-time creation may race
+        for attempt in range(10):  # concurrent first-time creation races (PostgreSQL: pg_type clash)
             try:
                 md.create_all(self.engine, checkfirst=True)
                 break
-            except sa.exc.OperationalError:
-                time.sleep(0.2)
-            except sa.exc.ProgrammingError:  # another process created it meanwhile (PostgreSQL)
-                time.sleep(0.2)
+            except (sa.exc.OperationalError, sa.exc.ProgrammingError, sa.exc.IntegrityError):
+                if attempt == 9:
+                    raise
+                time.sleep(0.1 * (attempt + 1))
         self._sa = sa
 
     def close(self):
