@@ -55,7 +55,10 @@ def task_bounds(indptr: np.ndarray, ntasks: int, balance: str = "nnz", row_cost:
         raise ValueError(f"balance must be 'nnz' or 'rows', got {balance!r}")
     work = indptr.astype(np.float64) + row_cost * np.arange(m + 1, dtype=np.float64)
     targets = np.linspace(0.0, work[-1], ntasks + 1)
-    b = np.searchsorted(work, targets, side="left").astype(np.int64)
+    b = np.clip(np.searchsorted(work, targets, side="left"), 1, m).astype(np.int64)
+    # cut at the nearer of the two row boundaries around each target (a long row is not
+    # dragged into the task before it)
+    b -= (targets - work[b - 1]) < (work[b] - targets)
     b[0], b[-1] = 0, m
     return np.maximum.accumulate(b)
 
