@@ -82,6 +82,35 @@ def minhash_signatures(A: CSR, siglen: int = 128, seed: int = 0, block: int = 16
     return sig
 
 
+def oph_signatures(A: CSR, siglen: int = 128, seed: int = 0, chunk_rows: int = 1 << 15) -> np.ndarray:
+    """(m, siglen) uint32 signatures by densified one-permutation hashing: one random hash per
+    column, its top bits choose one of ``siglen`` bins, the row's minimum per bin is kept, and
+    empty bins borrow the next non-empty bin (circularly) plus an offset per step.  Collision
+    probability per bin is still the Jaccard similarity; cost is one pass over the entries instead
+    of ``siglen`` (used for large matrices, see ``lsh_order``)."""
+    m, n = A.shape
+    sig = np.full((m, siglen), _U32_MAX, dtype=np.uint32)
+    if A.nnz == 0 or siglen == 0:
+        return sig
+    rng = np.random.default_rng(seed)
+    H = rng.integers(0, 1 << 32, size=n, dtype=np.uint32)
+    h = H[A.indices]
+    b = ((h.astype(np.uint64) * np.uint64(siglen)) >> np.uint64(32)).astype(np.int64)
+    flat = np.repeat(np.arange(m, dtype=np.int64), _lengths(A)) * siglen + b
+    np.minimum.at(sig.reshape(-1), flat, h)
+    nonempty_rows = np.flatnonzero(_lengths(A) > 0)
+    ar = np.arange(2 * siglen)
+    for a in range(0, nonempty_rows.shape[0], chunk_rows):
+        rows = nonempty_rows[a:a + chunk_rows]
+        s2 = np.concatenate([sig[rows], sig[rows]], axis=1)
+        idx = np.where(s2 != _U32_MAX, ar, 4 * siglen)
+        nxt = np.minimum.accumulate(idx[:, ::-1], axis=1)[:, ::-1][:, :siglen]
+        dist = (nxt - ar[:siglen]).astype(np.uint64)
+        val = np.take_along_axis(s2, nxt, axis=1).astype(np.uint64)
+        sig[rows] = ((val + dist * np.uint64(0x9E3779B1)) & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+    return sig
+
+
 def _band_keys(sig: np.ndarray, b: int, bsize: int) -> np.ndarray:
     cols = sig[:, b * bsize:(b + 1) * bsize].astype(np.uint64)
     if bsize == 1:
@@ -121,8 +150,8 @@ def lsh_candidate_pairs(sig: np.ndarray, rows: np.ndarray | None = None, bsize: 
     s = sig[rows]
     keys = counts = None
     pending: list[np.ndarray] = []
-    pending_n = 0
-    flush_at = max(1 << 22, 4 * rows.shape[0])
+    pending_n = generated = 0
+    flush_at = max(1 << 22, 4 * rows.shape[0], 2 * (max_pairs or 0))
     for b in range(siglen // bsize):
         bk = _band_keys(s, b, bsize)
         order = np.argsort(bk, kind="stable")
@@ -138,9 +167,12 @@ def lsh_candidate_pairs(sig: np.ndarray, rows: np.ndarray | None = None, bsize: 
             lo, hi = np.minimum(a, c), np.maximum(a, c)
             pending.append(lo * m + hi)
             pending_n += lo.shape[0]
+            generated += lo.shape[0]
         if pending_n > flush_at:
             keys, counts = _merge_counts(keys, counts, np.concatenate(pending))
             pending, pending_n = [], 0
+            if max_pairs is not None and (keys.shape[0] >= 2 * max_pairs or generated >= 8 * max_pairs):
+                break  # enough pairs: the most similar ones collide in almost every band anyway
     if pending:
         keys, counts = _merge_counts(keys, counts, np.concatenate(pending))
     if keys is None:
@@ -311,11 +343,14 @@ def cluster_rows(m: int, pi, pj, sims, threshold_size: int = 256, similarity=Non
 
 def lsh_order(A: CSR, siglen: int = 128, bsize: int = 2, threshold_size: int = 256, seed: int = 0,
               window: int = 8, max_pairs: int | None = 2_000_000, similarity: str = "auto",
-              exact_budget: int = 1 << 25) -> tuple[np.ndarray, dict]:
-    """Row order of ``A`` by LSH + clustering (new position -> row) and some statistics."""
+              exact_budget: int = 1 << 25, signatures: str = "auto") -> tuple[np.ndarray, dict]:
+    """Row order of ``A`` by LSH + clustering (new position -> row) and some statistics.
+    ``signatures``: "minhash" (siglen hash functions), "oph" (densified one-permutation hashing)
+    or "auto" (minhash up to 2**28 hash evaluations, i.e. siglen x nnz, else oph)."""
     m = A.shape[0]
     t0 = time.perf_counter()
-    sig = minhash_signatures(A, siglen, seed)
+    use_oph = signatures == "oph" or (signatures == "auto" and siglen * A.nnz > (1 << 28))
+    sig = oph_signatures(A, siglen, seed) if use_oph else minhash_signatures(A, siglen, seed)
     t1 = time.perf_counter()
     rows = np.flatnonzero(_lengths(A) > 0)
     pi, pj, hits = lsh_candidate_pairs(sig, rows, bsize, window, max_pairs, seed)
@@ -336,6 +371,7 @@ def lsh_order(A: CSR, siglen: int = 128, bsize: int = 2, threshold_size: int = 2
     order = cluster_rows(m, pi, pj, sims, threshold_size, _Similarity(A, sig, exact))
     t4 = time.perf_counter()
     return order, {"candidate_pairs": int(pi.shape[0]), "exact_similarity": bool(exact),
+                   "signatures": "oph" if use_oph else "minhash",
                    "seconds_minhash": t1 - t0, "seconds_banding": t2 - t1,
                    "seconds_similarity": t3 - t2, "seconds_clustering": t4 - t3}
 

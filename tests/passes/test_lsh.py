@@ -119,6 +119,21 @@ def test_minhash_estimates_jaccard():
     assert np.all(pi < pj) and hits.min() >= 1
 
 
+def test_oph_signatures_estimate_jaccard_and_order():
+    from spcompile.passes.cluster_lsh import oph_signatures
+
+    A, _ = scrambled_groups(groups=5, size=4, per_row=40)
+    sig = oph_signatures(A, 64, seed=2)
+    assert not (sig == 0xFFFFFFFF).any()  # densified: no empty bins on non-empty rows
+    i, j = np.triu_indices(A.shape[0], 1)
+    est = (sig[i] == sig[j]).mean(axis=1)
+    assert np.abs(est - jaccard_pairs(A, i, j)).mean() < 0.1
+    B, _ = scrambled_groups(seed=9)
+    order, info = lsh_order(B, signatures="oph")
+    assert info["signatures"] == "oph" and sorted(order.tolist()) == list(range(B.shape[0]))
+    assert consecutive_similarity(as_csr(B.to_scipy()[order])) > consecutive_similarity(B) + 0.3
+
+
 def test_candidate_pairs_bounded_per_bucket():
     # 500 identical rows: one bucket per band; the window keeps pairs linear, not 500^2/2
     S = sp.csr_matrix(np.ones((500, 3)))
