@@ -555,7 +555,7 @@ class Tuner:
             baseline_ms=b.get("ms"), baseline_name=b.get("name"),
             n_trials=sum(1 for t in trials if self._counted(t)),
             n_complete=sum(1 for t in trials if t.state == TrialState.COMPLETE and "duplicate_of" not in t.user_attrs),
-            n_fail=sum(fails.values()), n_pruned=sum(1 for t in trials if t.state == TrialState.PRUNED),
+            n_fail=sum(v for k, v in fails.items() if k != INTERRUPTED), n_pruned=sum(1 for t in trials if t.state == TrialState.PRUNED),
             n_stale=n_stale, interrupted=interrupted, stop_reason=stop, fail_reasons=fails)
 
 
