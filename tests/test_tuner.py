@@ -40,8 +40,10 @@ class FakeRunner:
 
     target = "cpu"
 
-    def __init__(self, fail_mod=0, interrupt_at=None, preprocess=None):
+    def __init__(self, fail_mod=0, interrupt_at=None, preprocess=None, kernel=None):
         self.calls: list[Config] = []
+        if kernel is not None:
+            self.kernel_s = kernel
         self.prune_args = []
         self.fail_mod = fail_mod
         self.interrupt_at = interrupt_at
@@ -186,10 +188,11 @@ def test_amortized_objective_prefers_cheap_preprocessing(db):
     op = make_op(graph(), "spmm", 16)
     # pipelines halve the kernel time but cost 1 s of preprocessing
     pre = lambda cfg: 1.0 if cfg.pipeline else 0.0  # noqa: E731
-    r = Tuner(op, "cpu", storage=db, runner=FakeRunner(preprocess=pre), objective="amortized",
-              expected_calls=10, seed=0).run(trials=15)
+    kern = lambda cfg: 1e-3 * (1 + (_h(cfg) % 7) / 100) * (0.5 if cfg.pipeline else 1.0)  # noqa: E731
+    r = Tuner(op, "cpu", storage=db, runner=FakeRunner(preprocess=pre, kernel=kern), objective="amortized",
+              expected_calls=10, seed=0).run(trials=12)
     assert r.best_config is not None and not r.best_config.pipeline
-    r2 = Tuner(op, "cpu", storage=db, runner=FakeRunner(preprocess=pre), seed=0).run(trials=15)
+    r2 = Tuner(op, "cpu", storage=db, runner=FakeRunner(preprocess=pre, kernel=kern), seed=0).run(trials=12)
     assert r2.best_config.pipeline  # kernel time alone: the reordered configs win
     assert r.study_name != r2.study_name
 
