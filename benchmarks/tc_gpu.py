@@ -98,6 +98,12 @@ def sanitize_cases():
                 yield (f"san/K{K}/aspt/{p}", A, K, "sum", at, mod, p, TOL["fp32"])
 
 
+def _abs_csr(A):
+    from spcompile.formats import CSR
+
+    return CSR(A.indptr, A.indices, np.abs(np.asarray(A.data)), A.shape)
+
+
 def run_checks(cases, build_only, log):
     fails = 0
     rng = np.random.default_rng(123)
@@ -111,8 +117,19 @@ def run_checks(cases, build_only, log):
             X = rng.standard_normal((A.shape[1], K)).astype(np.float32)
             out = cupy.full((A.shape[0], K), np.nan, dtype=cupy.float32)
             rt.call(kern, "cupy", [cupy.asarray(X)], out, out.shape)
-            err = reference.rel_error(cupy.asnumpy(out), reference.run("spmm", reduce, mod.op.A, X))
+            y = cupy.asnumpy(out)
+            ref = reference.run("spmm", reduce, mod.op.A, X)
+            err = reference.rel_error(y, ref)
             ok = err <= tol
+            if not ok and tol > TOL["fp32"] and np.all(np.isfinite(y)):
+                # reduced precision on outputs with cancellation (e.g. 3 values, K=1): the error is
+                # bounded relative to |A| |X| (the rounding of each product), not to |A X|
+                absA = mod.op.A.to_scipy() if hasattr(mod.op.A, "to_scipy") else None
+                scale = reference.run("spmm", reduce, _abs_csr(mod.op.A), np.abs(X)) if absA is None else \
+                    abs(absA) @ np.abs(X.astype(np.float64))
+                err_abs = float(np.linalg.norm(y - ref) / max(np.linalg.norm(scale), 1e-300))
+                ok = err_abs <= tol
+                err = f"{err} (vs |A||X|: {err_abs:.2e})"
         except Exception as e:  # failures are data
             err, ok = repr(e)[:300], False
         fails += not ok

@@ -203,7 +203,13 @@ def run_gpu_case(A, K, reduce, template, pipe, params, rng):
     X = rng.standard_normal((A.shape[1], K)).astype(np.float32)
     out = cupy.full((A.shape[0], K), np.nan, dtype=cupy.float32)
     rt.call(kern, "cupy", [cupy.asarray(X)], out, out.shape)
-    return reference.rel_error(cupy.asnumpy(out), _ref(A, X, reduce))
+    y, ref = cupy.asnumpy(out), _ref(A, X, reduce)
+    err = reference.rel_error(y, ref)
+    if kern.meta.get("precision", "fp32") != "fp32" and np.all(np.isfinite(y)):
+        # reduced precision with cancellation (a 3x3 matrix at K=1): bound relative to |A| |X|
+        scale = abs(sp.csr_matrix(A)).astype(np.float64) @ np.abs(X.astype(np.float64))
+        err = min(err, float(np.linalg.norm(y - ref) / max(np.linalg.norm(scale), 1e-300)))
+    return err
 
 
 @pytest.mark.gpu

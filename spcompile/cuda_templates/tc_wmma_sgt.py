@@ -57,6 +57,8 @@ def tc_arrays(mod: SparseModule, precision: str = "tf32", dense_a: bool = True) 
            "blk_cols": np.ascontiguousarray(cols.reshape(-1), dtype=np.int32),
            "row_ids": np.ascontiguousarray(ka["row_ids"], dtype=np.int32)}
     BW = fmt.BLK_W
+    if precision == "fp16" and data.size and float(np.abs(data).max()) > 65504.0:
+        raise ValueError("matrix values exceed the fp16 range; use tf32 or bf16")
     if dense_a:
         t = fmt.dense_tiles(data, np.float32)
         if precision == "fp16":
