@@ -1,0 +1,404 @@
+"""``sptc.vnm``: Sparse-Tensor-Core SpMM (``mma.sp`` m16n8k32, 2:4) after ``reorder.vnm`` (SOGRE, PPoPP'25).
+
+After the SOGRE reordering most 4-column segment vectors of the matrix hold at most 2 entries, i.e.
+the matrix (nearly) conforms to 2:4.  This template packs the reordered matrix into the operand form
+of ``mma.sp.sync.aligned.m16n8k32.row.col.f32.{f16,bf16}.{f16,bf16}.f32`` and runs it on the
+sparse tensor cores with fp32 accumulation (``sptc_vnm.cu``):
+
+* the rows are cut into 16-row windows and the columns into 32-column blocks; only the nonempty
+  (window, block) **tiles** are stored (block-CSR ``win_ptr`` over windows, sorted by block);
+* per tile and row, each 4-column chunk keeps its first two entries (in column order): the
+  compressed 16 x 16 values, already laid out as each lane's A fragment (``frag``: 32 lanes x 8
+  fp16 / bf16 values), and the 2-bit positions of the kept values as the lanes' metadata words
+  (``meta``: 16 uint32 per tile, the word of lane ``4g + t`` for ``t < 2``, sparsity selector 0);
+* ``cols``: 32 original X rows per tile (``col_perm`` folded in; -1 for columns that no kept entry
+  of the tile uses, so the kernel loads no X row for them);
+* **lossless remainder**: entries beyond the first two of a chunk (segment vectors that still
+  violate 2:4 after reordering) go to a CSR remainder in the caller's order (``rem_ptr``,
+  ``rem_rows``, ``rem_cols``, ``rem_vals``: fp32), added by a CUDA-core kernel launched after the
+  tensor-core kernel on the same stream.  Nothing is pruned: the output equals A @ X up to the
+  fp16 / bf16 rounding of A's values and of X (fp32 accumulation).
+
+Metadata bit order (PTX ISA, "sparse matrix storage" and the m16n8k32 f16/bf16 metadata figure):
+each chunk of 4 columns contributes a nibble ``idx0 | idx1 << 2`` with ``idx0 < idx1`` (the
+positions of its two stored values; a chunk with fewer entries stores zeros at unused positions);
+with selector 0 the threads ``t = 0, 1`` of each quad ``g`` supply the metadata: thread ``t``
+holds the chunks of columns ``16t .. 16t + 15`` of row ``g`` in bits 0..15 (chunk ``4t + q`` at bits
+``4q``) and those of row ``g + 8`` in bits 16..31 (``META_LAYOUT = "split16"``).  The alternative
+reading (``"rowwise"``: thread 0 = all of row g, thread 1 = row g + 8) is kept for the GPU probe
+test, which checks the layout against numpy on a random dense 2:4 tile.
+
+The kernel works in the caller's order (row_ids / col_perm folded into the arrays).  SpMM ``sum``
+and ``mean`` (values scaled by 1 / row length at build time); tensor cores cannot do max / min.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import numpy as np
+
+from ..ir import SparseModule
+from ..runtime import cuda as rt
+from ..schedules.base import csr_kernel_arrays, register_template
+from .templates import _NvccKernel, _NvccTemplate
+
+__all__ = ["SptcVnm", "sptc_arrays", "emulate_sptc_spmm", "decode_tiles", "META_LAYOUT", "PRECISIONS",
+           "fragment_index"]
+
+#: precision name -> (kernel code, reference.tolerance name)
+PRECISIONS = {"fp16": (1, "float16"), "bf16": (2, "bfloat16")}
+META_LAYOUT = "split16"
+
+
+def _bf16_bits(a: np.ndarray) -> np.ndarray:
+    u = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    u = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    return u.astype(np.uint16)
+
+
+def _to_bits(v: np.ndarray, precision: str) -> np.ndarray:
+    if precision == "fp16":
+        return np.asarray(v, dtype=np.float32).astype(np.float16).view(np.uint16)
+    return _bf16_bits(v)
+
+
+def _from_bits(b: np.ndarray, precision: str) -> np.ndarray:
+    b = np.asarray(b, dtype=np.uint16)
+    if precision == "fp16":
+        return b.view(np.float16).astype(np.float64)
+    return (b.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
+def fragment_index():
+    """``(R, C)``: int arrays (32, 8); element i of lane ``4g + t``'s A fragment is compressed
+    tile entry ``(R, C)`` (m16n8k16 A layout: a0,a1 row g cols 2t, 2t+1; a2,a3 row g + 8; a4..a7
+    the same 8 columns further)."""
+    lane = np.arange(32)[:, None]
+    i = np.arange(8)[None, :]
+    g, t = lane >> 2, lane & 3
+    R = g + 8 * ((i >> 1) & 1)
+    C = 2 * t + (i & 1) + 8 * (i >> 2)
+    return np.broadcast_to(R, (32, 8)).copy(), np.broadcast_to(C, (32, 8)).copy()
+
+
+def _meta_words(rowword: np.ndarray, layout: str) -> np.ndarray:
+    """(ntiles, 16) uint32 row words (chunk j at bits 4j) -> (ntiles, 16) lane words (index 2g + t)."""
+    rw = rowword.astype(np.uint64)
+    lo, hi = rw[:, :8], rw[:, 8:]
+    out = np.empty((rw.shape[0], 8, 2), np.uint64)
+    if layout == "split16":
+        out[:, :, 0] = (lo & 0xFFFF) | ((hi & 0xFFFF) << 16)
+        out[:, :, 1] = (lo >> 16) | ((hi >> 16) << 16)
+    elif layout == "rowwise":
+        out[:, :, 0], out[:, :, 1] = lo, hi
+    else:
+        raise ValueError(f"unknown metadata layout {layout!r}")
+    return out.reshape(-1, 16).astype(np.uint32)
+
+
+def _row_words(meta: np.ndarray, layout: str) -> np.ndarray:
+    """Inverse of :func:`_meta_words`."""
+    mw = np.asarray(meta, dtype=np.uint64).reshape(-1, 8, 2)
+    rw = np.empty((mw.shape[0], 16), np.uint64)
+    if layout == "split16":
+        rw[:, :8] = (mw[:, :, 0] & 0xFFFF) | ((mw[:, :, 1] & 0xFFFF) << 16)
+        rw[:, 8:] = (mw[:, :, 0] >> 16) | ((mw[:, :, 1] >> 16) << 16)
+    else:
+        rw[:, :8], rw[:, 8:] = mw[:, :, 0], mw[:, :, 1]
+    return rw.astype(np.uint32)
+
+
+def pack_tiles(tile, rr, j, idx, slot, val_bits, ntiles, layout=META_LAYOUT):
+    """``frag`` (ntiles*32*4 uint32), ``meta`` (ntiles*16 uint32) and the entry list ``nz_ptr`` /
+    ``nz`` (fragment position | value bits << 16, grouped by tile) from the kept entries: tile id,
+    row in tile, chunk j (0..7), position in chunk (0..3), slot (0/1; the chunk's entries in column
+    order) and value bits (uint16).  A chunk with one entry at position 3 moves it to slot 1."""
+    tile = np.asarray(tile, np.int64)
+    rr, j, idx, slot = (np.asarray(a, np.int64) for a in (rr, j, idx, slot))
+    cell = (tile * 16 + rr) * 8 + j
+    # does the chunk hold a second kept entry?
+    has2 = np.zeros(ntiles * 128, bool)
+    has2[cell[slot == 1]] = True
+    single = (slot == 0) & ~has2[cell]
+    slot = np.where(single & (idx == 3), 1, slot)
+    I0 = np.zeros(ntiles * 128, np.uint32)
+    I1 = np.ones(ntiles * 128, np.uint32)
+    s0, s1 = slot == 0, slot == 1
+    I0[cell[s0]] = idx[s0]
+    I1[cell[s1]] = idx[s1]
+    lone = single & (idx < 3)
+    I1[cell[lone]] = 3                                # zero value at position 3
+    lone3 = single & (idx == 3)
+    I0[cell[lone3]] = 2                               # zero value at position 2, the entry in slot 1
+    nib = (I0 | (I1 << 2)).reshape(ntiles, 16, 8)
+    rowword = np.zeros((ntiles, 16), np.uint32)
+    for q in range(8):
+        rowword |= nib[:, :, q] << np.uint32(4 * q)
+    meta = _meta_words(rowword, layout)
+    vals = np.zeros((ntiles, 16, 16), np.uint16)
+    vals[tile, rr, 2 * j + slot] = val_bits
+    R, C = fragment_index()
+    frag = vals[:, R, C]                                # (ntiles, 32, 8) uint16
+    inv = np.empty(256, np.int64)
+    inv[(R * 16 + C).ravel()] = np.arange(256)
+    pos = inv[rr * 16 + 2 * j + slot]
+    o = np.argsort(tile, kind="stable")
+    nz = (pos[o].astype(np.uint32) | (np.asarray(val_bits, np.uint32)[o] << np.uint32(16))).astype(np.uint32)
+    nz_ptr = np.concatenate([[0], np.cumsum(np.bincount(tile, minlength=ntiles))]).astype(np.int32)
+    return (np.ascontiguousarray(frag).reshape(-1).view(np.uint32).copy(),
+            np.ascontiguousarray(meta.reshape(-1)), nz_ptr, nz)
+
+
+def sptc_arrays(mod: SparseModule, precision: str = "fp16", layout: str = META_LAYOUT) -> dict[str, np.ndarray]:
+    """Kernel arrays of the 2:4 tile form of ``mod.A`` plus the CSR remainder (see module doc)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
+    A = mod.A
+    m, n = A.shape
+    ka = csr_kernel_arrays(mod, np.int32)
+    indptr = np.asarray(A.indptr, np.int64)
+    lens = np.diff(indptr)
+    rows = np.repeat(np.arange(m, dtype=np.int64), lens)
+    cols = np.asarray(A.indices, np.int64)
+    data = np.asarray(A.data, np.float32)
+    if mod.op.reduce == "mean":
+        data = (data / np.repeat(np.maximum(lens, 1), lens)).astype(np.float32)
+    key = rows * (n + 1) + cols
+    if key.size and np.any(key[1:] < key[:-1]):
+        o = np.argsort(key, kind="stable")
+        rows, cols, data = rows[o], cols[o], data[o]
+    nnz = cols.size
+    # rank of each entry inside its (row, 4-column chunk)
+    gkey = rows * (-(-n // 4) + 1) + (cols >> 2)
+    first = np.ones(nnz, bool)
+    if nnz:
+        first[1:] = gkey[1:] != gkey[:-1]
+    start = np.maximum.accumulate(np.where(first, np.arange(nnz), 0)) if nnz else np.zeros(0, np.int64)
+    rank = np.arange(nnz) - start
+    keep = rank < 2
+    row_ids = np.asarray(ka["row_ids"], np.int64)
+    col_map = np.arange(n, dtype=np.int64) if mod.col_perm is None else np.asarray(mod.col_perm, np.int64)
+    # --- remainder (caller's order), grouped by original row
+    rr_o, rc_o, rv = row_ids[rows[~keep]], col_map[cols[~keep]], data[~keep]
+    o = np.argsort(rr_o, kind="stable")
+    rr_o, rc_o, rv = rr_o[o], rc_o[o], rv[o]
+    urows, cnt = np.unique(rr_o, return_counts=True)
+    rem_ptr = np.concatenate([[0], np.cumsum(cnt)]).astype(np.int32)
+    # --- tiles
+    r, c, v, s = rows[keep], cols[keep], data[keep], rank[keep]
+    nwin = -(-m // 16)
+    ncb = -(-n // 32)
+    tkey = (r >> 4) * ncb + (c >> 5)
+    ukeys, tid = np.unique(tkey, return_inverse=True)
+    ntiles = ukeys.size
+    win_ptr = np.concatenate([[0], np.cumsum(np.bincount(ukeys // ncb, minlength=nwin))]).astype(np.int32) \
+        if ntiles else np.zeros(nwin + 1, np.int32)
+    # per-row power-of-two scale keeps the stored values inside the fp16 range
+    amax = np.zeros(m, np.float64)
+    if nnz:
+        np.maximum.at(amax, rows, np.abs(data.astype(np.float64)))
+    ex = np.where(amax > 0, np.floor(np.log2(np.where(amax > 0, amax, 1.0))), 0.0)
+    row_scale = np.ldexp(1.0, ex.astype(np.int64)).astype(np.float32)
+    vk = (v.astype(np.float64) / row_scale[r]).astype(np.float32)
+    frag, meta, nz_ptr, nz = pack_tiles(tid, r & 15, (c >> 2) & 7, c & 3, s, _to_bits(vk, precision), ntiles,
+                                        layout)
+    used = np.zeros(ntiles, np.uint64)
+    np.bitwise_or.at(used, tid, np.left_shift(np.uint64(1), (c & 31).astype(np.uint64)))
+    tinfo = np.stack([(ukeys % ncb).astype(np.int64), used.astype(np.uint32).view(np.int32).astype(np.int64)],
+                     axis=1) if ntiles else np.zeros((0, 2), np.int64)
+    perm = np.full(ncb * 32, -1, np.int64)
+    perm[:n] = col_map
+    return {"win_ptr": win_ptr, "tinfo": np.ascontiguousarray(tinfo.reshape(-1), dtype=np.int32),
+            "frag": frag, "nz_ptr": nz_ptr, "nz": nz, "meta": meta,
+            "perm": np.ascontiguousarray(perm, dtype=np.int32),
+            "row_ids": np.ascontiguousarray(row_ids, dtype=np.int32), "row_scale": row_scale,
+            "rem_ptr": rem_ptr, "rem_rows": urows.astype(np.int32),
+            "rem_cols": rc_o.astype(np.int32), "rem_vals": rv.astype(np.float32)}
+
+
+def decode_tiles(frag: np.ndarray, meta: np.ndarray, precision: str, layout: str = META_LAYOUT,
+                 nz_ptr=None, nz=None) -> np.ndarray:
+    """Dense (ntiles, 16, 32) float64 tiles from the packed operands (checks the metadata is valid:
+    two distinct, increasing positions per chunk, as mma.sp requires)."""
+    if nz is None:
+        fb = np.asarray(frag, np.uint32).view(np.uint16).reshape(-1, 32, 8)
+        ntiles = fb.shape[0]
+    else:                                           # rebuild the fragments from the list
+        nzp = np.asarray(nz_ptr, np.int64)
+        ntiles = nzp.size - 1
+        nzv = np.asarray(nz, np.uint32)
+        fb = np.zeros((ntiles, 256), np.uint16)
+        fb[np.repeat(np.arange(ntiles), np.diff(nzp)), (nzv & 0xFF).astype(np.int64)] = (nzv >> 16).astype(np.uint16)
+        fb = fb.reshape(ntiles, 32, 8)
+    vals = np.zeros((ntiles, 16, 16))
+    R, C = fragment_index()
+    vals[:, R, C] = _from_bits(fb, precision)
+    rw = _row_words(meta, layout).astype(np.uint64)             # (ntiles, 16)
+    q = np.arange(8, dtype=np.uint64)
+    nib = (rw[:, :, None] >> (4 * q)[None, None, :]) & 0xF       # (ntiles, 16, 8)
+    i0, i1 = (nib & 3).astype(np.int64), (nib >> 2).astype(np.int64)
+    if np.any(i0 >= i1):
+        raise ValueError("invalid 2:4 metadata (positions must be distinct and increasing)")
+    dense = np.zeros((ntiles, 16, 32))
+    t_, r_, j_ = np.indices((ntiles, 16, 8))
+    dense[t_, r_, 4 * j_ + i0] += vals[:, :, 0::2]
+    dense[t_, r_, 4 * j_ + i1] += vals[:, :, 1::2]
+    return dense
+
+
+def emulate_sptc_spmm(arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any], X: np.ndarray,
+                      layout: str = META_LAYOUT) -> np.ndarray:
+    """What the two kernels compute from the uploaded ``arrays``, in float64 (for tests)."""
+    m = int(meta["m"])
+    X = np.asarray(X, dtype=np.float64)
+    K = X.shape[1]
+    if "frag" in arrays:
+        tiles = decode_tiles(arrays["frag"], arrays["meta"], meta["precision"], layout)
+    else:
+        tiles = decode_tiles(np.zeros(0, np.uint32), arrays["meta"], meta["precision"], layout,
+                             arrays["nz_ptr"], arrays["nz"])
+    ti = np.asarray(arrays["tinfo"], np.int64).reshape(-1, 2)
+    used = (ti[:, 1:2].astype(np.uint64) & 0xFFFFFFFF) >> np.arange(32, dtype=np.uint64)[None, :] & 1
+    perm = np.asarray(arrays["perm"], np.int64)
+    cols = np.where(used.astype(bool), perm[ti[:, 0:1] * 32 + np.arange(32)[None, :]], -1)
+    Xp = np.vstack([X, np.zeros((1, K))])
+    G = Xp[np.where(cols < 0, X.shape[0], cols)]                  # (ntiles, 32, K)
+    wp = np.asarray(arrays["win_ptr"], np.int64)
+    nwin = wp.size - 1
+    acc = np.zeros((nwin, 16, K))
+    if tiles.shape[0]:
+        np.add.at(acc, np.repeat(np.arange(nwin), np.diff(wp)), tiles @ G)
+    Y = np.zeros((m, K))
+    Y[np.asarray(arrays["row_ids"], np.int64)] = acc.reshape(-1, K)[:m] * \
+        np.asarray(arrays["row_scale"], np.float64)[:, None]
+    rp = np.asarray(arrays["rem_ptr"], np.int64)
+    rrow = np.repeat(np.asarray(arrays["rem_rows"], np.int64), np.diff(rp))
+    np.add.at(Y, rrow, np.asarray(arrays["rem_vals"], np.float64)[:, None]
+              * X[np.asarray(arrays["rem_cols"], np.int64)])
+    return Y
+
+
+class SptcKernel(_NvccKernel):
+    def prepare(self):
+        fns = self._load_functions()
+        self._fn, self._rem = fns[0], fns[-1]
+        p, meta = self.params, self.meta
+        K, m = int(meta["K"]), int(meta["m"])
+        W, NT = int(p["warps_per_block"]), int(p["slabs_per_warp"])
+        dense = "frag" in self.arrays
+        names = ["win_ptr", "tinfo", "frag" if dense else "nz_ptr", "meta", "perm", "row_ids", "row_scale",
+                 "rem_ptr", "rem_rows", "rem_cols", "rem_vals"] + ([] if dense else ["nz"])
+        dev = dict(zip(names, self._upload(tuple(names))))
+        z = 0
+        self._args_pre = (dev["win_ptr"], dev["tinfo"], dev.get("frag", z), dev.get("nz_ptr", z), dev.get("nz", z),
+                          dev["meta"], dev["perm"], dev["row_ids"], dev["row_scale"])
+        self._rem_pre = tuple(dev[k] for k in ("rem_ptr", "rem_rows", "rem_cols", "rem_vals"))
+        self._post = (np.int32(m), np.int32(K))
+        nwin = int(self.arrays["win_ptr"].size) - 1
+        nrem = int(self.arrays["rem_rows"].size)
+        self._grid = (max(nwin, 1), -(-K // (8 * NT * W)), 1)
+        self._block = (32 * W, 1, 1)
+        self._smem = 0 if dense else 512 * W
+        self._rem_grid = (-(-nrem // 8), -(-K // 128), 1)
+        self._rem_post = (np.int32(nrem), np.int32(K))
+        self._nrem = nrem
+        self._empty = m == 0 or K == 0
+        self._ready = True
+
+    def launch(self, in_ptrs, out_ptr, stream):
+        if self._empty:
+            return
+        s = rt._stream(stream)
+        x = in_ptrs[0]
+        self._fn(self._grid, self._block, self._args_pre + (x, out_ptr) + self._post, shared_mem=self._smem,
+                 stream=s)
+        if self._nrem:
+            self._rem(self._rem_grid, (256, 1, 1), self._rem_pre + (x, out_ptr) + self._rem_post, stream=s)
+
+
+@register_template
+class SptcVnm(_NvccTemplate):
+    """SOGRE (PPoPP'25) sparse-tensor-core SpMM: 2:4 tiles of the reordered matrix on mma.sp
+    m16n8k32 (fp16 / bf16 operands, fp32 accumulation) + a lossless CUDA-core CSR remainder.
+    Tunable: warps per block, 8-column output slabs per warp, precision."""
+
+    name = "sptc.vnm"
+    version = "1"
+    priority = 9
+    ops = (("spmm", "sum"), ("spmm", "mean"))
+    format = "vnm"
+    source_file = "sptc_vnm.cu"
+    instance_macro = "SPC_SPTC_INSTANCE"
+
+    def requires(self, mod):
+        return ("vnm",)
+
+    def pipelines(self, mod):
+        return [[{"name": "reorder.vnm", "options": {"V": 1, "N": 2, "M": 4}}]]
+
+    def space(self, mod):
+        from optuna.distributions import CategoricalDistribution as C
+
+        return {"warps_per_block": C([1, 2, 4, 8]), "slabs_per_warp": C([1, 2, 4, 8]),
+                "dense_a": C([0, 1]), "precision": C(["fp16", "bf16"])}
+
+    def default_params(self, mod):
+        K = mod.op.K
+        slabs = -(-K // 8)
+        NT = 4 if slabs >= 16 else (2 if slabs >= 4 else 1)
+        W = max(1, min(8, -(-slabs // NT)))
+        W = 1 << (W - 1).bit_length()
+        return {"warps_per_block": min(W, 8), "slabs_per_warp": NT, "dense_a": 0, "precision": "fp16"}
+
+    def seed_params(self, mod):
+        d = self.default_params(mod)
+        seeds = [d, {**d, "slabs_per_warp": 2, "warps_per_block": min(8, 2 * d["warps_per_block"])},
+                 {**d, "slabs_per_warp": 8, "warps_per_block": max(1, d["warps_per_block"] // 2)},
+                 {**d, "warps_per_block": 2}, {**d, "dense_a": 1}, {**d, "precision": "bf16"}]
+        out, seen = [], set()
+        for s in seeds:
+            t = tuple(sorted(s.items()))
+            if t not in seen:
+                seen.add(t)
+                out.append(s)
+        return out
+
+    @staticmethod
+    def instance_name(P, NT, DENSE_A) -> str:
+        return f"sptc_spmm_p{P}_nt{NT}_d{DENSE_A}"
+
+    def instances(self, precision: str, NT: int, dense_a: int = 0) -> list:
+        P = PRECISIONS[precision][0]
+        return [(self.instance_name(P, NT, dense_a), (P, NT, dense_a))]
+
+    def render(self, instances):
+        # the remainder kernel is a plain extern "C" function of the source (listed without args)
+        return super().render([(n, a) for n, a in instances if len(a)])
+
+    def build(self, mod: SparseModule, params: Mapping[str, Any]):
+        params = self.check_params(mod, params)
+        if not self.supports(mod):
+            raise ValueError("sptc.vnm needs the vnm format (run reorder.vnm first)")
+        prec = str(params["precision"])
+        W, NT = int(params["warps_per_block"]), int(params["slabs_per_warp"])
+        dense_a = int(params["dense_a"])
+        if prec not in PRECISIONS or W not in (1, 2, 4, 8, 16) or NT not in (1, 2, 4, 8) or dense_a not in (0, 1):
+            raise ValueError(f"invalid sptc.vnm parameters {params}")
+        arch = rt.device_arch()
+        if arch < 80:
+            raise ValueError("sptc.vnm needs sm_80 or newer (mma.sp)")
+        arrays = sptc_arrays(mod, prec)
+        for k in (("nz_ptr", "nz") if dense_a else ("frag",)):
+            del arrays[k]
+        inst = self.instances(prec, NT, dense_a)
+        path = self.compile(inst, arch=arch, name=inst[0][0])
+        ntiles = int(arrays["tinfo"].size) // 2
+        meta = {"K": mod.op.K, "m": mod.A.shape[0], "precision": prec, "layout": META_LAYOUT,
+                "tolerance_dtype": PRECISIONS[prec][1], "arch": arch, "tiles": ntiles,
+                "remainder_nnz": int(arrays["rem_vals"].size),
+                "tile_density": float((mod.A.nnz - arrays["rem_vals"].size) / max(1, ntiles * 512)),
+                "instances": [[n, list(a)] for n, a in inst] + [["sptc_remainder_kernel", []]]}
+        return SptcKernel(self.name, params, arrays, {"kernel.fatbin": path}, meta, self)
+
+    def load(self, params, arrays, files, meta):
+        return SptcKernel(self.name, params, arrays, files, meta, self)
