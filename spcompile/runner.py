@@ -149,8 +149,13 @@ class _BaseRunner:
         self._cache[id(op)] = (op, inputs, refs)
         return inputs, refs
 
-    def _tol(self, op: SparseOp) -> float:
-        return self.rtol if self.rtol is not None else reference.tolerance(op.dtype)
+    def _tol(self, op: SparseOp, cm=None) -> float:
+        """The caller's rtol, else the tolerance of the precision the kernel computes in (a
+        tensor-core kernel records e.g. "tf32" / "float16" in its meta), else the op's dtype."""
+        if self.rtol is not None:
+            return self.rtol
+        kdt = getattr(getattr(cm, "kernel", None), "meta", {}).get("tolerance_dtype") if cm is not None else None
+        return reference.tolerance(kdt or op.dtype)
 
     def measure(self, op: SparseOp, config: Config, *, timeout: float | None = None,
                 prune_above: float | None = None) -> MeasureResult:
@@ -190,9 +195,10 @@ class _BaseRunner:
         try:
             self._check_deadline(deadline, cancel)
             err = self._check(op, cm)
-            if not (err <= self._tol(op)):
+            tol = self._tol(op, cm)
+            if not (err <= tol):
                 return MeasureResult(WRONG_RESULT, rel_error=err, error=f"relative error {err:.3g} > "
-                                     f"tolerance {self._tol(op):.1g}", **base)
+                                     f"tolerance {tol:.1g}", **base)
             samples = self._time(op, cm, deadline, prune_above, cancel)
         except _Timeout:
             return MeasureResult(TIMEOUT, error="measurement ran past the trial's time limit", **base)
