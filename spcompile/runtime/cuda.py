@@ -214,8 +214,10 @@ class CUDAKernel(Kernel):
             self.launch([x.data.ptr for x in inputs], out.data.ptr, stream)
 
     def __call__(self, *inputs, out):
-        """Host (numpy) convenience used by generic runners: same as the module call path."""
-        return call(self, "numpy", inputs, out, out.shape)
+        """Generic entry used by runners: numpy, CuPy or torch arrays, same path as a module call."""
+        from ..module import _array_kind
+
+        return call(self, _array_kind(inputs[0]), inputs, out, tuple(out.shape))
 
 
 def _torch_stream(torch, index: int) -> int:
