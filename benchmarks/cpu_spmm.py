@@ -7,8 +7,8 @@ For every graph in the shared graphs folder and every K, times
 * ``best``: the fastest of a small grid of template parameters (``--grid small|none|full``),
 
 calling each with a fresh output (as ``A @ X`` does), rotating between three inputs X so that the
-timings are not of a warm cache only, and interleaving the contenders repeat by repeat so that
-load from other processes hits all of them alike.  Reported: median milliseconds after warm-up.
+timings are not of a warm cache only, and interleaving the contenders (in shuffled order) repeat by
+repeat so that load from other processes hits all of them alike.  Reported: median milliseconds after warm-up.
 
     python benchmarks/cpu_spmm.py                       # every graph, K = 64 and 256
     python benchmarks/cpu_spmm.py --graphs cora pubmed --K 64 --grid none
@@ -64,6 +64,7 @@ def grid(mod: SparseModule, kind: str) -> list[dict]:
         combos = [{"tasks_per_thread": tpt, "balance": "nnz", "k_tile": kt, "tile_order": order}
                   for kt in tiles for order in ("row", "task") for tpt in (1, 4, 32)
                   if not (order == "task" and kt == K)]
+        combos.append({**default, "parallel": not default["parallel"]})
     out = [default] + [c for c in combos if c != default]
     return out
 
@@ -80,9 +81,14 @@ def time_interleaved(fns: dict, inputs: list, budget_s: float, min_reps: int = 5
     one_round = max(time.perf_counter() - t0, 1e-6)
     reps = int(min(max_reps, max(min_reps, budget_s / one_round)))
     times = {k: [] for k in fns}
+    order = np.random.default_rng(1)
+    keys = list(fns)
     for r in range(reps):
         x = inputs[r % len(inputs)]
-        for k, f in fns.items():
+        # shuffled each repeat: no contender always runs right after another (e.g. after scipy,
+        # when the pool threads went idle, or on the cache state another one leaves behind)
+        for i in order.permutation(len(keys)):
+            k, f = keys[i], fns[keys[i]]
             t = time.perf_counter()
             f(x)
             times[k].append(time.perf_counter() - t)

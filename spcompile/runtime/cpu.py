@@ -71,15 +71,12 @@ def num_threads() -> int:
 
 @functools.lru_cache(maxsize=None)
 def configure_threads() -> int:
-    """Size TVM's thread pool once per process (see :func:`num_threads`); returns the count."""
+    """Size TVM's thread pool (see :func:`num_threads`) before its first parallel launch; returns
+    the count.  TVM creates its pool lazily and reads ``TVM_NUM_THREADS`` then (the runtime's
+    ``config_threadpool`` call cannot grow an existing pool), so the variable is set for this
+    process when the user has not set it."""
     n = num_threads()
-    if "TVM_NUM_THREADS" not in os.environ:
-        import tvm  # noqa: F401  (registers the runtime functions)
-        import tvm_ffi
-
-        cfg = tvm_ffi.get_global_func("runtime.config_threadpool", allow_missing=True)
-        if cfg is not None:
-            cfg(0, n)  # mode 0: big cores / all, n worker threads
+    os.environ.setdefault("TVM_NUM_THREADS", str(n))
     return n
 
 

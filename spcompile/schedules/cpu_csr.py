@@ -40,7 +40,7 @@ from ..ir import SparseModule
 from ..runtime import cpu as rt
 from .base import Kernel, Template, csr_kernel_arrays, register_template
 
-PARALLEL_MIN_WORK = 1 << 21  # nnz * K below which the default runs on one thread (measured)
+PARALLEL_MIN_WORK = 600_000  # nnz * K below which the default runs on one thread (measured)
 
 
 def task_bounds(indptr: np.ndarray, ntasks: int, balance: str = "nnz", row_cost: float = 1.0) -> np.ndarray:
@@ -377,14 +377,12 @@ class CPUSpMM(_CPUTemplate):
 
     def default_params(self, mod):
         K = mod.op.K
-        # one register tile per row up to 64 lanes (4 zmm); wider K is cut into 64-lane slices.
-        # Measured: sweeping the slices task by task pays off when X outgrows the caches *and*
-        # rows are long enough (mean >= 16) that re-reading the structure per slice is cheap.
+        # Measured on the shared graphs (2 threads, znver4): one register tile of up to 64 lanes
+        # (4 zmm accumulators) per row, rows finished one after the other, wins or ties at K=64
+        # and K=256 on every graph tried; wider tiles (128, 256) and the slice-by-slice "task"
+        # order only help on some graphs, so they are left to the tuner.
         k_tile = K if K <= 64 else 64
-        A = mod.A
-        x_bytes = A.shape[1] * K * 4
-        mean_row = A.nnz / max(1, A.shape[0])
-        order = "task" if (K > 64 and x_bytes > (4 << 20) and mean_row >= 16) else "row"
+        order = "row"
         return {"parallel": self._parallel_default(mod), "tasks_per_thread": 4, "balance": "nnz",
                 "k_tile": k_tile, "tile_order": order}
 
