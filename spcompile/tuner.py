@@ -357,7 +357,7 @@ class Tuner:
     # -- the loop ------------------------------------------------------------------------------
     def _baseline(self) -> tuple[float | None, str | None]:
         b = self.study.user_attrs.get("baseline")
-        if b is None:
+        if b is None or b.get("ms") is None:  # a failed baseline is measured again, never cached
             res = self.runner.baseline(self.op)
             b = {"ms": res.kernel_s * 1e3 if res.ok else None, "name": res.name or "baseline",
                  "status": res.status, "error": res.error[-500:]}
