@@ -78,7 +78,7 @@ COMBOS = [
 
 
 @pytest.mark.parametrize("params", COMBOS, ids=lambda p: f"kt{p['k_tile']}-{p['tile_order']}-{p['parallel']}")
-@pytest.mark.parametrize("reduce", ["sum", "max"])
+@pytest.mark.parametrize("reduce", ["sum", "max", "mean"])
 def test_spmm_param_combos(params, reduce):
     A = make_matrix(seed=2)
     K = 100  # not a multiple of any tile: every combo has a remainder slice
