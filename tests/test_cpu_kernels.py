@@ -70,8 +70,8 @@ def test_spmm_default_params(K, reduce):
 
 
 COMBOS = [
-    {"parallel": True, "tasks_per_thread": 32, "balance": "rows", "k_tile": 16, "tile_order": "task"},
-    {"parallel": False, "tasks_per_thread": 1, "balance": "nnz", "k_tile": 32, "tile_order": "row"},
+    {"parallel": True, "tasks_per_thread": 32, "balance": "rows", "k_tile": 16, "tile_order": "task", "prefetch": 4},
+    {"parallel": False, "tasks_per_thread": 1, "balance": "nnz", "k_tile": 32, "tile_order": "row", "prefetch": 0},
     {"parallel": True, "tasks_per_thread": 2, "balance": "nnz", "k_tile": 64, "tile_order": "task"},
     {"parallel": True, "tasks_per_thread": 8, "balance": "nnz", "k_tile": 100, "tile_order": "row"},
 ]
