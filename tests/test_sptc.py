@@ -1,8 +1,9 @@
 """sptc.vnm (SOGRE sparse-tensor-core SpMM): the .cu compiles with nvcc for sm_90 and sm_80; the
-packed 2:4 tiles + metadata + CSR remainder reproduce A @ X in float64 (numpy emulation of what
-the kernels compute, incl. violating segments, empty rows, sizes that are not multiples of 16/32,
-after reorder.vnm); on a GPU the metadata layout is checked on a dense random 2:4 tile and the
-kernels match the float64 reference with NaN-poisoned outputs."""
+packed 2:4 tiles (block packing after reorder.vnm + CSR remainder, or window-condensed packing,
+2:4 by construction) + metadata + work items reproduce A @ X in float64 (numpy emulation of what
+the kernels compute, incl. violating segments, empty rows, a very long row, sizes that are not
+multiples of 16/32, split windows); on a GPU the metadata layout is checked on a dense random 2:4
+tile and the kernels match the float64 reference with NaN-poisoned outputs."""
 import subprocess
 
 import numpy as np
@@ -22,6 +23,9 @@ from spcompile.cuda_templates import sptc_vnm as sv
 from conftest import random_matrix
 
 VNM = [{"name": "reorder.vnm", "options": {"V": 1, "N": 2, "M": 4}}]
+FMT = [{"name": "format.vnm"}]
+RCM = [{"name": "reorder.rcm"}, {"name": "format.vnm"}]
+PIPES = {"vnm": VNM, "none": FMT, "rcm": RCM}
 TOL = {"fp16": 1e-2, "bf16": 2e-2}
 
 
@@ -69,6 +73,7 @@ MATRICES = {
     "dense24": lambda: sp.csr_matrix(_dense_24(48, 96, 5)),
     "tiny": lambda: sp.csr_matrix(np.array([[0, 2.0, 0], [0, 0, 0], [1.0, 0, -3.0]], dtype=np.float32)),
     "wide": lambda: _violating(17, 1000, 6),
+    "longrow": lambda: _fp16_exact(random_matrix(150, 900, density=0.01, seed=8)),   # row 75 holds every column
 }
 
 
@@ -84,6 +89,7 @@ def test_registered_and_pipeline():
         assert t.supports(_mod(A, 32, pipeline=pipe))
     d = t.default_params(_mod(A, 128))
     assert d["precision"] == "fp16" and 8 * d["slabs_per_warp"] * d["warps_per_block"] >= 128
+    assert {p["pack"] for p in t.seed_params(_mod(A, 128))} == set(sv.PACKS)
 
 
 def test_fragment_index_is_a_permutation():
@@ -110,34 +116,98 @@ def test_metadata_nibbles_are_valid_24():
     assert nib(1, 0) == (0 | 3 << 2) and nib(1, 1) == (2 | 3 << 2)
     dense = sv.decode_tiles(arr["frag"], arr["meta"], "fp16")[0]
     assert np.array_equal(dense[:2, :32] * arr["row_scale"][:2, None], A.toarray())
-    dense2 = sv.decode_tiles(None, arr["meta"], "fp16", nz_ptr=arr["nz_ptr"], nz=arr["nz"])[0]
-    assert np.array_equal(dense, dense2)
 
 
 @pytest.mark.parametrize("name", sorted(MATRICES))
-@pytest.mark.parametrize("pipe", ["none", "vnm"])
+@pytest.mark.parametrize("pipe", ["none", "vnm", "rcm"])
 @pytest.mark.parametrize("reduce", ["sum", "mean"])
 def test_emulation_reproduces_spmm(name, pipe, reduce):
     A = MATRICES[name]()
     K = 13
-    mod = _mod(A, K, reduce, VNM if pipe == "vnm" else ())
+    mod = _mod(A, K, reduce, PIPES[pipe])
     rng = np.random.default_rng(1)
     X = rng.standard_normal((A.shape[1], K))
-    for prec, dense in (("fp16", 1), ("fp16", 0), ("bf16", 1)):
-        arr = sv.sptc_arrays(mod, prec)
-        for k in (("nz_ptr", "nz") if dense else ("frag",)):
-            del arr[k]
+    ref = reference.run("spmm", reduce, as_csr(A), X)
+    for prec, pack, split in (("fp16", "block", 0), ("fp16", "condensed", 0), ("fp16", "condensed", 2),
+                              ("bf16", "condensed", 8), ("fp16", "block", 1)):
+        arr = sv.sptc_arrays(mod, prec, pack=pack, split=split)
         Y = sv.emulate_sptc_spmm(arr, {"m": A.shape[0], "precision": prec}, X)
-        ref = reference.run("spmm", reduce, as_csr(A), X)
+        assert not np.isnan(Y).any()
         if reduce == "sum" and prec == "fp16":     # values exact in fp16: float64 result exact
             np.testing.assert_allclose(Y, ref, rtol=1e-12, atol=1e-12)
         else:
             assert reference.rel_error(Y, ref) < (1e-3 if prec == "fp16" else 1e-2)
-        # remainder holds exactly the entries beyond the first two of each 4-chunk
-        cur = mod.A
-        rows = np.repeat(np.arange(cur.shape[0]), np.diff(cur.indptr))
-        _, cnt = np.unique(rows * (cur.shape[1] + 4) + np.asarray(cur.indices) // 4, return_counts=True)
-        assert arr["rem_vals"].size == int(np.maximum(cnt - 2, 0).sum())
+        if pack == "block":  # remainder holds exactly the entries beyond the first two of each 4-chunk
+            cur = mod.A
+            rows = np.repeat(np.arange(cur.shape[0]), np.diff(cur.indptr))
+            _, cnt = np.unique(rows * (cur.shape[1] + 4) + np.asarray(cur.indices) // 4, return_counts=True)
+            assert arr["rem_vals"].size == int(np.maximum(cnt - 2, 0).sum())
+        else:                # condensed: lossless without any remainder
+            assert arr["rem_vals"].size == 0
+        _check_items(arr, A.shape[0], split)
+
+
+def _check_items(arr, m, split):
+    """Every tile in exactly one work item, every window in at least one, items of a split window
+    atomic and their rows (only those) zeroed first."""
+    it = np.asarray(arr["items"], np.int64).reshape(-1, 4)
+    wp = np.asarray(arr["win_ptr"], np.int64)
+    ntiles = arr["ccol"].size // 32
+    cover = np.zeros(ntiles, np.int64)
+    for w, b, e, a in it:
+        assert wp[w] <= b <= e <= wp[w + 1]
+        assert split == 0 or e - b <= split
+        cover[b:e] += 1
+    assert np.all(cover == 1)
+    nwin = wp.size - 1
+    cnt = np.bincount(it[:, 0], minlength=nwin)
+    assert np.all(cnt >= 1)
+    assert np.array_equal(it[:, 3] == 1, cnt[it[:, 0]] > 1)
+    zw = np.unique(it[it[:, 3] == 1, 0])
+    zr = (zw[:, None] * 16 + np.arange(16)).ravel()
+    zr = zr[zr < m]
+    assert np.array_equal(np.sort(arr["zero_rows"]), np.sort(arr["row_ids"][zr]))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_condensed_packing_is_24_and_dense(seed):
+    """Condensed tiles: valid 2:4 metadata, decoded tiles hold exactly A's window entries at the
+    columns ccol names, each X row at most once per window, far fewer tiles than block packing."""
+    rng = np.random.default_rng(seed)
+    m, n = 97, 3000
+    A = sp.random(m, n, density=0.02, random_state=seed, format="csr", dtype=np.float32)
+    A = A + sp.csr_matrix((np.ones(40, np.float32), (np.full(40, 5), rng.choice(n, 40, replace=False))),
+                          shape=(m, n))                      # a long row
+    A = _fp16_exact(A.tocsr())
+    mod = _mod(A, 8, "sum", FMT)
+    arr = sv.sptc_arrays(mod, "fp16", pack="condensed")
+    tiles = sv.decode_tiles(arr["frag"], arr["meta"], "fp16") * 1.0
+    ccol = arr["ccol"].reshape(-1, 32)
+    wp = arr["win_ptr"]
+    D = np.zeros((-(-m // 16) * 16, n))
+    for w in range(wp.size - 1):
+        for b in range(wp[w], wp[w + 1]):
+            used = ccol[b] >= 0
+            D[w * 16:(w + 1) * 16][:, ccol[b][used]] += tiles[b][:, used]
+            assert not tiles[b][:, ~used].any()
+        cw = ccol[wp[w]:wp[w + 1]].ravel()
+        cw = cw[cw >= 0]
+        assert np.unique(cw).size == cw.size
+    D = D[:m] * arr["row_scale"][:, None]
+    np.testing.assert_array_equal(D, A.toarray())
+    blk = sv.sptc_arrays(mod, "fp16", pack="block")
+    assert ccol.shape[0] * 3 < blk["ccol"].size // 32
+
+
+def test_condense_windows_round_robin_fills_groups():
+    """16 rows with one private column each: 4 groups of 4 (one tile of 16 used slots)."""
+    rows = np.arange(16)
+    slot, nslots = sv.condense_windows(rows, 100 + 7 * rows, 16)
+    assert nslots.tolist() == [16] and sorted(slot.tolist()) == list(range(16))
+    # one row with 8 columns: at most 2 per group -> 4 groups
+    slot, nslots = sv.condense_windows(np.zeros(8, np.int64), np.arange(8), 3)
+    assert nslots.tolist() == [16]
+    assert np.bincount(slot // 4).max() == 2
 
 
 def test_reorder_shrinks_remainder():
@@ -152,20 +222,19 @@ def test_reorder_shrinks_remainder():
 def test_dense24_has_no_remainder():
     A = MATRICES["dense24"]()
     arr = sv.sptc_arrays(_mod(A, 8, pipeline=()), "fp16")
-    assert arr["rem_vals"].size == 0 and arr["tinfo"].size // 2 == 3 * 3
+    assert arr["rem_vals"].size == 0 and arr["ccol"].size // 32 == 3 * 3
 
 
 @pytest.mark.skipif(not rt.nvcc_available(), reason="nvcc not installed")
 @pytest.mark.parametrize("arch", [90, 80])
 def test_cu_compiles(arch):
+    """Every variant (precision x slabs per warp) and the helper kernels, in one nvcc call per arch."""
     t = get_template("sptc.vnm")
-    for prec in sv.PRECISIONS:
-        for nt, d in ((1, 0), (2, 1), (4, 0), (4, 1), (8, 0)):
-            inst = t.instances(prec, nt, d)
-            try:
-                t.compile(inst + [("sptc_remainder_kernel", ())], arch=arch, name=inst[0][0])
-            except rt.CompileError as e:  # pragma: no cover - the failure message is the point
-                pytest.fail(str(e))
+    inst = [i for prec in sv.PRECISIONS for nt in (1, 2, 4, 8) for i in t.instances(prec, nt)]
+    try:
+        t.compile(inst + [("sptc_zero_rows", ()), ("sptc_remainder_kernel", ())], arch=arch, name="sptc_all")
+    except rt.CompileError as e:  # pragma: no cover - the failure message is the point
+        pytest.fail(str(e))
 
 
 @pytest.mark.skipif(not rt.nvcc_available(), reason="nvcc not installed")
@@ -177,7 +246,7 @@ def test_sass_has_sparse_hmma():
     if cuobjdump is None:
         pytest.skip("cuobjdump not installed")
     t = get_template("sptc.vnm")
-    path = t.compile(t.instances("fp16", 4, 0), arch=90, name="sptc_sass")
+    path = t.compile(t.instances("fp16", 4), arch=90, name="sptc_sass")
     sass = subprocess.run([cuobjdump, "-sass", path], capture_output=True, text=True).stdout
     assert "HMMA.SP" in sass or "HMMA.16832.F32.SP" in sass or ".SP" in sass
 
@@ -187,8 +256,10 @@ def test_build_without_gpu():
     if not rt.nvcc_available():
         pytest.skip("nvcc not installed")
     mod = _mod(MATRICES["violating"](), 40)
-    k = t.build(mod, t.default_params(mod))
-    assert k.meta["remainder_nnz"] == k.arrays["rem_vals"].size and k.meta["tiles"] > 0
+    for p in t.seed_params(mod):
+        k = t.build(mod, p)
+        assert k.meta["remainder_nnz"] == k.arrays["rem_vals"].size and k.meta["tiles"] > 0
+        assert (k.meta["remainder_nnz"] == 0) == (p["pack"] == "condensed" or mod.formats["vnm"]["conforms"])
 
 
 # ------------------------------------------------------------------------------------------
@@ -216,7 +287,8 @@ def test_gpu_metadata_layout_dense_tile():
     ref = A.toarray().astype(np.float64) @ X
     errs = {}
     for layout in ("split16", "rowwise"):
-        kern = t.build(mod, {"warps_per_block": 1, "slabs_per_warp": 1, "dense_a": 1, "precision": "fp16"})
+        kern = t.build(mod, {"pack": "block", "warps_per_block": 1, "slabs_per_warp": 1, "split": 0,
+                             "precision": "fp16"})
         kern.arrays = {**kern.arrays, **{k: v for k, v in sv.sptc_arrays(mod, "fp16", layout).items()
                                          if k == "meta"}}
         errs[layout] = reference.rel_error(_run(kern, X, 16, K), ref)
@@ -231,12 +303,45 @@ def test_gpu_matches_reference(name, K):
     t = get_template("sptc.vnm")
     A = MATRICES[name]()
     rng = np.random.default_rng(K)
-    for reduce in ("sum", "mean"):
-        mod = _mod(A, K, reduce)
+    for reduce, pipe in (("sum", "vnm"), ("mean", "rcm"), ("sum", "none")):
+        mod = _mod(A, K, reduce, PIPES[pipe])
         for p in t.seed_params(mod):
             kern = t.build(mod, p)
             X = rng.standard_normal((A.shape[1], K)).astype(np.float32)
             out = _run(kern, X, A.shape[0], K)
             assert not np.isnan(out).any(), (name, K, p)
             err = reference.rel_error(out, reference.run("spmm", reduce, as_csr(A), X))
-            assert err < TOL[p["precision"]], (name, K, reduce, p, err)
+            assert err < TOL[p["precision"]], (name, K, reduce, pipe, p, err)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not cuda_available(), reason="no CUDA device")
+@pytest.mark.parametrize("K", [5, 64, 130])
+def test_gpu_every_variant(K):
+    """Every (slabs per warp, warps per block, split) on one matrix with a long row, unaligned X / Y
+    views (offset by one float: the scalar path) and aligned ones."""
+    import cupy
+
+    t = get_template("sptc.vnm")
+    A = MATRICES["longrow"]()
+    rng = np.random.default_rng(K + 1)
+    mod = _mod(A, K, "sum", RCM)
+    ref = None
+    for nt in (1, 2, 4, 8):
+        for W in (1, 4):
+            for split in (0, 1, 3):
+                kern = t.build(mod, {"pack": "condensed", "warps_per_block": W, "slabs_per_warp": nt,
+                                     "split": split, "precision": "fp16"})
+                for off in (0, 1):
+                    X = rng.standard_normal((A.shape[1], K)).astype(np.float32)
+                    ref = reference.run("spmm", "sum", as_csr(A), X)
+                    xb = cupy.zeros(X.size + 4, cupy.float32)
+                    xb[off:off + X.size] = cupy.asarray(X.ravel())
+                    ob = cupy.full(A.shape[0] * K + 4, np.nan, cupy.float32)
+                    xv = xb[off:off + X.size].reshape(X.shape)
+                    ov = ob[off:off + A.shape[0] * K].reshape(A.shape[0], K)
+                    rt.call(kern, "cupy", [xv], ov, ov.shape)
+                    out = cupy.asnumpy(ov)
+                    assert not np.isnan(out).any(), (K, nt, W, split, off)
+                    err = reference.rel_error(out, ref)
+                    assert err < TOL["fp16"], (K, nt, W, split, off, err)

@@ -69,82 +69,165 @@ __device__ __forceinline__ void mma_sp(float (&d)[4], const uint4& a, const uint
 #endif
 }
 
-template <int P, int NT, int DENSE_A>
-__device__ __forceinline__ void sptc_spmm(const int* __restrict__ win_ptr, const int2* __restrict__ tinfo,
-                                          const uint4* __restrict__ frag, const int* __restrict__ nz_ptr,
-                                          const uint32_t* __restrict__ nz, const uint32_t* __restrict__ meta,
-                                          const int* __restrict__ perm, const int* __restrict__ row_ids,
-                                          const float* __restrict__ row_scale, const float* __restrict__ X,
-                                          float* __restrict__ Y, int m, int K) {
-  extern __shared__ __align__(16) unsigned char smem[];
+// Tile-list SpMM (v2).  A work item (blockIdx.x) is a range of tiles of one 16-row window
+// (items[i] = {window, first tile, end tile, atomic}); a window with more tiles than the split
+// limit has several items, which add their partial sums into Y with atomics (its rows are zeroed
+// first by sptc_zero_rows); otherwise the item stores its rows.  Warp v of the block owns the NT
+// 8-column output slabs starting at n0 = (blockIdx.y * W + v) * 8 * NT.  Slab j's logical column
+// g (the mma's n index) is the physical column n0 + g * NT + j, so that lane (g, t) reads NT
+// consecutive floats of each gathered X row (one 16-byte load per 4 slabs) and writes 2 * NT
+// consecutive floats of each of its two output rows.
+// Per tile: frag (the lane's 4 x .b32 A fragment), meta (lane (g, t < 2)'s metadata word), ccol
+// (the 32 X rows of the tile's columns, -1 = unused: loads nothing).  Tiles are processed in pairs
+// (16 gathered rows of X in flight per lane) and the next pair's fragments / metadata / column
+// ids are loaded before the current pair's X rows (software pipelining of the index chain).
+struct TileRegs {
+  uint4 a;
+  uint32_t e;
+  int2 c[4];
+};
+
+__device__ __forceinline__ void load_tile(TileRegs& r, int b, bool valid, const uint4* __restrict__ frag,
+                                          const uint32_t* __restrict__ meta, const int* __restrict__ ccol,
+                                          int lane, int g, int t) {
+  if (valid) {
+    r.a = __ldg(frag + (size_t)b * 32 + lane);
+    r.e = t < 2 ? __ldg(meta + (size_t)b * 16 + g * 2 + t) : 0u;
+    const int2* cp = reinterpret_cast<const int2*>(ccol + (size_t)b * 32);
+#pragma unroll
+    for (int q = 0; q < 4; ++q) r.c[q] = __ldg(cp + q * 4 + t);   // tile rows 8q + 2t, 8q + 2t + 1
+  } else {
+    r.a = make_uint4(0u, 0u, 0u, 0u);
+    r.e = 0u;
+#pragma unroll
+    for (int q = 0; q < 4; ++q) r.c[q] = make_int2(-1, -1);
+  }
+}
+
+// NT consecutive floats of X row c from column x0 (zeros for c < 0 or past K).
+template <int NT>
+__device__ __forceinline__ void load_x(float (&v)[NT], const float* __restrict__ X, int c, int x0, int K, bool vec) {
+  if (c < 0) {
+#pragma unroll
+    for (int j = 0; j < NT; ++j) v[j] = 0.f;
+    return;
+  }
+  const float* p = X + (size_t)c * K + x0;
+  if (vec) {
+    if (NT >= 4) {
+#pragma unroll
+      for (int q = 0; q < NT / 4; ++q) {
+        const float4 f = __ldg(reinterpret_cast<const float4*>(p) + q);
+        v[4 * q] = f.x; v[4 * q + 1] = f.y; v[4 * q + 2] = f.z; v[4 * q + 3] = f.w;
+      }
+    } else if (NT == 2) {
+      const float2 f = __ldg(reinterpret_cast<const float2*>(p));
+      v[0] = f.x; v[NT - 1] = f.y;
+    } else {
+      v[0] = __ldg(p);
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < NT; ++j) v[j] = (x0 + j < K) ? __ldg(p + j) : 0.f;
+  }
+}
+
+template <int P, int NT>
+__device__ __forceinline__ void tile_mma(float (&acc)[NT][4], const TileRegs& r, const float* __restrict__ X,
+                                         int x0, int K, bool vec) {
+  float v[8][NT];
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    load_x<NT>(v[2 * q], X, r.c[q].x, x0, K, vec);
+    load_x<NT>(v[2 * q + 1], X, r.c[q].y, x0, K, vec);
+  }
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+    uint32_t bf[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) bf[q] = prec<P>::pack(v[2 * q][j], v[2 * q + 1][j]);
+    mma_sp<P>(acc[j], r.a, bf, r.e);
+  }
+}
+
+template <int P, int NT>
+__device__ __forceinline__ void sptc_spmm2(const int4* __restrict__ items, const uint4* __restrict__ frag,
+                                           const uint32_t* __restrict__ meta, const int* __restrict__ ccol,
+                                           const int* __restrict__ row_ids, const float* __restrict__ row_scale,
+                                           const float* __restrict__ X, float* __restrict__ Y, int m, int K) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
-  const int w = blockIdx.x;
   const int n0 = (blockIdx.y * (blockDim.x >> 5) + warp) * 8 * NT;
-  if (n0 >= K) return;  // only warp-level barriers below
-  uint4* sw = reinterpret_cast<uint4*>(smem) + warp * 32;   // this warp's 16 x 16 compressed tile
-  unsigned short* sh = reinterpret_cast<unsigned short*>(sw);
+  if (n0 >= K) return;
+  const int4 it = __ldg(items + blockIdx.x);
+  constexpr int VW = NT >= 4 ? 4 : NT;
+  const bool vec = (n0 + 8 * NT <= K) && (K % VW == 0) &&
+                   (((reinterpret_cast<uintptr_t>(X) | reinterpret_cast<uintptr_t>(Y)) & (4 * VW - 1)) == 0);
+  const int x0 = n0 + g * NT;
   float acc[NT][4];
 #pragma unroll
   for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
-  const int beg = win_ptr[w], end = win_ptr[w + 1];
-  for (int b = beg; b < end; ++b) {
-    const int2 ti = __ldg(tinfo + b);                      // (32-column block, used-column mask)
-    uint4 a;
-    if (DENSE_A) {
-      a = __ldg(frag + (size_t)b * 32 + lane);
-    } else {                                               // scatter the tile's kept entries
-      sw[lane] = make_uint4(0u, 0u, 0u, 0u);
-      __syncwarp();
-      const int p1 = __ldg(nz_ptr + b + 1);
-      for (int p = __ldg(nz_ptr + b) + lane; p < p1; p += 32) {
-        const uint32_t e = __ldg(nz + p);
-        sh[e & 0xFFu] = (unsigned short)(e >> 16);
-      }
-      __syncwarp();
-      a = sw[lane];
-      __syncwarp();
-    }
-    const uint32_t e = t < 2 ? __ldg(meta + (size_t)b * 16 + g * 2 + t) : 0u;
-    const int2* cp = reinterpret_cast<const int2*>(perm + ti.x * 32);
-    const uint32_t used = (uint32_t)ti.y;
-    int2 c[4];
+  const int beg = it.y, end = it.z;
+  TileRegs r0, r1;
+  load_tile(r0, beg, beg < end, frag, meta, ccol, lane, g, t);
+  load_tile(r1, beg + 1, beg + 1 < end, frag, meta, ccol, lane, g, t);
+  for (int b = beg; b < end; b += 2) {
+    TileRegs n0r, n1r;                                      // next pair (prefetch)
+    load_tile(n0r, b + 2, b + 2 < end, frag, meta, ccol, lane, g, t);
+    load_tile(n1r, b + 3, b + 3 < end, frag, meta, ccol, lane, g, t);
+    tile_mma<P, NT>(acc, r0, X, x0, K, vec);
+    if (b + 1 < end) tile_mma<P, NT>(acc, r1, X, x0, K, vec);
+    r0 = n0r;
+    r1 = n1r;
+  }
+  const int w = it.x;
+  const int ra = w * 16 + g, rb = ra + 8;
+  const float* accf = &acc[0][0];
 #pragma unroll
-    for (int r = 0; r < 4; ++r) {                           // tile rows 8r + 2t, 8r + 2t + 1
-      const int k = r * 8 + 2 * t;
-      c[r] = ((used >> k) & 3u) ? __ldg(cp + r * 4 + t) : make_int2(-1, -1);
-      if (!((used >> k) & 1u)) c[r].x = -1;
-      if (!((used >> (k + 1)) & 1u)) c[r].y = -1;
-    }
+  for (int h = 0; h < 2; ++h) {                              // h = 0: row g, h = 1: row g + 8
+    const int row = h ? rb : ra;
+    if (row >= m) continue;
+    float* y = Y + (size_t)__ldg(row_ids + row) * K;
+    const float s = __ldg(row_scale + row);
+    float o[2 * NT];                                        // columns n0 + 2t*NT + [0, 2NT)
 #pragma unroll
     for (int j = 0; j < NT; ++j) {
-      const int x = n0 + j * 8 + g;
-      const bool ok = x < K;
-      uint32_t bf[4];
+      o[j] = accf[j * 4 + 2 * h] * s;
+      o[NT + j] = accf[j * 4 + 2 * h + 1] * s;
+    }
+    const int xs = n0 + 2 * t * NT;
+    if (it.w) {
 #pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const float lo = (ok && c[r].x >= 0) ? __ldg(X + (size_t)c[r].x * K + x) : 0.f;
-        const float hi = (ok && c[r].y >= 0) ? __ldg(X + (size_t)c[r].y * K + x) : 0.f;
-        bf[r] = prec<P>::pack(lo, hi);
+      for (int j = 0; j < 2 * NT; ++j)
+        if (xs + j < K) atomicAdd(y + xs + j, o[j]);
+    } else if (vec) {
+      if (NT >= 2) {
+#pragma unroll
+        for (int q = 0; q < (2 * NT) / VW; ++q) {
+          if (VW == 4) {
+            reinterpret_cast<float4*>(y + xs)[q] = make_float4(o[4 * q], o[4 * q + 1], o[(4 * q + 2) % (2 * NT)],
+                                                               o[(4 * q + 3) % (2 * NT)]);
+          } else {
+            reinterpret_cast<float2*>(y + xs)[q] = make_float2(o[2 * q], o[2 * q + 1]);
+          }
+        }
+      } else {
+        y[xs] = o[0];
+        y[xs + 1] = o[1];
       }
-      mma_sp<P>(acc[j], a, bf, e);
-    }
-  }
-  const int r0 = w * 16 + g, r1 = r0 + 8;
-  const long o0 = r0 < m ? (long)row_ids[r0] * K : -1, o1 = r1 < m ? (long)row_ids[r1] * K : -1;
-  const float s0 = r0 < m ? row_scale[r0] : 0.f, s1 = r1 < m ? row_scale[r1] : 0.f;
+    } else {
 #pragma unroll
-  for (int j = 0; j < NT; ++j) {
-    const int x = n0 + j * 8 + 2 * t;
-    if (o0 >= 0) {
-      if (x < K) Y[o0 + x] = acc[j][0] * s0;
-      if (x + 1 < K) Y[o0 + x + 1] = acc[j][1] * s0;
-    }
-    if (o1 >= 0) {
-      if (x < K) Y[o1 + x] = acc[j][2] * s1;
-      if (x + 1 < K) Y[o1 + x + 1] = acc[j][3] * s1;
+      for (int j = 0; j < 2 * NT; ++j)
+        if (xs + j < K) y[xs + j] = o[j];
     }
   }
+}
+
+// Zero the output rows of windows split into several items (they are accumulated with atomics).
+__device__ __forceinline__ void sptc_zero(const int* __restrict__ rows, int nrows, float* __restrict__ Y, int K) {
+  const size_t total = (size_t)nrows * K;
+  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (size_t)gridDim.x * blockDim.x)
+    Y[(size_t)__ldg(rows + i / K) * K + i % K] = 0.f;
 }
 
 // CSR remainder on CUDA cores: one warp per remainder row (distinct output rows), lanes over K;
@@ -171,13 +254,14 @@ extern "C" __global__ void sptc_remainder_kernel(const int* __restrict__ rem_ptr
   spc_sptc::sptc_remainder(rem_ptr, rem_rows, rem_cols, rem_vals, X, Y, nrows, K);
 }
 
-#define SPC_SPTC_INSTANCE(NAME, P, NT, DENSE_A)                                                             \
-  extern "C" __global__ void NAME(const int* __restrict__ win_ptr, const int2* __restrict__ tinfo,         \
-                                  const uint4* __restrict__ frag, const int* __restrict__ nz_ptr,         \
-                                  const uint32_t* __restrict__ nz, const uint32_t* __restrict__ meta,     \
-                                  const int* __restrict__ perm, const int* __restrict__ row_ids,          \
-                                  const float* __restrict__ row_scale, const float* __restrict__ X,       \
-                                  float* __restrict__ Y, int m, int K) {                                  \
-    spc_sptc::sptc_spmm<P, NT, DENSE_A>(win_ptr, tinfo, frag, nz_ptr, nz, meta, perm, row_ids, row_scale, \
-                                        X, Y, m, K);                                                      \
+extern "C" __global__ void sptc_zero_rows(const int* __restrict__ rows, int nrows, float* __restrict__ Y, int K) {
+  spc_sptc::sptc_zero(rows, nrows, Y, K);
+}
+
+#define SPC_SPTC_INSTANCE(NAME, P, NT)                                                                      \
+  extern "C" __global__ void NAME(const int4* __restrict__ items, const uint4* __restrict__ frag,           \
+                                  const uint32_t* __restrict__ meta, const int* __restrict__ ccol,         \
+                                  const int* __restrict__ row_ids, const float* __restrict__ row_scale,   \
+                                  const float* __restrict__ X, float* __restrict__ Y, int m, int K) {     \
+    spc_sptc::sptc_spmm2<P, NT>(items, frag, meta, ccol, row_ids, row_scale, X, Y, m, K);                 \
   }

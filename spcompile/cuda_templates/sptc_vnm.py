@@ -149,15 +149,13 @@ def pack_tiles(tile, rr, j, idx, slot, val_bits, ntiles, layout=META_LAYOUT):
             np.ascontiguousarray(meta.reshape(-1)), nz_ptr, nz)
 
 
-def sptc_arrays(mod: SparseModule, precision: str = "fp16", layout: str = META_LAYOUT) -> dict[str, np.ndarray]:
-    """Kernel arrays of the 2:4 tile form of ``mod.A`` plus the CSR remainder (see module doc)."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
+def _entries(mod: SparseModule):
+    """Stored entries of ``mod.A`` (current order) sorted by (row, col), values scaled for ``mean``,
+    plus the original row of every current row and the original column of every current column."""
     A = mod.A
     m, n = A.shape
     ka = csr_kernel_arrays(mod, np.int32)
-    indptr = np.asarray(A.indptr, np.int64)
-    lens = np.diff(indptr)
+    lens = np.diff(np.asarray(A.indptr, np.int64))
     rows = np.repeat(np.arange(m, dtype=np.int64), lens)
     cols = np.asarray(A.indices, np.int64)
     data = np.asarray(A.data, np.float32)
@@ -167,32 +165,166 @@ def sptc_arrays(mod: SparseModule, precision: str = "fp16", layout: str = META_L
     if key.size and np.any(key[1:] < key[:-1]):
         o = np.argsort(key, kind="stable")
         rows, cols, data = rows[o], cols[o], data[o]
-    nnz = cols.size
-    # rank of each entry inside its (row, 4-column chunk)
-    gkey = rows * (-(-n // 4) + 1) + (cols >> 2)
-    first = np.ones(nnz, bool)
-    if nnz:
-        first[1:] = gkey[1:] != gkey[:-1]
-    start = np.maximum.accumulate(np.where(first, np.arange(nnz), 0)) if nnz else np.zeros(0, np.int64)
-    rank = np.arange(nnz) - start
-    keep = rank < 2
     row_ids = np.asarray(ka["row_ids"], np.int64)
     col_map = np.arange(n, dtype=np.int64) if mod.col_perm is None else np.asarray(mod.col_perm, np.int64)
+    return rows, cols, data, row_ids, col_map, m, n
+
+
+def _rank_in_groups(key: np.ndarray) -> np.ndarray:
+    """Rank of every element among the equal keys before it (``key`` sorted)."""
+    nnz = key.size
+    if not nnz:
+        return np.zeros(0, np.int64)
+    first = np.ones(nnz, bool)
+    first[1:] = key[1:] != key[:-1]
+    start = np.maximum.accumulate(np.where(first, np.arange(nnz), 0))
+    return np.arange(nnz) - start
+
+
+def condense_windows(rows: np.ndarray, cols: np.ndarray, m: int):
+    """Window-local column condensing (TC-GNN's SGT idea, made 2:4 by construction).
+
+    Per 16-row window the distinct columns its rows use are numbered into 4-column groups so that
+    no row holds more than 2 entries in a group (greedy next-fit over the window's columns, taken
+    round-robin over the rows that use them first: column i of every row before column i + 1 of
+    any row).  Returns ``(slot, nslots)``: the window-local slot (group * 4 + position) of every
+    entry's column and the number of slots of every window (a multiple of 4).  Vectorised over the
+    windows: one numpy step per column rank, not per entry."""
+    rows = np.asarray(rows, np.int64)
+    cols = np.asarray(cols, np.int64)
+    nwin = -(-m // 16)
+    nnz = rows.size
+    if nnz == 0:
+        return np.zeros(0, np.int64), np.zeros(nwin, np.int64)
+    n = int(cols.max()) + 1
+    win = rows >> 4
+    key = win * n + cols
+    o = np.argsort(key, kind="stable")
+    ks = key[o]
+    first = np.ones(nnz, bool)
+    first[1:] = ks[1:] != ks[:-1]
+    pstart = np.flatnonzero(first)
+    pair = np.empty(nnz, np.int64)
+    pair[o] = np.cumsum(first) - 1
+    bits = np.left_shift(np.int64(1), rows[o] & 15)
+    mask = np.bitwise_or.reduceat(bits, pstart)                     # rows of the window using the column
+    pwin = ks[pstart] // n
+    npair = pstart.size
+    fr = np.log2((mask & -mask).astype(np.float64)).astype(np.int64)  # first row using the column
+    # pairs are sorted by (window, column); (window, first row) groups are not contiguous -> sort
+    o2 = np.lexsort((np.arange(npair), pwin * 16 + fr))
+    rk = np.empty(npair, np.int64)
+    rk[o2] = _rank_in_groups((pwin * 16 + fr)[o2])
+    po = np.lexsort((fr, rk, pwin))                                # processing order of the pairs
+    cnt = np.bincount(pwin, minlength=nwin)
+    st = np.concatenate([[0], np.cumsum(cnt)])[:-1]
+    wl = np.argsort(-cnt, kind="stable")
+    cs = cnt[wl]
+    nw = int(np.count_nonzero(cs))
+    stw = st[wl[:nw]]
+    one = np.zeros(nw, np.int64)
+    two = np.zeros(nw, np.int64)
+    k = np.full(nw, 4, np.int64)
+    grp = np.full(nw, -1, np.int64)
+    pslot = np.empty(npair, np.int64)
+    neg = -cs[:nw]
+    for jstep in range(int(cs[0]) if nw else 0):
+        na = int(np.searchsorted(neg, -jstep, side="left"))        # windows with more than jstep columns
+        idx = po[stw[:na] + jstep]
+        s = mask[idx]
+        o_, t_, k_ = one[:na], two[:na], k[:na]
+        new = ((s & t_) != 0) | (k_ >= 4)
+        grp[:na] += new
+        o_[new] = 0
+        t_[new] = 0
+        k_[new] = 0
+        t_ |= o_ & s
+        o_ |= s
+        pslot[idx] = grp[:na] * 4 + k_
+        k_ += 1
+    nslots = np.zeros(nwin, np.int64)
+    nslots[wl[:nw]] = (grp + 1) * 4
+    return pslot[pair], nslots
+
+
+def _items(win_ptr: np.ndarray, split: int, m: int, row_ids: np.ndarray):
+    """Work items ``(window, first tile, end tile, atomic)`` (int32 x 4, heaviest first) and the
+    original rows of the windows split into several items (zeroed before the atomics)."""
+    wp = np.asarray(win_ptr, np.int64)
+    nwin = wp.size - 1
+    nt = np.diff(wp)
+    nch = np.maximum(1, -(-nt // split)) if split > 0 else np.ones(nwin, np.int64)
+    iw = np.repeat(np.arange(nwin), nch)
+    ci = np.arange(iw.size) - np.repeat(np.cumsum(nch) - nch, nch)
+    if split > 0:
+        beg = wp[iw] + ci * split
+        end = np.minimum(beg + split, wp[iw + 1])
+    else:
+        beg, end = wp[iw], wp[iw + 1]
+    at = (nch[iw] > 1).astype(np.int64)
+    items = np.stack([iw, beg, end, at], axis=1)
+    items = items[np.argsort(-(end - beg), kind="stable")]
+    sw = np.flatnonzero(nch > 1)
+    zr = (sw[:, None] * 16 + np.arange(16)[None, :]).ravel()
+    zr = zr[zr < m]
+    return np.ascontiguousarray(items, dtype=np.int32).reshape(-1), row_ids[zr].astype(np.int32)
+
+
+PACKS = ("condensed", "block")
+
+
+def sptc_arrays(mod: SparseModule, precision: str = "fp16", layout: str = META_LAYOUT, pack: str = "block",
+                split: int = 0) -> dict[str, np.ndarray]:
+    """Kernel arrays of the 2:4 tile form of ``mod.A`` plus the CSR remainder (see module doc).
+
+    ``pack="block"``: tiles = nonempty (16-row window, 32-column block) of the current order, the
+    first two entries of every 4-column chunk kept, the rest in the CSR remainder.
+    ``pack="condensed"``: tiles over the window's condensed columns (:func:`condense_windows`):
+    2:4 by construction, no remainder.  ``split``: most tiles per work item (0 = one item per window)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
+    if pack not in PACKS:
+        raise ValueError(f"pack must be one of {PACKS}, got {pack!r}")
+    rows, cols, data, row_ids, col_map, m, n = _entries(mod)
+    nnz = cols.size
+    nwin = -(-m // 16)
+    if pack == "block":
+        rank = _rank_in_groups(rows * (-(-n // 4) + 1) + (cols >> 2))
+        keep = rank < 2
+        ncb = -(-n // 32)
+        r, c, v, s = rows[keep], cols[keep], data[keep], rank[keep]
+        tkey = (r >> 4) * ncb + (c >> 5)
+        ukeys, tid = np.unique(tkey, return_inverse=True)
+        tid = tid.reshape(-1)
+        ntiles = ukeys.size
+        win_ptr = np.concatenate([[0], np.cumsum(np.bincount(ukeys // ncb, minlength=nwin))])
+        pos = c & 31
+        ccol = np.full(ntiles * 32, -1, np.int64)
+        ccol[tid * 32 + pos] = col_map[c]
+    else:
+        keep = np.ones(nnz, bool)
+        slot, nslots = condense_windows(rows, cols, m)
+        ntw = -(-nslots // 32)
+        tbase = np.concatenate([[0], np.cumsum(ntw)])
+        win_ptr = tbase
+        ntiles = int(tbase[-1])
+        r, c, v = rows, cols, data
+        tid = tbase[r >> 4] + (slot >> 5)
+        pos = slot & 31
+        ck = (tid * 16 + (r & 15)) * 32 + pos
+        o = np.argsort(ck, kind="stable")
+        s = np.empty(nnz, np.int64)
+        s[o] = _rank_in_groups(ck[o] >> 2)
+        if nnz and s.max() > 1:                                   # pragma: no cover - by construction
+            raise AssertionError("condensed packing broke 2:4")
+        ccol = np.full(ntiles * 32, -1, np.int64)
+        ccol[tid * 32 + pos] = col_map[c]
     # --- remainder (caller's order), grouped by original row
     rr_o, rc_o, rv = row_ids[rows[~keep]], col_map[cols[~keep]], data[~keep]
     o = np.argsort(rr_o, kind="stable")
     rr_o, rc_o, rv = rr_o[o], rc_o[o], rv[o]
     urows, cnt = np.unique(rr_o, return_counts=True)
     rem_ptr = np.concatenate([[0], np.cumsum(cnt)]).astype(np.int32)
-    # --- tiles
-    r, c, v, s = rows[keep], cols[keep], data[keep], rank[keep]
-    nwin = -(-m // 16)
-    ncb = -(-n // 32)
-    tkey = (r >> 4) * ncb + (c >> 5)
-    ukeys, tid = np.unique(tkey, return_inverse=True)
-    ntiles = ukeys.size
-    win_ptr = np.concatenate([[0], np.cumsum(np.bincount(ukeys // ncb, minlength=nwin))]).astype(np.int32) \
-        if ntiles else np.zeros(nwin + 1, np.int32)
     # per-row power-of-two scale keeps the stored values inside the fp16 range
     amax = np.zeros(m, np.float64)
     if nnz:
@@ -200,17 +332,10 @@ def sptc_arrays(mod: SparseModule, precision: str = "fp16", layout: str = META_L
     ex = np.where(amax > 0, np.floor(np.log2(np.where(amax > 0, amax, 1.0))), 0.0)
     row_scale = np.ldexp(1.0, ex.astype(np.int64)).astype(np.float32)
     vk = (v.astype(np.float64) / row_scale[r]).astype(np.float32)
-    frag, meta, nz_ptr, nz = pack_tiles(tid, r & 15, (c >> 2) & 7, c & 3, s, _to_bits(vk, precision), ntiles,
-                                        layout)
-    used = np.zeros(ntiles, np.uint64)
-    np.bitwise_or.at(used, tid, np.left_shift(np.uint64(1), (c & 31).astype(np.uint64)))
-    tinfo = np.stack([(ukeys % ncb).astype(np.int64), used.astype(np.uint32).view(np.int32).astype(np.int64)],
-                     axis=1) if ntiles else np.zeros((0, 2), np.int64)
-    perm = np.full(ncb * 32, -1, np.int64)
-    perm[:n] = col_map
-    return {"win_ptr": win_ptr, "tinfo": np.ascontiguousarray(tinfo.reshape(-1), dtype=np.int32),
-            "frag": frag, "nz_ptr": nz_ptr, "nz": nz, "meta": meta,
-            "perm": np.ascontiguousarray(perm, dtype=np.int32),
+    frag, meta, _, _ = pack_tiles(tid, r & 15, pos >> 2, pos & 3, s, _to_bits(vk, precision), ntiles, layout)
+    items, zrows = _items(win_ptr, int(split), m, row_ids)
+    return {"win_ptr": np.asarray(win_ptr, np.int32), "items": items, "frag": frag, "meta": meta,
+            "ccol": np.ascontiguousarray(ccol, dtype=np.int32), "zero_rows": zrows,
             "row_ids": np.ascontiguousarray(row_ids, dtype=np.int32), "row_scale": row_scale,
             "rem_ptr": rem_ptr, "rem_rows": urows.astype(np.int32),
             "rem_cols": rc_o.astype(np.int32), "rem_vals": rv.astype(np.float32)}
@@ -248,29 +373,35 @@ def decode_tiles(frag: np.ndarray, meta: np.ndarray, precision: str, layout: str
 
 def emulate_sptc_spmm(arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any], X: np.ndarray,
                       layout: str = META_LAYOUT) -> np.ndarray:
-    """What the two kernels compute from the uploaded ``arrays``, in float64 (for tests)."""
+    """What the kernels compute from the uploaded ``arrays``, in float64 (for tests): the zero
+    kernel, then every work item (its tiles' products, stored or added), then the remainder."""
     m = int(meta["m"])
     X = np.asarray(X, dtype=np.float64)
     K = X.shape[1]
-    if "frag" in arrays:
-        tiles = decode_tiles(arrays["frag"], arrays["meta"], meta["precision"], layout)
-    else:
-        tiles = decode_tiles(np.zeros(0, np.uint32), arrays["meta"], meta["precision"], layout,
-                             arrays["nz_ptr"], arrays["nz"])
-    ti = np.asarray(arrays["tinfo"], np.int64).reshape(-1, 2)
-    used = (ti[:, 1:2].astype(np.uint64) & 0xFFFFFFFF) >> np.arange(32, dtype=np.uint64)[None, :] & 1
-    perm = np.asarray(arrays["perm"], np.int64)
-    cols = np.where(used.astype(bool), perm[ti[:, 0:1] * 32 + np.arange(32)[None, :]], -1)
+    tiles = decode_tiles(arrays["frag"], arrays["meta"], meta["precision"], layout)
+    ntiles = tiles.shape[0]
+    ccol = np.asarray(arrays["ccol"], np.int64).reshape(ntiles, 32)
     Xp = np.vstack([X, np.zeros((1, K))])
-    G = Xp[np.where(cols < 0, X.shape[0], cols)]                  # (ntiles, 32, K)
-    wp = np.asarray(arrays["win_ptr"], np.int64)
-    nwin = wp.size - 1
-    acc = np.zeros((nwin, 16, K))
-    if tiles.shape[0]:
-        np.add.at(acc, np.repeat(np.arange(nwin), np.diff(wp)), tiles @ G)
-    Y = np.zeros((m, K))
-    Y[np.asarray(arrays["row_ids"], np.int64)] = acc.reshape(-1, K)[:m] * \
-        np.asarray(arrays["row_scale"], np.float64)[:, None]
+    G = Xp[np.where(ccol < 0, X.shape[0], ccol)]                  # (ntiles, 32, K)
+    P = tiles @ G if ntiles else np.zeros((0, 16, K))
+    items = np.asarray(arrays["items"], np.int64).reshape(-1, 4)
+    nwin = -(-m // 16)
+    Y = np.full((m, K), np.nan)
+    Y[np.asarray(arrays["zero_rows"], np.int64)] = 0.0
+    cum = np.concatenate([np.zeros((1, 16, K)), np.cumsum(P, axis=0)])
+    rid = np.asarray(arrays["row_ids"], np.int64)
+    sc = np.asarray(arrays["row_scale"], np.float64)
+    for atomic in (0, 1):                           # stores first: an atomic item must find zeros
+        sel = items[items[:, 3] == atomic]
+        part = (cum[sel[:, 2]] - cum[sel[:, 1]])    # (items, 16, K)
+        r = sel[:, 0:1] * 16 + np.arange(16)[None, :]
+        ok = r < m
+        vals = part[ok] * sc[r[ok]][:, None]
+        if atomic:
+            np.add.at(Y, rid[r[ok]], vals)
+        else:
+            Y[rid[r[ok]]] = vals
+    assert np.all(np.bincount(items[:, 0], minlength=nwin) >= 1)
     rp = np.asarray(arrays["rem_ptr"], np.int64)
     rrow = np.repeat(np.asarray(arrays["rem_rows"], np.int64), np.diff(rp))
     np.add.at(Y, rrow, np.asarray(arrays["rem_vals"], np.float64)[:, None]
@@ -281,49 +412,50 @@ def emulate_sptc_spmm(arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any],
 class SptcKernel(_NvccKernel):
     def prepare(self):
         fns = self._load_functions()
-        self._fn, self._rem = fns[0], fns[-1]
+        byname = {n: f for (n, _), f in zip(self.meta["instances"], fns)}
         p, meta = self.params, self.meta
         K, m = int(meta["K"]), int(meta["m"])
         W, NT = int(p["warps_per_block"]), int(p["slabs_per_warp"])
-        dense = "frag" in self.arrays
-        names = ["win_ptr", "tinfo", "frag" if dense else "nz_ptr", "meta", "perm", "row_ids", "row_scale",
-                 "rem_ptr", "rem_rows", "rem_cols", "rem_vals"] + ([] if dense else ["nz"])
+        names = ["items", "frag", "meta", "ccol", "row_ids", "row_scale", "zero_rows",
+                 "rem_ptr", "rem_rows", "rem_cols", "rem_vals"]
         dev = dict(zip(names, self._upload(tuple(names))))
-        z = 0
-        self._args_pre = (dev["win_ptr"], dev["tinfo"], dev.get("frag", z), dev.get("nz_ptr", z), dev.get("nz", z),
-                          dev["meta"], dev["perm"], dev["row_ids"], dev["row_scale"])
-        self._rem_pre = tuple(dev[k] for k in ("rem_ptr", "rem_rows", "rem_cols", "rem_vals"))
-        self._post = (np.int32(m), np.int32(K))
-        nwin = int(self.arrays["win_ptr"].size) - 1
+        nitems = int(self.arrays["items"].size) // 4
         nrem = int(self.arrays["rem_rows"].size)
-        self._grid = (max(nwin, 1), -(-K // (8 * NT * W)), 1)
-        self._block = (32 * W, 1, 1)
-        self._smem = 0 if dense else 512 * W
-        self._rem_grid = (-(-nrem // 8), -(-K // 128), 1)
-        self._rem_post = (np.int32(nrem), np.int32(K))
-        self._nrem = nrem
-        self._empty = m == 0 or K == 0
+        nz = int(self.arrays["zero_rows"].size)
+        self._main = rt.Launch(byname[meta["instances"][0][0]], (max(nitems, 1), -(-K // (8 * NT * W)), 1),
+                               (32 * W, 1, 1), (dev["items"], dev["frag"], dev["meta"], dev["ccol"],
+                                                dev["row_ids"], dev["row_scale"], None, None,
+                                                np.int32(m), np.int32(K)))
+        self._zero = rt.Launch(byname["sptc_zero_rows"], (max(1, min(1024, -(-nz * K // 256))), 1, 1), (256, 1, 1),
+                               (dev["zero_rows"], np.int32(nz), None, np.int32(K))) if nz else None
+        self._rem = rt.Launch(byname["sptc_remainder_kernel"], (-(-nrem // 8), -(-K // 128), 1), (256, 1, 1),
+                              (dev["rem_ptr"], dev["rem_rows"], dev["rem_cols"], dev["rem_vals"], None, None,
+                               np.int32(nrem), np.int32(K))) if nrem else None
+        self._empty = m == 0 or K == 0 or nitems == 0
         self._ready = True
 
     def launch(self, in_ptrs, out_ptr, stream):
         if self._empty:
             return
-        s = rt._stream(stream)
         x = in_ptrs[0]
-        self._fn(self._grid, self._block, self._args_pre + (x, out_ptr) + self._post, shared_mem=self._smem,
-                 stream=s)
-        if self._nrem:
-            self._rem(self._rem_grid, (256, 1, 1), self._rem_pre + (x, out_ptr) + self._rem_post, stream=s)
+        if self._zero is not None:
+            self._zero((out_ptr,), stream)
+        self._main((x, out_ptr), stream)
+        if self._rem is not None:
+            self._rem((x, out_ptr), stream)
 
 
 @register_template
 class SptcVnm(_NvccTemplate):
-    """SOGRE (PPoPP'25) sparse-tensor-core SpMM: 2:4 tiles of the reordered matrix on mma.sp
-    m16n8k32 (fp16 / bf16 operands, fp32 accumulation) + a lossless CUDA-core CSR remainder.
-    Tunable: warps per block, 8-column output slabs per warp, precision."""
+    """SOGRE (PPoPP'25) sparse-tensor-core SpMM: 2:4 tiles on mma.sp m16n8k32 (fp16 / bf16 operands,
+    fp32 accumulation).  Two packings: ``block`` (the 32-column blocks of the reordered matrix, after
+    reorder.vnm, + a lossless CUDA-core CSR remainder) and ``condensed`` (per 16-row window the
+    distinct columns, grouped 2:4 by construction; best after a locality order such as reorder.rcm).
+    Tunable: packing, warps per block, 8-column output slabs per warp, tiles per work item (split),
+    precision."""
 
     name = "sptc.vnm"
-    version = "1"
+    version = "2"
     priority = 9
     ops = (("spmm", "sum"), ("spmm", "mean"))
     format = "vnm"
@@ -334,27 +466,31 @@ class SptcVnm(_NvccTemplate):
         return ("vnm",)
 
     def pipelines(self, mod):
-        return [[{"name": "reorder.vnm", "options": {"V": 1, "N": 2, "M": 4}}]]
+        return [[{"name": "reorder.rcm"}, {"name": "format.vnm"}],
+                [{"name": "reorder.vnm", "options": {"V": 1, "N": 2, "M": 4}}],
+                [{"name": "format.vnm"}]]
 
     def space(self, mod):
         from optuna.distributions import CategoricalDistribution as C
 
-        return {"warps_per_block": C([1, 2, 4, 8]), "slabs_per_warp": C([1, 2, 4, 8]),
-                "dense_a": C([0, 1]), "precision": C(["fp16", "bf16"])}
+        return {"pack": C(list(PACKS)), "warps_per_block": C([1, 2, 4, 8]), "slabs_per_warp": C([1, 2, 4, 8]),
+                "split": C([0, 2, 4, 8, 32]), "precision": C(["fp16", "bf16"])}
 
     def default_params(self, mod):
         K = mod.op.K
         slabs = -(-K // 8)
-        NT = 4 if slabs >= 16 else (2 if slabs >= 4 else 1)
+        NT = 4 if slabs >= 4 else (2 if slabs >= 2 else 1)
         W = max(1, min(8, -(-slabs // NT)))
         W = 1 << (W - 1).bit_length()
-        return {"warps_per_block": min(W, 8), "slabs_per_warp": NT, "dense_a": 0, "precision": "fp16"}
+        return {"pack": "condensed", "warps_per_block": min(W, 8), "slabs_per_warp": NT, "split": 8,
+                "precision": "fp16"}
 
     def seed_params(self, mod):
         d = self.default_params(mod)
-        seeds = [d, {**d, "slabs_per_warp": 2, "warps_per_block": min(8, 2 * d["warps_per_block"])},
-                 {**d, "slabs_per_warp": 8, "warps_per_block": max(1, d["warps_per_block"] // 2)},
-                 {**d, "warps_per_block": 2}, {**d, "dense_a": 1}, {**d, "precision": "bf16"}]
+        seeds = [d, {**d, "split": 2}, {**d, "split": 0}, {**d, "slabs_per_warp": 8,
+                                                            "warps_per_block": max(1, d["warps_per_block"] // 2)},
+                 {**d, "slabs_per_warp": 2, "warps_per_block": min(8, 2 * d["warps_per_block"])},
+                 {**d, "pack": "block"}, {**d, "precision": "bf16"}]
         out, seen = [], set()
         for s in seeds:
             t = tuple(sorted(s.items()))
@@ -364,40 +500,44 @@ class SptcVnm(_NvccTemplate):
         return out
 
     @staticmethod
-    def instance_name(P, NT, DENSE_A) -> str:
-        return f"sptc_spmm_p{P}_nt{NT}_d{DENSE_A}"
+    def instance_name(P, NT) -> str:
+        return f"sptc2_spmm_p{P}_nt{NT}"
 
-    def instances(self, precision: str, NT: int, dense_a: int = 0) -> list:
+    def instances(self, precision: str, NT: int) -> list:
         P = PRECISIONS[precision][0]
-        return [(self.instance_name(P, NT, dense_a), (P, NT, dense_a))]
+        return [(self.instance_name(P, NT), (P, NT))]
+
+    def all_instances(self, precision: str, NT: int) -> list:
+        """The main kernel plus the helper kernels (plain extern "C" functions, listed without args)."""
+        return self.instances(precision, NT) + [("sptc_zero_rows", ()), ("sptc_remainder_kernel", ())]
 
     def render(self, instances):
-        # the remainder kernel is a plain extern "C" function of the source (listed without args)
         return super().render([(n, a) for n, a in instances if len(a)])
 
     def build(self, mod: SparseModule, params: Mapping[str, Any]):
         params = self.check_params(mod, params)
         if not self.supports(mod):
-            raise ValueError("sptc.vnm needs the vnm format (run reorder.vnm first)")
-        prec = str(params["precision"])
-        W, NT = int(params["warps_per_block"]), int(params["slabs_per_warp"])
-        dense_a = int(params["dense_a"])
-        if prec not in PRECISIONS or W not in (1, 2, 4, 8, 16) or NT not in (1, 2, 4, 8) or dense_a not in (0, 1):
+            raise ValueError("sptc.vnm needs the vnm format (run reorder.vnm or format.vnm first)")
+        prec, pack = str(params["precision"]), str(params["pack"])
+        W, NT, split = int(params["warps_per_block"]), int(params["slabs_per_warp"]), int(params["split"])
+        if prec not in PRECISIONS or pack not in PACKS or W not in (1, 2, 4, 8, 16) or NT not in (1, 2, 4, 8) \
+                or split < 0:
             raise ValueError(f"invalid sptc.vnm parameters {params}")
         arch = rt.device_arch()
         if arch < 80:
             raise ValueError("sptc.vnm needs sm_80 or newer (mma.sp)")
-        arrays = sptc_arrays(mod, prec)
-        for k in (("nz_ptr", "nz") if dense_a else ("frag",)):
-            del arrays[k]
-        inst = self.instances(prec, NT, dense_a)
+        arrays = sptc_arrays(mod, prec, pack=pack, split=split)
+        inst = self.all_instances(prec, NT)
         path = self.compile(inst, arch=arch, name=inst[0][0])
-        ntiles = int(arrays["tinfo"].size) // 2
-        meta = {"K": mod.op.K, "m": mod.A.shape[0], "precision": prec, "layout": META_LAYOUT,
+        ntiles = int(arrays["ccol"].size) // 32
+        kept = mod.A.nnz - int(arrays["rem_vals"].size)
+        meta = {"K": mod.op.K, "m": mod.A.shape[0], "precision": prec, "layout": META_LAYOUT, "pack": pack,
                 "tolerance_dtype": PRECISIONS[prec][1], "arch": arch, "tiles": ntiles,
-                "remainder_nnz": int(arrays["rem_vals"].size),
-                "tile_density": float((mod.A.nnz - arrays["rem_vals"].size) / max(1, ntiles * 512)),
-                "instances": [[n, list(a)] for n, a in inst] + [["sptc_remainder_kernel", []]]}
+                "items": int(arrays["items"].size) // 4, "remainder_nnz": int(arrays["rem_vals"].size),
+                "nnz_per_tile": float(kept / max(1, ntiles)),
+                "gathered_rows": int(np.count_nonzero(arrays["ccol"] >= 0)),
+                "tile_density": float(kept / max(1, ntiles * 512)),
+                "instances": [[n, list(a)] for n, a in inst]}
         return SptcKernel(self.name, params, arrays, {"kernel.fatbin": path}, meta, self)
 
     def load(self, params, arrays, files, meta):
