@@ -1,17 +1,23 @@
-"""GPU check and benchmark of sptc.vnm (SOGRE 2:4 sparse-tensor-core SpMM, mma.sp m16n8k32) against
+"""GPU check and benchmark of sptc.vnm (2:4 sparse-tensor-core SpMM, mma.sp m16n8k32) against
 cuSPARSE fp32 (torch.sparse.mm on CSR).
 
 Modes (combinable):
-  --sanitize   a few small cases of every kernel variant (fp16/bf16, dense/scattered A, with and
-               without remainder), NaN-poisoned outputs vs float64; run it under compute-sanitizer
-  --bench      shared graphs at K = 128 and 256: cuSPARSE fp32 vs sptc.vnm after reorder.vnm (fp16
-               and bf16) and sptc.vnm fp16 on the original order (violating segments -> CSR
-               remainder).  Each configuration is checked against float64 (relative Frobenius
-               error) before it is timed (N calls captured in a CUDA graph, replayed between
-               events; the sptc time includes the remainder kernel).  JSON + sptc_benchmark.md
+  --sanitize   a few small cases of every packing / kernel path (fp16 / bf16, block packing with a
+               CSR remainder, condensed packing, split windows with atomics, K not a multiple of
+               the slab width), NaN-poisoned outputs vs float64; run it under compute-sanitizer
+  --bench      shared graphs at K = 128 and 256: cuSPARSE fp32 vs sptc.vnm variants:
+                 "cond rcm"   reorder.rcm -> format.vnm, condensed packing (fp16; bf16 with the
+                              best fp16 configuration)
+                 "cond orig"  original order, condensed packing
+                 "block vnm"  reorder.vnm (SOGRE) -> block packing (the v1 pipeline, new kernel)
+               Each configuration is checked against float64 (relative Frobenius error) before it
+               is timed (N calls captured in a CUDA graph, replayed between events; sptc times
+               include the zero-rows and remainder kernels).  JSON + sptc_benchmark.md in --out.
+  --perm-cache DIR  reorder.vnm permutations (+ metrics) cached as npz (computed on the CPU
+               machine beforehand, so that the device does not spend its time in SOGRE).
 
 Command used on the H100 (see docs/sptc_benchmark.md):
-    python benchmarks/sptc_gpu.py --sanitize --bench --out $OUT
+    python benchmarks/sptc_gpu.py --sanitize --bench --perm-cache .sptc_cache --out $OUT
 """
 from __future__ import annotations
 
@@ -44,26 +50,41 @@ GRAPHS = ["cora", "citeseer", "pubmed", "coauthor_cs", "amazon_computers", "blog
 KS = (128, 256)
 TOL = {"fp16": 1e-2, "bf16": 2e-2}
 VNM = [{"name": "reorder.vnm", "options": {"V": 1, "N": 2, "M": 4}}]
+RCM = [{"name": "reorder.rcm"}, {"name": "format.vnm"}]
+FMT = [{"name": "format.vnm"}]
 
 _PACK_CACHE: dict = {}
-_orig_arrays = sv.sptc_arrays
+_orig_pack = sv.pack_arrays
 
 
-def _cached_arrays(mod, precision="fp16", layout=sv.META_LAYOUT):
-    key = (id(mod.A), id(mod.col_perm), precision, layout)
+def _cached_pack(mod, precision="fp16", layout=sv.META_LAYOUT, pack="block"):
+    key = (id(mod.A), id(mod.col_perm), id(mod.row_perm), mod.op.reduce, precision, layout, pack)
     if key not in _PACK_CACHE:
-        _PACK_CACHE[key] = (mod, _orig_arrays(mod, precision, layout))
-    return dict(_PACK_CACHE[key][1])
+        _PACK_CACHE[key] = (mod, _orig_pack(mod, precision, layout, pack))
+    return _PACK_CACHE[key][1]
 
 
-sv.sptc_arrays = _cached_arrays  # build() packs once per (module, precision)
+sv.pack_arrays = _cached_pack  # build() packs once per (module, precision, packing); items per split
 
 
-def _mod(A, K, reduce="sum", reorder=True):
-    mod = Pipeline(list(VNM if reorder else []))(SparseModule.from_op(make_op(A, "spmm", K, reduce)))
-    if not reorder:
-        mod = mod.with_format("vnm", vnm_format(mod.A, 1, 2, 4))
-    return mod
+def load_vnm(gname, A, perm_cache):
+    """reorder.vnm module of graph A (permutations from the npz cache when present)."""
+    base = SparseModule.from_op(make_op(A, "spmm", 128, "sum"))
+    path = os.path.join(perm_cache, f"vnm_{gname}.npz") if perm_cache else None
+    if path and os.path.isfile(path):
+        z = np.load(path, allow_pickle=False)
+        rp, cp = z["rp"], z["cp"]
+        met = json.loads(str(z["metrics"]))
+        mod = base.permute(None if rp.size == 0 else rp, None if cp.size == 0 else cp)
+        return mod.with_format("vnm", vnm_format(mod.A, 1, 2, 4)), met
+    mod = Pipeline(list(VNM))(base)
+    met = {k: v for k, v in mod.metrics["reorder.vnm"].items() if isinstance(v, (int, float, bool, str))}
+    if path:
+        os.makedirs(perm_cache, exist_ok=True)
+        np.savez(path, rp=np.asarray(mod.row_perm if mod.row_perm is not None else [], np.int64),
+                 cp=np.asarray(mod.col_perm if mod.col_perm is not None else [], np.int64),
+                 metrics=json.dumps(met))
+    return mod, met
 
 
 def run_sanitize(log):
@@ -75,10 +96,11 @@ def run_sanitize(log):
     rng = np.random.default_rng(7)
     A = random_matrix(200, 300, density=0.03, seed=11)
     for K in (19, 64):
-        for reorder in (True, False):
-            mod = _mod(A, K, "sum", reorder)
+        for pname, pipe in (("vnm", VNM), ("rcm", RCM)):
+            mod = Pipeline(list(pipe))(SparseModule.from_op(make_op(A, "spmm", K, "sum")))
             d = t.default_params(mod)
-            for p in [d, {**d, "dense_a": 1}, {**d, "precision": "bf16"}, {**d, "slabs_per_warp": 8}]:
+            for p in [d, {**d, "pack": "block", "split": 0}, {**d, "precision": "bf16", "split": 1},
+                      {**d, "slabs_per_warp": 8, "warps_per_block": 1}]:
                 kern = t.build(mod, p)
                 X = rng.standard_normal((A.shape[1], K)).astype(np.float32)
                 out = cupy.full((A.shape[0], K), np.nan, dtype=cupy.float32)
@@ -86,13 +108,25 @@ def run_sanitize(log):
                 err = reference.rel_error(cupy.asnumpy(out), reference.run("spmm", "sum", mod.op.A, X))
                 ok = bool(err <= TOL[p["precision"]])
                 fails += not ok
-                log.append({"case": f"K{K}/reorder={reorder}/{p}", "err": err, "ok": ok,
-                            "remainder_nnz": kern.meta["remainder_nnz"]})
+                log.append({"case": f"K{K}/{pname}/{p}", "err": err, "ok": ok,
+                            "remainder_nnz": kern.meta["remainder_nnz"], "items": kern.meta["items"]})
                 print("sanitize", log[-1], flush=True)
     return fails
 
 
-def run_bench(graphs, rows):
+def _configs(d, label):
+    if label == "cond rcm":
+        w2 = max(1, d["warps_per_block"] // 2)
+        return [d, {**d, "split": 2}, {**d, "split": 4}, {**d, "split": 0}, {**d, "split": 32},
+                {**d, "slabs_per_warp": 8, "warps_per_block": w2},
+                {**d, "slabs_per_warp": 8, "warps_per_block": w2, "split": 4},
+                {**d, "slabs_per_warp": 2, "warps_per_block": min(8, 2 * d["warps_per_block"])}]
+    if label == "cond orig":
+        return [d, {**d, "split": 2}, {**d, "split": 0}]
+    return [{**d, "pack": "block"}, {**d, "pack": "block", "split": 2}, {**d, "pack": "block", "split": 32}]
+
+
+def run_bench(graphs, rows, perm_cache):
     import torch
     from conftest import load_graph
     from spmm_gpu import kernel_time
@@ -104,10 +138,11 @@ def run_bench(graphs, rows):
         A.sum_duplicates()
         A.sort_indices()
         t0 = time.perf_counter()
-        mods = {True: _mod(A, 128, "sum", True)}
-        t_reorder = time.perf_counter() - t0
-        mods[False] = _mod(A, 128, "sum", False)
-        met = mods[True].metrics["reorder.vnm"]
+        mvnm, met = load_vnm(gname, A, perm_cache)
+        t_vnm = time.perf_counter() - t0
+        mods = {"block vnm": mvnm,
+                "cond rcm": Pipeline(list(RCM))(SparseModule.from_op(make_op(A, "spmm", 128, "sum"))),
+                "cond orig": Pipeline(list(FMT))(SparseModule.from_op(make_op(A, "spmm", 128, "sum")))}
         for K in KS:
             torch.manual_seed(K)
             X = torch.randn(A.shape[1], K, device="cuda")
@@ -118,16 +153,17 @@ def run_bench(graphs, rows):
             out = torch.empty(A.shape[0], K, device="cuda")
             t_cu = kernel_time(torch, lambda: torch.sparse.mm(Ad, X))
             base = {"graph": gname, "m": A.shape[0], "nnz": int(A.nnz), "K": K, "cusparse_us": t_cu * 1e6,
-                    "violations_before": met["violations_before"], "violations_after": met["violations_after"],
-                    "conforms_after": bool(met["conforms"]), "reorder_s": t_reorder}
-            for label, reorder, precs in (("sptc fp16", True, ("fp16",)), ("sptc bf16", True, ("bf16",)),
-                                          ("sptc fp16 no-reorder", False, ("fp16",))):
-                mod = mods[reorder]
-                mod = mod.replace(op=make_op(A, "spmm", K, "sum")) if hasattr(mod, "replace") else mod
-                best = None
-                for p in t.seed_params(mod):
-                    if p["precision"] not in precs:
-                        continue
+                    "violations_before": met.get("violations_before"), "violations_after": met.get("violations_after"),
+                    "reorder_vnm_s": t_vnm}
+            best_rcm = None
+            for label in ("cond rcm", "cond orig", "block vnm", "cond rcm bf16"):
+                mod = mods[label.replace(" bf16", "")]
+                mod = mod.replace(op=make_op(A, "spmm", K, "sum"))
+                d = t.default_params(mod)
+                cfgs = [{**best_rcm, "precision": "bf16"}] if label.endswith("bf16") and best_rcm else \
+                    ([] if label.endswith("bf16") else _configs(d, label))
+                best, tried = None, []
+                for p in cfgs:
                     try:
                         kern = t.build(mod, p)
                         out.fill_(float("nan"))
@@ -143,51 +179,69 @@ def run_bench(graphs, rows):
                         print("ERROR", gname, K, label, p, repr(e)[:300], flush=True)
                         fails += 1
                         continue
+                    tried.append({"params": p, "us": tk * 1e6})
                     if best is None or tk < best[0]:
                         best = (tk, p, err, kern.meta)
+                if label == "cond rcm" and best:
+                    best_rcm = best[1]
+                bm = best[3] if best else {}
                 row = {**base, "variant": label, "time_us": best[0] * 1e6 if best else None,
                        "speedup": (t_cu / best[0]) if best else None, "params": best[1] if best else None,
-                       "rel_err": best[2] if best else None,
-                       "tiles": best[3]["tiles"] if best else None,
-                       "remainder_nnz": best[3]["remainder_nnz"] if best else None,
-                       "nnz_per_tile": ((A.nnz - best[3]["remainder_nnz"]) / max(1, best[3]["tiles"])) if best else None}
+                       "rel_err": best[2] if best else None, "tiles": bm.get("tiles"), "items": bm.get("items"),
+                       "remainder_nnz": bm.get("remainder_nnz"), "nnz_per_tile": bm.get("nnz_per_tile"),
+                       "gathered_rows": bm.get("gathered_rows"), "tried": tried}
                 rows.append(row)
-                print(json.dumps(row), flush=True)
+                print(json.dumps({k: v for k, v in row.items() if k != "tried"}), flush=True)
         _PACK_CACHE.clear()
     return fails
+
+
+VARIANTS = ["cond rcm", "cond rcm bf16", "cond orig", "block vnm"]
 
 
 def write_markdown(rows, path, device, cmd):
     by = {}
     for r in rows:
         by.setdefault((r["graph"], r["K"]), {})[r["variant"]] = r
-    variants = ["sptc fp16", "sptc bf16", "sptc fp16 no-reorder"]
     lines = [f"# sptc.vnm benchmark ({device})", "",
              f"Measured on the device machine with `{cmd}`.", "",
-             "SpMM sum, fp32 X / Y; kernel time in microseconds (best correct seed configuration, CUDA-graph "
-             "replay; sptc includes the CSR remainder kernel); in brackets the speed-up over cuSPARSE fp32 "
-             "(torch.sparse.mm, CSR).  nnz/tile = kept entries per nonempty 16x32 tile after reorder.vnm; "
-             "viol = 4-segment vectors with more than 2 entries before -> after reorder.vnm; rem = entries "
-             "in the CSR remainder of the no-reorder variant.", "",
-             "| graph | K | nnz | viol | cuSPARSE | " + " | ".join(variants) + " | tiles | nnz/tile | rem |",
-             "|---|---|---|---|---|" + "---|" * len(variants) + "---|---|---|"]
+             "SpMM sum, fp32 X / Y; kernel time in microseconds (best correct configuration of those tried, "
+             "CUDA-graph replay; sptc includes its zero-rows and CSR-remainder kernels); in brackets the "
+             "speed-up over cuSPARSE fp32 (torch.sparse.mm, CSR).  Variants: cond rcm = reorder.rcm + "
+             "window-condensed packing (fp16; bf16 with the best fp16 configuration); cond orig = original "
+             "order, condensed; block vnm = reorder.vnm (SOGRE) + 32-column block packing + CSR remainder.  "
+             "nnz/tile = entries per stored 16x32 tile (block vnm -> cond rcm); reuse = nnz / X rows gathered "
+             "(cond rcm: how often a gathered X row is used).", "",
+             "| graph | K | nnz | cuSPARSE | " + " | ".join(VARIANTS) + " | nnz/tile | reuse | best cond rcm params |",
+             "|---|---|---|---|" + "---|" * len(VARIANTS) + "---|---|---|"]
     for (g, K), d in by.items():
         first = next(iter(d.values()))
         cells = []
-        for v in variants:
+        for v in VARIANTS:
             r = d.get(v, {})
             tt = r.get("time_us")
             cells.append("-" if tt is None else f"{tt:.1f} ({r['speedup']:.2f}x)")
-        r16 = d.get("sptc fp16", {})
-        npt = r16.get("nnz_per_tile")
-        lines.append(f"| {g} | {K} | {first['nnz']} | {first['violations_before']} -> {first['violations_after']} | "
-                     f"{first['cusparse_us']:.1f} | " + " | ".join(cells) +
-                     f" | {r16.get('tiles', '-')} | {'-' if npt is None else f'{npt:.2f}'} | "
-                     f"{d.get('sptc fp16 no-reorder', {}).get('remainder_nnz', '-')} |")
-    sp16 = [d["sptc fp16"]["speedup"] for d in by.values() if d.get("sptc fp16", {}).get("speedup")]
-    if sp16:
-        lines += ["", f"Geometric-mean speed-up of sptc fp16 over cuSPARSE fp32: "
-                      f"{float(np.exp(np.mean(np.log(sp16)))):.2f}x over {len(sp16)} (graph, K) pairs."]
+        rc, bv = d.get("cond rcm", {}), d.get("block vnm", {})
+        npt = f"{bv.get('nnz_per_tile') or 0:.1f} -> {rc.get('nnz_per_tile') or 0:.1f}"
+        reuse = f"{first['nnz'] / rc['gathered_rows']:.2f}" if rc.get("gathered_rows") else "-"
+        pp = rc.get("params") or {}
+        ps = f"W{pp.get('warps_per_block')} NT{pp.get('slabs_per_warp')} split{pp.get('split')}" if pp else "-"
+        lines.append(f"| {g} | {K} | {first['nnz']} | {first['cusparse_us']:.1f} | " + " | ".join(cells) +
+                     f" | {npt} | {reuse} | {ps} |")
+    lines.append("")
+    for v in VARIANTS:
+        spd = [d[v]["speedup"] for d in by.values() if d.get(v, {}).get("speedup")]
+        if spd:
+            lines.append(f"* geometric-mean speed-up of {v} over cuSPARSE fp32: "
+                         f"{float(np.exp(np.mean(np.log(spd)))):.2f}x over {len(spd)} (graph, K) pairs")
+    best = []
+    for d in by.values():
+        s = [d[v]["speedup"] for v in VARIANTS if d.get(v, {}).get("speedup") and "bf16" not in v]
+        if s:
+            best.append(max(s))
+    if best:
+        lines.append(f"* best fp16 sptc variant per (graph, K): geomean {float(np.exp(np.mean(np.log(best)))):.2f}x, "
+                     f"{sum(b >= 2 for b in best)} of {len(best)} pairs >= 2x, {sum(b >= 1 for b in best)} >= 1x")
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
 
@@ -196,10 +250,24 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--sanitize", action="store_true")
     ap.add_argument("--bench", action="store_true")
+    ap.add_argument("--perms-only", action="store_true", help="only fill --perm-cache (CPU)")
     ap.add_argument("--graphs", default=",".join(GRAPHS))
+    ap.add_argument("--perm-cache", default="")
     ap.add_argument("--out", default=".")
     a = ap.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
+    graphs = [g for g in a.graphs.split(",") if g]
+    if a.perms_only:
+        from conftest import load_graph
+
+        for g in graphs:
+            A = sp.csr_matrix(load_graph(g)).astype(np.float32)
+            A.sum_duplicates()
+            A.sort_indices()
+            t0 = time.time()
+            load_vnm(g, A, a.perm_cache)
+            print(g, f"{time.time() - t0:.1f}s", flush=True)
+        return 0
     import torch
 
     res = {"device": torch.cuda.get_device_name(), "checks": [], "bench": []}
@@ -208,9 +276,9 @@ def main(argv=None):
     if a.sanitize:
         fails += run_sanitize(res["checks"])
     if a.bench:
-        fails += run_bench([g for g in a.graphs.split(",") if g], res["bench"])
+        fails += run_bench(graphs, res["bench"], a.perm_cache)
         write_markdown(res["bench"], os.path.join(a.out, "sptc_benchmark.md"), res["device"],
-                       "python benchmarks/sptc_gpu.py --bench --out $OUT")
+                       "python benchmarks/sptc_gpu.py --bench --perm-cache .sptc_cache --out $OUT")
     with open(os.path.join(a.out, "sptc_gpu.json"), "w") as f:
         json.dump(res, f, indent=1, default=str)
     print(f"done in {time.time() - t0:.0f}s, failures {fails}", flush=True)

@@ -1,28 +1,25 @@
-// Sparse-tensor-core SpMM on the 2:4 form of a reordered matrix (SOGRE, PPoPP'25, reorder.vnm):
-//   Y[row_ids[w*16 + r], :] = sum over the tiles b of row window w of  A_b (16 x 32, 2:4) @ X[cols_b] (32 x K)
+// Sparse-tensor-core SpMM on 2:4 tiles (SOGRE, PPoPP'25; window-condensed columns as in TC-GNN's SGT):
+//   Y[row_ids[w*16 + r], :] = sum over the tiles b of row window w of  A_b (16 x 32, 2:4) @ X[ccol_b] (32 x K)
 //   then Y[rem_rows[i], :] += sum_p rem_val[p] * X[rem_col[p], :]   (entries the 2:4 form cannot hold)
 //
-// Tiles: per 16-row window, the nonempty 32-column blocks of the reordered matrix (block-CSR,
-// win_ptr).  Each tile is stored as the mma.sp operands, packed at build time in numpy:
-//   * tinfo[tile] = (32-column block, mask of the columns some kept entry of the tile uses);
-//   * the compressed 16 x 16 values (two kept values per 4-column chunk) in the register order of
-//     mma.sp.m16n8k32 (= dense m16n8k16 A: a0,a1 row g cols 2t,2t+1; a2,a3 row g+8; a4..a7 +8 cols),
-//     either dense (DENSE_A = 1: frag[tile][lane] = the lane's 4 x .b32) or as a list of the kept
-//     entries (DENSE_A = 0: nz[nz_ptr[tile] ..] = fragment position (lane*8 + i) | value bits << 16)
-//     that each warp scatters into its own 512-byte shared tile (warp-level barriers only);
-//   * meta[tile][g*2 + t] (t = lane % 4 < 2): the lane's 32-bit metadata word (sparsity selector 0):
+// Tiles are packed at build time in numpy (sptc_vnm.py), per 16-row window, either over the
+// window's 32-column blocks of the current order (block packing, after reorder.vnm: the first two
+// entries of each 4-column chunk, the rest in the CSR remainder) or over the window's distinct
+// columns grouped 2:4 by construction (condensed packing, no remainder).  Each tile is stored as
+// the mma.sp operands:
+//   * frag[tile][lane]: the lane's compressed A fragment (4 x .b32, fp16 / bf16 pairs) in the
+//     register order of mma.sp.m16n8k32 (= dense m16n8k16 A: a0,a1 row g cols 2t,2t+1; a2,a3 row
+//     g+8; a4..a7 +8 cols);
+//   * meta[tile][g*2 + t] (t = lane % 4 < 2): the lane's 32-bit metadata word (sparsity selector 0),
 //     the 2-bit indices of the kept values (low bits first), see sptc_vnm.py for the bit order;
-//   * perm: original X row of every current column (padded to a multiple of 32); unused columns
-//     of a tile load nothing and stage zeros.
+//   * ccol[tile][k]: the original X row of the tile's column k, -1 when no entry uses it (loads
+//     nothing, stages zeros);
 //   * row_scale: per current row a power of two; values are stored divided by it (fp16 range).
-// One thread block per (window, slice of K); warp v owns NT 8-column slabs of the output and keeps
-// NT m16n8 fp32 accumulators across all tiles of the window.  B fragments (32 x 8 slabs of X, rows
-// gathered through perm, converted to fp16 / bf16) are loaded straight from global memory: lane
-// (g, t) needs X[perm[32*blk + 8r + 2t + {0,1}]][n0 + g] for r = 0..3, so 8 lanes of a quad-column read one
-// 32-byte sector.  Windows without tiles write zeros (every output row is written once).
+// Work items (sptc_spmm2 below) split long windows; split windows accumulate with atomics into rows
+// zeroed by sptc_zero_rows.  Launch order on one stream: zero rows, tiles, remainder.
 //
-// Compile-time parameters: P (1 fp16, 2 bf16), NT (8-column slabs per warp), DENSE_A.  K, warps per block
-// and the window count are launch arguments.  ORDERED selects mma.sp::ordered_metadata (PTX 8.5+).
+// Compile-time parameters: P (1 fp16, 2 bf16), NT (8-column slabs per warp).  K, warps per block
+// and the item count are launch arguments.  ORDERED selects mma.sp::ordered_metadata (PTX 8.5+).
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>

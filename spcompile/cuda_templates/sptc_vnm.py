@@ -42,7 +42,7 @@ from ..runtime import cuda as rt
 from ..schedules.base import csr_kernel_arrays, register_template
 from .templates import _NvccKernel, _NvccTemplate
 
-__all__ = ["SptcVnm", "sptc_arrays", "emulate_sptc_spmm", "decode_tiles", "META_LAYOUT", "PRECISIONS",
+__all__ = ["SptcVnm", "sptc_arrays", "pack_arrays", "condense_windows", "PACKS", "emulate_sptc_spmm", "decode_tiles", "META_LAYOUT", "PRECISIONS",
            "fragment_index"]
 
 #: precision name -> (kernel code, reference.tolerance name)
@@ -275,12 +275,22 @@ PACKS = ("condensed", "block")
 
 def sptc_arrays(mod: SparseModule, precision: str = "fp16", layout: str = META_LAYOUT, pack: str = "block",
                 split: int = 0) -> dict[str, np.ndarray]:
+    """Kernel arrays: :func:`pack_arrays` (tiles, remainder) plus the work items for ``split``."""
+    arrays = dict(pack_arrays(mod, precision, layout, pack))
+    arrays["items"], arrays["zero_rows"] = _items(arrays["win_ptr"], int(split), int(mod.A.shape[0]),
+                                                  arrays["row_ids"])
+    return arrays
+
+
+def pack_arrays(mod: SparseModule, precision: str = "fp16", layout: str = META_LAYOUT,
+                pack: str = "block") -> dict[str, np.ndarray]:
     """Kernel arrays of the 2:4 tile form of ``mod.A`` plus the CSR remainder (see module doc).
 
     ``pack="block"``: tiles = nonempty (16-row window, 32-column block) of the current order, the
     first two entries of every 4-column chunk kept, the rest in the CSR remainder.
     ``pack="condensed"``: tiles over the window's condensed columns (:func:`condense_windows`):
-    2:4 by construction, no remainder.  ``split``: most tiles per work item (0 = one item per window)."""
+    2:4 by construction, no remainder.  (``sptc_arrays``' ``split``: most tiles per work item, 0 = one
+    item per window.)"""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
     if pack not in PACKS:
@@ -333,9 +343,8 @@ def sptc_arrays(mod: SparseModule, precision: str = "fp16", layout: str = META_L
     row_scale = np.ldexp(1.0, ex.astype(np.int64)).astype(np.float32)
     vk = (v.astype(np.float64) / row_scale[r]).astype(np.float32)
     frag, meta, _, _ = pack_tiles(tid, r & 15, pos >> 2, pos & 3, s, _to_bits(vk, precision), ntiles, layout)
-    items, zrows = _items(win_ptr, int(split), m, row_ids)
-    return {"win_ptr": np.asarray(win_ptr, np.int32), "items": items, "frag": frag, "meta": meta,
-            "ccol": np.ascontiguousarray(ccol, dtype=np.int32), "zero_rows": zrows,
+    return {"win_ptr": np.asarray(win_ptr, np.int32), "frag": frag, "meta": meta,
+            "ccol": np.ascontiguousarray(ccol, dtype=np.int32),
             "row_ids": np.ascontiguousarray(row_ids, dtype=np.int32), "row_scale": row_scale,
             "rem_ptr": rem_ptr, "rem_rows": urows.astype(np.int32),
             "rem_cols": rc_o.astype(np.int32), "rem_vals": rv.astype(np.float32)}
