@@ -114,6 +114,7 @@ class CompiledModule:
         self._in_shapes = ((key.cols, key.K),) if key.op == "spmm" else ((key.rows, key.K), (key.cols, key.K))
         self._out_shape = (key.rows, key.K) if key.op == "spmm" else (key.nnz,)
         self._tmpdir = None  # holds extracted binaries of a loaded single-file artifact
+        self._fast = None    # the checked fast call path (torch CUDA tensors), set after a first call
 
     # -- properties -----------------------------------------------------------------------
     op = property(lambda self: self.key.op)
@@ -146,6 +147,11 @@ class CompiledModule:
         return kind
 
     def __call__(self, *inputs, out=None):
+        fast = self._fast
+        if fast is not None:
+            res = fast(inputs, out)
+            if res is not None:
+                return res
         n = len(self._in_shapes)
         if len(inputs) != n:
             raise TypeError(f"{self.op} module takes {n} input(s) ({'X' if n == 1 else 'X, Y'}), got {len(inputs)}")
@@ -157,7 +163,49 @@ class CompiledModule:
             return self._call_cpu(kind, inputs, out)
         from .runtime import cuda as rt_cuda
 
-        return rt_cuda.call(self.kernel, kind, inputs, out, self._out_shape)
+        res = rt_cuda.call(self.kernel, kind, inputs, out, self._out_shape)
+        if kind == "torch" and self._fast is None and inputs[0].device.type == "cuda":
+            self._fast = self._make_fast_torch(inputs[0].device)
+        return res
+
+    def _make_fast_torch(self, device):
+        """The call path for the common case, set up after a first checked call: torch CUDA tensors
+        of exactly the module's dtype and shapes, contiguous, on its device, current stream.  It
+        checks just that (a few attribute reads), allocates the output when none is given and
+        launches; anything else returns None and takes the full path (with its errors).  No
+        allocation besides the output, no conversion, no synchronisation."""
+        import torch
+
+        from .runtime.cuda import _torch_stream
+
+        kernel = self.kernel
+        T, f32 = torch.Tensor, torch.float32
+        dt = getattr(torch, self.key.dtype)
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        dev = torch.device("cuda", idx)
+        shapes = tuple(torch.Size(s) for s in self._in_shapes)
+        oshape = torch.Size(self._out_shape)
+        empty = torch.empty
+        run = kernel.run
+        get_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        stream_of = (lambda: get_stream(idx)) if get_stream is not None else (lambda: _torch_stream(torch, idx))
+
+        def fast(inputs, out):
+            if len(inputs) != len(shapes):
+                return None
+            for x, shp in zip(inputs, shapes):
+                if (type(x) is not T or x.dtype is not dt or x.shape != shp or x.get_device() != idx
+                        or not x.is_contiguous()):
+                    return None
+            if out is None:
+                out = empty(oshape, dtype=f32, device=dev)
+            elif (type(out) is not T or out.dtype is not f32 or out.shape != oshape or out.get_device() != idx
+                  or not out.is_contiguous()):
+                return None
+            run("torch", inputs, out, stream_of())
+            return out
+
+        return fast
 
     def _call_cpu(self, kind, inputs, out):
         if kind == "cupy" or (kind == "torch" and any(x.device.type != "cpu" for x in inputs)):

@@ -52,3 +52,46 @@ def test_call_kinds_same_result():
     y_c = mod(cupy.asarray(X)).get()
     assert np.array_equal(y_np, y_t) and np.array_equal(y_np, y_c)
     assert isinstance(mod(torch.from_numpy(X)), torch.Tensor)  # CPU torch: copied in and out
+
+
+def test_fast_call_path_checks_and_threads():
+    """After a first checked call the module takes its fast path (prepared driver launch); anything
+    the fast path does not cover (wrong dtype/shape/out, non-contiguous, another thread without a
+    current driver context) still works or fails with the full path's errors."""
+    import threading
+
+    import scipy.sparse as sp
+    import torch
+
+    A = sp.random(257, 190, density=0.04, format="csr", random_state=3, dtype=np.float32)
+    X = torch.randn(190, 33, device="cuda")
+    mod = spcompile.build(A, "spmm", K=33, reduce="sum", target="cuda", template="csr.crc_cwm")
+    ref = (A.astype(np.float64) @ X.double().cpu().numpy())
+    y0 = mod(X)                                  # full path, sets up the fast path
+    assert mod._fast is not None
+    assert mod.kernel._launch._launch is not None, "driver launch path not in use"
+    y1 = mod(X)                                  # fast path
+    out = torch.full((257, 33), float("nan"), device="cuda")
+    assert mod(X, out=out) is out
+    for y in (y0, y1, out):
+        assert np.allclose(y.cpu().numpy(), ref, rtol=1e-5, atol=1e-5)
+    Xt = torch.randn(33, 190, device="cuda").t()  # non-contiguous: copied by the full path
+    assert np.allclose(mod(Xt).cpu().numpy(), A @ Xt.cpu().numpy(), rtol=1e-4, atol=1e-4)
+    with pytest.raises(TypeError, match="dtype"):
+        mod(X.double())
+    with pytest.raises(ValueError, match="shape"):
+        mod(X[:, :32].contiguous())
+    with pytest.raises(ValueError, match="out must be"):
+        mod(X, out=torch.empty(257, 33, device="cuda", dtype=torch.float64))
+    res = {}
+
+    def worker():
+        o = torch.full((257, 33), float("nan"), device="cuda")
+        mod(X, out=o)
+        torch.cuda.synchronize()
+        res["y"] = o.cpu().numpy()
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    assert np.allclose(res["y"], ref, rtol=1e-5, atol=1e-5)

@@ -25,6 +25,7 @@ library calls that need framework tensors, overrides :meth:`CUDAKernel.run`.
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import hashlib
 import os
@@ -40,7 +41,7 @@ import numpy as np
 from ..schedules.base import Kernel
 
 __all__ = ["CUDAKernel", "call", "compile_cuda", "nvcc_path", "nvcc_available", "nvcc_version",
-           "device_arch", "cache_dir", "load_module", "to_device", "DEFAULT_ARCH", "CompileError"]
+           "device_arch", "cache_dir", "load_module", "to_device", "DEFAULT_ARCH", "CompileError", "Launch"]
 
 #: arch compiled for when no GPU is visible (the project's target, the H100)
 DEFAULT_ARCH = 90
@@ -184,6 +185,114 @@ def _stream(handle: int):
 
         s = _STREAMS[handle] = cupy.cuda.ExternalStream(handle)
     return s
+
+
+# -- launching ------------------------------------------------------------------------------
+_LIBCUDA: Any = None
+
+
+def _libcuda():
+    """``cuLaunchKernel`` of the driver through ctypes (argtypes fixed once), or None."""
+    global _LIBCUDA
+    if _LIBCUDA is None:
+        if os.environ.get("SPCOMPILE_CUPY_LAUNCH"):
+            _LIBCUDA = False
+            return None
+        try:
+            lib = ctypes.CDLL("libcuda.so.1")
+            f = lib.cuLaunchKernel
+            f.restype = ctypes.c_int
+            f.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
+            _LIBCUDA = f
+        except (OSError, AttributeError):
+            _LIBCUDA = False
+    return _LIBCUDA or None
+
+
+_CTX_SET = threading.local()
+
+
+def _make_context_current() -> bool:
+    """Make the current device's primary context current for this thread in the *driver* API.
+
+    The CUDA runtime (used by torch and CuPy) keeps its primary context without necessarily making
+    it the thread's current driver context, which ``cuLaunchKernel`` needs.  Done once per thread;
+    returns False when it cannot be done (the CuPy launch path is used instead)."""
+    if getattr(_CTX_SET, "done", False):
+        return False
+    _CTX_SET.done = True
+    try:
+        import cupy
+
+        lib = ctypes.CDLL("libcuda.so.1")
+        dev = ctypes.c_int()
+        if lib.cuDeviceGet(ctypes.byref(dev), ctypes.c_int(cupy.cuda.runtime.getDevice())) != 0:
+            return False
+        ctx = ctypes.c_void_p()
+        if lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev) != 0:
+            return False
+        return lib.cuCtxSetCurrent(ctx) == 0
+    except Exception:
+        return False
+
+
+class Launch:
+    """One prepared kernel launch: function, grid, block, dynamic shared memory and the argument
+    list with ``None`` placeholders for the per-call device pointers (inputs, output, in order).
+
+    The argument buffer is built once (ctypes values of the kernel's parameter types: Python ints
+    are 64-bit pointers, ``np.int32`` / ``np.float32`` 4-byte values, ``np.int64`` 8-byte), so a
+    call only writes the new pointers and calls ``cuLaunchKernel`` -- about a microsecond from
+    Python, against several for CuPy's generic argument packing, which remains the fallback (no
+    libcuda, another thread without the context current, or ``SPCOMPILE_CUPY_LAUNCH=1``)."""
+
+    __slots__ = ("fn", "grid", "block", "smem", "args", "_slots", "_vals", "_params", "_handle", "_launch")
+
+    def __init__(self, fn, grid, block, args: Sequence[Any], smem: int = 0):
+        self.fn, self.grid, self.block, self.smem = fn, tuple(int(g) for g in grid), tuple(int(b) for b in block), int(smem)
+        self.args = list(args)
+        vals, slots = [], []
+        for i, a in enumerate(self.args):
+            if a is None:
+                slots.append(i)
+                vals.append(ctypes.c_uint64(0))
+            elif isinstance(a, np.int32):
+                vals.append(ctypes.c_int32(int(a)))
+            elif isinstance(a, np.float32):
+                vals.append(ctypes.c_float(float(a)))
+            elif isinstance(a, (int, np.integer)):
+                vals.append(ctypes.c_uint64(int(a) & 0xFFFFFFFFFFFFFFFF))
+            else:
+                raise TypeError(f"unsupported kernel argument type {type(a).__name__}")
+        self._slots = tuple(vals[i] for i in slots)
+        self._vals = vals
+        self._params = (ctypes.c_void_p * max(1, len(vals)))(*[ctypes.addressof(v) for v in vals])
+        handle = getattr(fn, "ptr", None)      # cupy Function
+        if handle is None:                      # cupy RawKernel (what RawModule.get_function returns)
+            try:
+                handle = getattr(fn.kernel, "ptr", None)
+            except Exception:
+                handle = None
+        self._handle = int(handle) if handle else None
+        self._launch = _libcuda() if self._handle else None
+
+    def __call__(self, ptrs: Sequence[int], stream: int) -> None:
+        """Launch with the per-call pointers ``ptrs`` (one per placeholder) on ``stream``."""
+        launch = self._launch
+        if launch is not None:
+            for v, p in zip(self._slots, ptrs):
+                v.value = p
+            g, b = self.grid, self.block
+            rc = launch(self._handle, g[0], g[1], g[2], b[0], b[1], b[2], self.smem, stream, self._params, None)
+            if rc == 201 and _make_context_current():  # CUDA_ERROR_INVALID_CONTEXT: none current here yet
+                rc = launch(self._handle, g[0], g[1], g[2], b[0], b[1], b[2], self.smem, stream, self._params, None)
+            if rc == 0:
+                return
+            if rc != 201:
+                raise RuntimeError(f"cuLaunchKernel failed with CUresult {rc}")
+        it = iter(ptrs)
+        args = tuple(next(it) if a is None else a for a in self.args)
+        self.fn(self.grid, self.block, args, shared_mem=self.smem, stream=_stream(stream))
 
 
 # -- kernels --------------------------------------------------------------------------------

@@ -300,6 +300,10 @@ class _TVMCudaKernel(rt.CUDAKernel):
         m, rb = int(meta["m"]), int(meta["block"][1])
         self._grid = (max(1, -(-m // rb)), 1, 1)
         self._block = tuple(int(b) for b in meta["block"])
+        # prepared launches: bound arrays/scalars fixed, per-call pointers in parameter order
+        self._launches = [(rt.Launch(fn, self._grid, self._block, [s[1] if s[0] == "a" else None for s in slots]),
+                           tuple(s[1] if s[0] == "i" else -1 for s in slots if s[0] != "a"))
+                          for fn, slots in self._variants]
         self._amask = 4 * int(meta["vec"]) - 1
         self._empty = m == 0
         self._ready = True
@@ -308,9 +312,8 @@ class _TVMCudaKernel(rt.CUDAKernel):
         if self._empty:
             return
         misaligned = (out_ptr | functools.reduce(lambda a, b: a | b, in_ptrs, 0)) & self._amask
-        fn, slots = self._variants[-1 if misaligned else 0]
-        args = tuple(s[1] if s[0] == "a" else (in_ptrs[s[1]] if s[0] == "i" else out_ptr) for s in slots)
-        fn(self._grid, self._block, args, stream=rt._stream(stream))
+        launch, order = self._launches[-1 if misaligned else 0]
+        launch(tuple(out_ptr if i < 0 else in_ptrs[i] for i in order), stream)
 
 
 class _TVMCudaTemplate(Template):
