@@ -177,12 +177,11 @@ class CrcCwmKernel(_NvccKernel):
         post_arr = self._upload(("grp_ptr", "slot_grp", "grp_out", "grp_len"))
         self._part = cupy.empty(max(1, nslot * K), dtype=cupy.float32)
         self._counters = cupy.zeros(max(1, ngrp * max(ty, ty1)), dtype=cupy.int32)
-        self._pre = pre
-        self._post = (int(self._part.data.ptr), int(self._counters.data.ptr), *post_arr,
+        args = pre + (None, None, int(self._part.data.ptr), int(self._counters.data.ptr), *post_arr,
                       np.int32(nseg), np.int32(K), np.int32(rpw))
-        self._grid, self._grid1 = (bx, ty, 1), (bx, ty1, 1)
-        self._block = (threads, 1, 1)
-        self._smem = threads * 8
+        block, smem = (threads, 1, 1), threads * 8
+        self._launch = rt.Launch(self._fn, (bx, ty, 1), block, args, smem)
+        self._launch1 = rt.Launch(self._fn1, (bx, ty1, 1), block, args, smem)   # unaligned X / Y
         self._amask = 4 * VEC - 1
         self._empty = nseg == 0
         self._ready = True
@@ -191,11 +190,7 @@ class CrcCwmKernel(_NvccKernel):
         if self._empty:
             return
         x = in_ptrs[0]
-        args = self._pre + (x, out_ptr) + self._post
-        if (x | out_ptr) & self._amask:
-            self._fn1(self._grid1, self._block, args, shared_mem=self._smem, stream=rt._stream(stream))
-        else:
-            self._fn(self._grid, self._block, args, shared_mem=self._smem, stream=rt._stream(stream))
+        (self._launch1 if (x | out_ptr) & self._amask else self._launch)((x, out_ptr), stream)
 
 
 @register_template
@@ -305,10 +300,11 @@ class SddmmKernel(_NvccKernel):
         p, K = self.params, int(self.meta["K"])
         nseg = int(self.arrays["seg_xrow"].size)
         wpb = int(p["warps_per_block"])
-        self._pre = self._upload(("seg_ptr", "seg_xrow", "indices", "data", "nnz_ids"))
-        self._post = (np.int32(nseg), np.int32(K))
-        self._grid = (max(1, -(-nseg // wpb)), 1, 1)
-        self._block = (32 * wpb, 1, 1)
+        args = self._upload(("seg_ptr", "seg_xrow", "indices", "data", "nnz_ids")) + (
+            None, None, None, np.int32(nseg), np.int32(K))
+        grid, block = (max(1, -(-nseg // wpb)), 1, 1), (32 * wpb, 1, 1)
+        self._launch = rt.Launch(self._fn, grid, block, args)
+        self._launch1 = rt.Launch(self._fn1, grid, block, args)
         self._amask = 4 * int(self.meta["vec"]) - 1
         self._empty = nseg == 0
         self._ready = True
@@ -317,8 +313,7 @@ class SddmmKernel(_NvccKernel):
         if self._empty:
             return
         x, y = in_ptrs
-        fn = self._fn1 if (x | y) & self._amask else self._fn
-        fn(self._grid, self._block, self._pre + (x, y, out_ptr) + self._post, stream=rt._stream(stream))
+        (self._launch1 if (x | y) & self._amask else self._launch)((x, y, out_ptr), stream)
 
 
 @register_template
