@@ -39,6 +39,9 @@ def add_commands(subparsers) -> None:
     t.add_argument("--expected-calls", type=float, default=None,
                    help="with --objective amortized: calls over which preprocessing is amortised")
     t.add_argument("--seed", type=int, default=None)
+    t.add_argument("--precision", default="fp32", choices=["fp32", "tf32", "fp16", "bf16"],
+                   help="lowest arithmetic precision a kernel may compute in (default fp32: exact kernels "
+                        "only; tf32/fp16/bf16 admit tensor-core templates, fp32 accumulation)")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
     t.add_argument("--json", action="store_true", help="print the summary as JSON")
     t.set_defaults(func=cmd_tune)
@@ -116,7 +119,7 @@ def _run_jobs(jobs, opts: dict, progress: bool, worker: int = 0) -> list[dict]:
             res = tune(A, op=opts["op"], K=K, reduce=reduce, target=opts["target"], trials=opts["trials"],
                        timeout=opts["timeout"], storage=opts["storage"], objective=opts["objective"],
                        expected_calls=opts["expected_calls"], seed=opts["seed"],
-                       trial_timeout=opts["trial_timeout"], callbacks=[bar])
+                       trial_timeout=opts["trial_timeout"], callbacks=[bar], precision=opts.get("precision", "fp32"))
         except KeyboardInterrupt:
             out.append({"graph": g, "reduce": reduce, "K": K, "interrupted": True})
             break
@@ -193,7 +196,7 @@ def cmd_tune(args) -> int:
     storage = normalize_url(args.storage)
     opts = {"op": args.op, "target": target, "trials": args.trials, "timeout": args.timeout, "storage": storage,
             "objective": args.objective, "expected_calls": args.expected_calls, "seed": args.seed,
-            "trial_timeout": args.trial_timeout}
+            "trial_timeout": args.trial_timeout, "precision": args.precision}
     jobs = _jobs(args)
     t0 = time.perf_counter()
     procs = []
@@ -248,7 +251,8 @@ def _reread(jobs, opts, rows):
             continue
         try:
             tn = Tuner(make_op(load_matrix(g), opts["op"], K, reduce), opts["target"], storage=opts["storage"],
-                       objective=opts["objective"], expected_calls=opts["expected_calls"], runner=object())
+                       objective=opts["objective"], expected_calls=opts["expected_calls"], runner=object(),
+                       precision=opts.get("precision", "fp32"))
             d = tn.result(old.get("stop_reason", ""), old.get("interrupted", False)).to_dict()
             d.update(graph=g, reduce=reduce, K=K)
             out.append(d)

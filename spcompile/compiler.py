@@ -63,16 +63,22 @@ def build(A, op: str = "spmm", K: int | None = None, reduce: str | None = None, 
           dtype: str = "float32", template: str | None = None, params: Mapping[str, Any] | None = None,
           pipeline: Sequence | None = None, storage: str | None = None, tune: bool = False,
           trials: int | None = None, timeout: float | None = None, ctx: PassContext | None = None,
-          **tune_options) -> CompiledModule:
+          precision: str = "fp32", **tune_options) -> CompiledModule:
     """Compile ``A`` for ``op`` ("spmm" with reduce sum/max/min/mean, or "sddmm") at width ``K``.
 
     ``target``: "auto" (cuda when a GPU is usable, else cpu), "cpu" or "cuda".
     ``template`` / ``params`` / ``pipeline``: force a decision (skips the database and tuner).
     ``storage``: Optuna storage URL of the tuning database (default: the embedded SQLite file).
     ``tune`` / ``trials`` / ``timeout``: tune on a database miss instead of using heuristics.
+    ``precision``: the lowest arithmetic precision the chosen kernel may compute in: "fp32" (the
+    default: exact fp32 kernels only), "tf32", "fp16" or "bf16" (tensor-core templates, with fp32
+    accumulation).  An explicit ``template``/``params`` choice is built as given.
     """
     sop = make_op(A, op, K, reduce, dtype)
     target = resolve_target(target)
+    from .tuner import allowed_precisions
+
+    allowed_precisions(precision)  # a clear error for a bad policy, whatever path is taken
     if template is not None or params is not None or pipeline is not None:
         if template is None:
             template = default_config(sop, target).template
@@ -85,7 +91,7 @@ def build(A, op: str = "spmm", K: int | None = None, reduce: str | None = None, 
         _tuner = None
     if _tuner is not None and hasattr(_tuner, "choose_config"):
         cfg, info = _tuner.choose_config(sop, target, storage=storage, tune=tune, trials=trials,
-                                         timeout=timeout, **tune_options)
+                                         timeout=timeout, precision=precision, **tune_options)
         return build_from_config(sop, cfg, ctx, info)
     if tune or trials:
         raise RuntimeError("tuning is not available in this build of spcompile")

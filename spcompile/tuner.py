@@ -37,7 +37,8 @@ from .ir import SparseModule, SparseOp
 from .module import Config
 from .runner import MeasureResult, make_runner
 
-__all__ = ["Tuner", "TuneResult", "tune", "choose_config", "candidates", "objective_name", "DEFAULT_REORDERS"]
+__all__ = ["Tuner", "TuneResult", "tune", "choose_config", "candidates", "objective_name", "DEFAULT_REORDERS",
+           "PRECISIONS", "allowed_precisions"]
 
 #: lossless reorderings the tuner may put in front of a template's own pipeline
 DEFAULT_REORDERS = ("reorder.rcm", "reorder.degree")
@@ -46,22 +47,50 @@ FAIL_REASON = "fail_reason"
 INTERRUPTED = "interrupted"
 
 
-def objective_name(objective: str = "kernel_time", expected_calls: float | None = None) -> str:
-    if objective in ("kernel_time", None):
-        return "kernel_time"
-    if isinstance(objective, str) and objective.startswith("amortized@"):
-        return objective
-    if objective in ("amortized", "amortised"):
+#: precision policies, most exact first: the lowest arithmetic precision a module may compute in.
+#: "fp32" (the default) admits only kernels computing in full fp32; "tf32" adds TF32 tensor-core
+#: kernels; "fp16" adds fp16 ones; "bf16" admits everything.  A template states the precision of a
+#: configuration with its ``precision`` parameter (absent: fp32).
+PRECISIONS = ("fp32", "tf32", "fp16", "bf16")
+
+
+def allowed_precisions(policy: str | None) -> tuple[str, ...]:
+    policy = "fp32" if policy is None else str(policy)
+    if policy not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS} (the lowest precision the module may compute "
+                         f"in; 'fp32' admits only exact fp32 kernels), got {policy!r}")
+    return PRECISIONS[: PRECISIONS.index(policy) + 1]
+
+
+def config_precision(cfg: Config) -> str:
+    return str(cfg.params.get("precision", "fp32"))
+
+
+def objective_name(objective: str = "kernel_time", expected_calls: float | None = None,
+                   precision: str | None = None) -> str:
+    """The label under which results are compared and stored: the objective, plus the precision
+    policy when it admits reduced-precision kernels (e.g. ``kernel_time|tf32``), so that a build
+    asking for exact fp32 never reuses a record found under a looser policy."""
+    base, _, pol = (objective or "kernel_time").partition("|")
+    if precision is None:
+        precision = pol or "fp32"
+    allowed_precisions(precision)
+    suffix = "" if precision == "fp32" else f"|{precision}"
+    if base == "kernel_time":
+        return "kernel_time" + suffix
+    if base.startswith("amortized@"):
+        return base + suffix
+    if base in ("amortized", "amortised"):
         if not expected_calls or expected_calls <= 0:
             raise ValueError("the amortized objective needs expected_calls > 0")
-        return f"amortized@{expected_calls:g}"
+        return f"amortized@{expected_calls:g}" + suffix
     raise ValueError(f"unknown objective {objective!r}; expected 'kernel_time' or 'amortized'")
 
 
 def objective_value(res: MeasureResult, objective: str, expected_calls: float | None) -> float:
     """Milliseconds: kernel time, or preprocessing / expected_calls + kernel time."""
     v = res.kernel_s
-    name = objective_name(objective, expected_calls)
+    name = objective_name(objective, expected_calls).partition("|")[0]
     if name != "kernel_time":
         v += res.preprocess_s / float(expected_calls or name.split("@", 1)[1])
     return v * 1e3
@@ -212,20 +241,24 @@ class Tuner:
     fakes.  ``storage``: the tuning database (Optuna URL or SQLite path; default the embedded
     file).  ``objective``: "kernel_time" or "amortized" (with ``expected_calls``).
     ``similar``: how many similar matrices' best records seed the study.
-    ``callbacks``: functions called with a dict per event ("start", "trial", "end")."""
+    ``callbacks``: functions called with a dict per event ("start", "trial", "end").
+    ``precision``: the lowest precision a configuration may compute in (see :data:`PRECISIONS`);
+    templates whose ``precision`` choices all fall below it are left out of the space."""
 
     def __init__(self, op: SparseOp, target: str = "cpu", *, storage: str | None = None, runner=None,
                  objective: str = "kernel_time", expected_calls: float | None = None, seed: int | None = None,
                  similar: int = 3, reorders: Iterable[str] = DEFAULT_REORDERS, trial_timeout: float | None = None,
                  heartbeat_interval: int = 10, grace_period: int = 30, prune: bool = True,
                  callbacks: Sequence[Callable[[dict], None]] = (), study_name: str | None = None,
-                 max_duplicates: int = 30):
+                 max_duplicates: int = 30, precision: str = "fp32"):
         self.op = op
         self.target = target
         self.db: Database = open_database(storage)
         self.storage_url = self.db.url
         self.runner = runner if runner is not None else make_runner(target)
-        self.objective = objective_name(objective, expected_calls)
+        self.precision = precision
+        self.allowed = allowed_precisions(precision)
+        self.objective = objective_name(objective, expected_calls, precision)
         self.expected_calls = expected_calls
         self.seed = seed
         self.similar = similar
@@ -246,8 +279,20 @@ class Tuner:
         self._dists = {}
         from .schedules import get_template
 
-        for t in self.space:
-            self._dists[t] = dict(get_template(t).space(self._mod0))
+        from optuna.distributions import CategoricalDistribution
+
+        for t in list(self.space):
+            dists = dict(get_template(t).space(self._mod0))
+            if "precision" in dists:
+                keep = [c for c in dists["precision"].choices if c in self.allowed]
+                if not keep:
+                    del self.space[t]   # every variant computes below the allowed precision
+                    continue
+                dists["precision"] = CategoricalDistribution(keep)
+            self._dists[t] = dists
+        if not self.space:
+            raise RuntimeError(f"no template on target {target!r} can run op={op.op!r} reduce={op.reduce!r} "
+                               f"at precision {precision!r} on this machine")
         space_sig = json.dumps({t: {"pipes": p, "hash": template_hash(t),
                                     "dists": {k: repr(d) for k, d in self._dists[t].items()}}
                                 for t, p in self.space.items()}, sort_keys=True, default=str)
@@ -348,7 +393,7 @@ class Tuner:
         seen = []
         for source, cfg in self.seed_configs():
             params = self.params_from_config(cfg)
-            if params is None or params in seen:
+            if params is None or params in seen or config_precision(cfg) not in self.allowed:
                 continue
             seen.append(params)
             self.study.enqueue_trial(params, user_attrs={"seed": source}, skip_if_exists=True)
@@ -465,7 +510,7 @@ class Tuner:
                                    done=done, total=trials, counted=False)
                         continue
                     dup_streak = 0
-                    prune_above = (best_kernel * 1e-3 if self.prune and self.objective == "kernel_time"
+                    prune_above = (best_kernel * 1e-3 if self.prune and self.objective.startswith("kernel_time")
                                    and math.isfinite(best_kernel) else None)
                     res = self.runner.measure(self.op, cfg, timeout=self.trial_timeout, prune_above=prune_above)
                     self._tell(trial, cfg, res, baseline_ms, baseline_name)
@@ -583,7 +628,7 @@ def tune(A, op: str = "spmm", K: int | Sequence[int] | None = None, reduce: str 
 
 def choose_config(sop: SparseOp, target: str, storage: str | None = None, tune: bool = False,
                   trials: int | None = None, timeout: float | None = None, objective: str = "kernel_time",
-                  expected_calls: float | None = None, **options) -> tuple[Config, dict]:
+                  expected_calls: float | None = None, precision: str = "fp32", **options) -> tuple[Config, dict]:
     """The decision :func:`spcompile.build` replays: the database's best valid record (a hit:
     no tuning); on a miss the default heuristics, or tuning when ``tune``/``trials``/``timeout``
     asks for it.  Returns ``(config, info)``; ``info`` says where the decision came from."""
@@ -591,7 +636,7 @@ def choose_config(sop: SparseOp, target: str, storage: str | None = None, tune: 
     from .database import normalize_url, sqlite_path
     import os
 
-    obj = objective_name(objective, expected_calls)
+    obj = objective_name(objective, expected_calls, precision)
     url = normalize_url(storage)
     want_tune = bool(tune or trials or timeout)
     db = None
@@ -611,14 +656,14 @@ def choose_config(sop: SparseOp, target: str, storage: str | None = None, tune: 
             if storage is not None:
                 raise
             rec, db_error = None, str(e)
-        if rec is not None:
+        if rec is not None and config_precision(rec.config) in allowed_precisions(precision):
             return rec.config, {"source": "database", "storage": _safe_url(url), "objective": obj,
                                 "kernel_ms": rec.kernel_ms, "preprocess_ms": rec.preprocess_ms,
                                 "baseline_ms": rec.baseline_ms, "baseline_name": rec.baseline_name,
                                 "study": rec.study_name, "trial": rec.trial_number}
     if want_tune:
         res = Tuner(sop, target, storage=url, objective=objective, expected_calls=expected_calls,
-                    **options).run(trials, timeout)
+                    precision=precision, **options).run(trials, timeout)
         if res.best_config is not None:
             return res.best_config, {"source": "tuned", "storage": _safe_url(url), "objective": obj,
                                      "kernel_ms": res.best_kernel_ms, "preprocess_ms": res.best_preprocess_ms,

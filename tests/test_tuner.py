@@ -293,3 +293,69 @@ def test_cli_tune_and_best(tmp_path, capsys):
     args = p.parse_args(["best", "--storage", dbp])
     assert args.func(args) == 0
     assert "spmm/sum" in capsys.readouterr().out
+
+
+class _Reduced(Template):
+    """A CPU template whose configurations compute in reduced precision (like the tensor-core
+    templates' ``precision`` parameter); it is the fastest for the fake runner."""
+
+    name = "test.reduced_precision"
+    target = "cpu"
+    priority = -100
+    ops = (("spmm", "sum"),)
+
+    def space(self, mod):
+        from optuna.distributions import CategoricalDistribution
+
+        return {"precision": CategoricalDistribution(["tf32", "fp16", "bf16"]), "w": CategoricalDistribution([1, 2])}
+
+    def default_params(self, mod):
+        return {"precision": "tf32", "w": 1}
+
+    def seed_params(self, mod):
+        return [{"precision": p, "w": w} for p in ("tf32", "fp16", "bf16") for w in (1, 2)]
+
+    def build(self, mod, params):
+        raise AssertionError("the fake runner never builds")
+
+
+@pytest.fixture
+def reduced_template():
+    sched_base.register_template(_Reduced)
+    yield sched_base._TEMPLATES[_Reduced.name]
+    with sched_base._LOCK:
+        sched_base._TEMPLATES.pop(_Reduced.name, None)
+
+
+def test_precision_policy(db, reduced_template):
+    """The default policy (fp32) never measures, stores or returns a reduced-precision config;
+    looser policies admit exactly the precisions at or above them, and their records are kept
+    apart from the exact ones."""
+    from spcompile.tuner import allowed_precisions
+
+    class Fast(FakeRunner):
+        def kernel_s(self, cfg):  # reduced precision is always faster here
+            return {"tf32": 3e-4, "fp16": 2e-4, "bf16": 1e-4}.get(cfg.params.get("precision"), 1e-3)
+
+    op = make_op(graph(), "spmm", 16)
+    r32 = Fast()
+    res = Tuner(op, "cpu", storage=db, runner=r32, seed=0).run(trials=10)
+    assert r32.calls and all(c.template != _Reduced.name for c in r32.calls)
+    assert res.best_config.template != _Reduced.name
+    rt32 = Fast()
+    res_t = Tuner(op, "cpu", storage=db, runner=rt32, seed=0, precision="tf32").run(trials=14)
+    seen = {c.params.get("precision") for c in rt32.calls if c.template == _Reduced.name}
+    assert seen == {"tf32"}
+    assert res_t.best_config.template == _Reduced.name and res_t.objective == "kernel_time|tf32"
+    rany = Fast()
+    Tuner(op, "cpu", storage=db, runner=rany, seed=0, precision="bf16").run(trials=14)
+    assert {"fp16", "bf16"} <= {c.params.get("precision") for c in rany.calls if c.template == _Reduced.name}
+    # the database keeps the policies apart; build() without a policy gets the exact record
+    cfg, info = choose_config(op, "cpu", storage=db)
+    assert info["source"] == "database" and cfg.template != _Reduced.name
+    cfg_t, info_t = choose_config(op, "cpu", storage=db, precision="tf32")
+    assert info_t["source"] == "database" and cfg_t.template == _Reduced.name
+    assert cfg_t.params["precision"] == "tf32"
+    assert allowed_precisions("fp16") == ("fp32", "tf32", "fp16")
+    with pytest.raises(ValueError, match="precision must be one of"):
+        spcompile.build(graph(), "spmm", K=16, target="cpu", precision="int8")
