@@ -174,17 +174,33 @@ class AsptKernel(_NvccKernel):
     _TILES = ("task_xptr", "task_eptr", "dense_xrow", "ent_out", "ent_slot", "ent_val", "tail_lo", "tail_hi",
               "tail_out", "rem_col", "rem_val")
 
+    def _module(self):
+        """The fatbin's module on the current device (rebuilt here for another GPU generation)."""
+        import cupy
+
+        self.device_id = cupy.cuda.runtime.getDevice()
+        if not rt.check_arch(int(self.meta["arch"]), self.device_id):
+            if not rt.nvcc_available():
+                raise RuntimeError(f"kernel was built for sm_{self.meta['arch']} and cannot run on this GPU "
+                                   f"(sm_{rt.device_arch(self.device_id)}); rebuild the module here")
+            arch = rt.device_arch(self.device_id)
+            path = self._tpl.compile([tuple(x) for x in self.meta["instances"]], arch=arch)
+            self.files = {**self.files, "kernel.fatbin": path}
+            self.meta = {**self.meta, "arch": arch}
+        return rt.load_module(self.files["kernel.fatbin"])
+
     def prepare(self):
-        self._load_functions()                          # arch check / rebuild, module load
-        mod = rt.load_module(self.files["kernel.fatbin"])
+        mod = self._module()
         names = [n for n, _ in self.meta["instances"]]
         self._rows = [mod.get_function(n + "_rows") for n in (names[0], names[-1])]
         self._tiles = [mod.get_function(n + "_tiles") for n in (names[0], names[-1])]
         meta = self.meta
         K, m, W = int(meta["K"]), int(meta["m"]), int(meta["warps"])
         rpw = int(self.params["rows_per_warp"])
-        rows = self._upload(self._ROWS)
-        tiles = self._upload(self._TILES)
+        names = list(dict.fromkeys(self._ROWS + self._TILES))   # each array uploaded once
+        ptr = dict(zip(names, self._upload(names)))
+        rows = tuple(ptr[k] for k in self._ROWS)
+        tiles = tuple(ptr[k] for k in self._TILES)
         ntask = int(self.arrays["task_eptr"].size) - 1
         ntail = int(self.arrays["tail_lo"].size)
         ntb = -(-ntail // W)
