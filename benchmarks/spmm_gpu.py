@@ -1,18 +1,24 @@
 """GPU SpMM benchmark: cuSPARSE vs each CUDA template's best configuration vs the tuned best.
 
-For each shared graph and K in {32, 64, 128, 256, 512} (fp32, reduce=sum):
-  * every candidate (cuSPARSE; each template's seed configurations) is checked against a float64
-    reference computed on the GPU, then its *kernel time* is measured: N calls of
+For each shared graph and K (fp32 X and Y, reduce=sum):
+  * every candidate -- cuSPARSE; each template's seed configurations on the output of each of the
+    template's own pass pipelines (tile.sgt, reorder.vnm, cluster.lsh -> tile.aspt, ...); the two
+    best configurations of pipeline-free templates again behind reorder.rcm / reorder.degree -- is
+    checked against a float64 reference computed on the GPU (output NaN-poisoned first; tolerance
+    by the precision the kernel computes in), then its *kernel time* is measured: N calls of
     ``mod(X, out=Y)`` captured once in a CUDA graph, replayed between one pair of events, / N;
-  * per template the fastest configuration is kept; the tuned best is the fastest of all;
+  * per template the fastest configuration is kept; *tuned* is the fastest exact-fp32 candidate
+    (``build()``'s default precision policy), *any* the fastest of every precision;
   * for cuSPARSE, each template's best and the tuned best, the *per-call latency* from Python is
     measured too: median over single calls of ``Y = mod(X); torch.cuda.synchronize()``;
   * the memory-traffic floor: ((m+1)*4 + nnz*8 + n*K*4 + m*K*4) bytes over the device-to-device
     copy bandwidth measured in the same run (bytes read + written).
 
-Writes JSON and a markdown table.  Command used for docs/gpu_benchmark.md (on the H100):
+Writes JSON and a markdown table.  Commands (SPCOMPILE_GRAPHS names the graph folder):
 
-    python benchmarks/spmm_gpu.py --out $OUT        # SPCOMPILE_GRAPHS names the graph folder
+    python benchmarks/spmm_gpu.py --out $OUT                          # CSR templates, K 32..512
+    python benchmarks/spmm_gpu.py --all-templates --K 128 256 --out $OUT   # every CUDA template
+    python benchmarks/spmm_gpu.py --all-templates --K 128 256 --build-only # fill the kernel cache (CPU)
 """
 from __future__ import annotations
 
@@ -34,6 +40,7 @@ from spcompile.compiler import build_from_config, make_op  # noqa: E402
 from spcompile.ir import SparseModule  # noqa: E402
 from spcompile.module import Config  # noqa: E402
 from spcompile.schedules import get_template  # noqa: E402
+from spcompile import reference  # noqa: E402
 
 KS = (32, 64, 128, 256, 512)
 
@@ -135,16 +142,95 @@ def load_graphs(names=None, max_nnz=None):
     return out
 
 
-def candidates(tnames, sop):
-    mod = SparseModule.from_op(sop)
-    res = []
-    for t in tnames:
-        tpl = get_template(t)
-        if not tpl.supports(mod) or not tpl.available():
-            continue
-        for p in tpl.seed_params(mod):
-            res.append((t, p))
-    return res
+def _precision(params) -> str:
+    return str(params.get("precision", "fp32"))
+
+
+class Candidates:
+    """Every (template, pipeline, parameters) the benchmark measures for one graph: each template's
+    own pipelines (run once per graph and reused for every K: passes do not depend on K) with its
+    seed configurations computed on the pipeline's output, and -- for templates without a pipeline
+    of their own -- the best ``top`` configurations again behind each generic reordering, as the
+    tuner's space offers them."""
+
+    def __init__(self, reorders=("reorder.rcm", "reorder.degree"), top=2, max_seeds=None):
+        self.max_seeds = max_seeds
+        self.cache: dict = {}
+        self.pass_s: dict = {}
+        self.reorders = tuple(reorders)
+        self.top = top
+
+    def module(self, gname, sop, spec):
+        from spcompile.passes import Pipeline
+
+        key = (gname, json.dumps(spec, sort_keys=True))
+        if key not in self.cache:
+            t0 = time.perf_counter()
+            try:
+                self.cache[key] = Pipeline(spec)(SparseModule.from_op(sop))
+            except Exception as e:  # a pass that fails on this graph: its templates are skipped
+                self.cache[key] = e
+            self.pass_s[key] = time.perf_counter() - t0
+        m = self.cache[key]
+        if isinstance(m, Exception):
+            raise m
+        return m.replace(op=sop)
+
+    def first(self, tnames, gname, sop):
+        from spcompile.passes import Pipeline
+
+        mod0 = SparseModule.from_op(sop)
+        res = []
+        for t in tnames:
+            tpl = get_template(t)
+            if (sop.op, sop.reduce) not in tpl.ops or not tpl.available():
+                continue
+            for spec in tpl.pipelines(mod0):
+                spec = Pipeline(spec).spec()
+                try:
+                    mod = self.module(gname, sop, spec) if spec else mod0
+                except Exception as e:
+                    print(f"  {gname}: pipeline {[p['name'] for p in spec]} failed: {type(e).__name__}: {e}"[:300])
+                    continue
+                if not tpl.supports(mod):
+                    continue
+                try:
+                    seeds = tpl.seed_params(mod)
+                except Exception:
+                    seeds = [tpl.default_params(mod)]
+                for p in seeds[: self.max_seeds]:
+                    res.append((t, spec, {**tpl.default_params(mod), **dict(p)}))
+        return res
+
+    def second(self, measured, gname, sop):
+        """The best ``top`` configurations of each pipeline-free template behind each reordering."""
+        from spcompile.passes import Pipeline
+
+        res = []
+        by_t: dict = {}
+        for rec in measured:
+            if "kernel_s" in rec and not rec["pipeline"] and rec["template"] != "extern.cusparse":
+                by_t.setdefault(rec["template"], []).append(rec)
+        for t, recs in by_t.items():
+            recs.sort(key=lambda r: r["kernel_s"])
+            for r in self.reorders:
+                for rec in recs[: self.top]:
+                    res.append((t, Pipeline([r]).spec(), rec["params"]))
+        return res
+
+    def build(self, gname, sop, tname, spec, params):
+        from spcompile.ir import values_hash
+        from spcompile.module import CompiledModule
+
+        if not spec:
+            return build_from_config(sop, Config(tname, params, (), "cuda"))
+        tpl = get_template(tname)
+        mod = self.module(gname, sop, spec)
+        params = tpl.check_params(mod, params)
+        kernel = tpl.build(mod, params)
+        ran = tuple({"name": r.name, "options": dict(r.options)} for r in mod.log)
+        return CompiledModule(sop.key(), Config(tname, params, ran, "cuda", tpl.format), kernel,
+                              [r.to_dict() for r in mod.log], values_hash(sop.A))
 
 
 def geomean(xs):
@@ -152,14 +238,16 @@ def geomean(xs):
     return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else float("nan")
 
 
-def run_bench(op: str, templates, ks, graphs, out_dir, tag):
+def run_bench(op: str, templates, ks, graphs, out_dir, tag, max_seeds=None):
     import torch
 
     bw = copy_bandwidth(torch)
     print(f"device: {torch.cuda.get_device_name()}  copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     rows = []
     t_start = time.time()
+    cands = Candidates(max_seeds=max_seeds)
     for gname, A in graphs:
+        cands.cache.clear()
         m, n = A.shape
         Ad = None
         for K in ks:
@@ -189,53 +277,75 @@ def run_bench(op: str, templates, ks, graphs, out_dir, tag):
                 floor_bytes = (m + 1) * 4 + A.nnz * 8 + (m + n) * K * 4 + A.nnz * 4
             refn = torch.linalg.norm(ref).item() or 1.0
             floor = floor_bytes / bw
-            per_tpl: dict = {}
-            mods = {}
-            for tname, p in candidates(templates, sop):
-                rec = {"template": tname, "params": p}
+            measured, mods = [], {}
+
+            def measure(tname, spec, p):
+                rec = {"template": tname, "pipeline": [q["name"] for q in spec], "params": p,
+                       "precision": _precision(p)}
                 try:
-                    cm = build_from_config(sop, Config(tname, p, (), "cuda"))
+                    cm = cands.build(gname, sop, tname, spec, p)
                     out.fill_(float("nan"))
                     cm(*ins, out=out)
                     err = (torch.linalg.norm(out.double() - ref).item() / refn)
-                    if not (err <= 1e-4):
-                        rec["error"] = f"wrong result rel_err={err:.3g}"
+                    tdt = cm.kernel.meta.get("tolerance_dtype", "float32") if isinstance(cm.kernel.meta, dict) else "float32"
+                    tol = 1e-4 if tdt == "float32" else reference.tolerance(tdt)
+                    if not (err <= tol):
+                        rec["error"] = f"wrong result rel_err={err:.3g} (tolerance {tol:g}, {tdt})"
                     else:
                         rec["kernel_s"] = kernel_time(torch, lambda: cm(*ins, out=out))
                         rec["rel_err"] = err
+                        mods[id(rec)] = cm
                 except Exception as e:
                     rec["error"] = f"{type(e).__name__}: {e}"[:300]
-                best = per_tpl.get(tname)
-                if "kernel_s" in rec and (best is None or rec["kernel_s"] < best["kernel_s"]):
-                    per_tpl[tname] = rec
-                    mods[tname] = cm
-                elif "error" in rec:
-                    print(f"  {gname} K={K} {tname} {p}: {rec['error']}", flush=True)
+                if "error" in rec:
+                    print(f"  {gname} K={K} {tname} {rec['pipeline']} {p}: {rec['error']}", flush=True)
+                measured.append(rec)
+
+            for tname, spec, p in cands.first(templates, gname, sop):
+                measure(tname, spec, p)
+            for tname, spec, p in cands.second(measured, gname, sop):
+                measure(tname, spec, p)
+            ok = [r for r in measured if "kernel_s" in r]
+            per_tpl: dict = {}
+            for r in ok:  # per template its fastest configuration (any precision)
+                if r["template"] not in per_tpl or r["kernel_s"] < per_tpl[r["template"]]["kernel_s"]:
+                    per_tpl[r["template"]] = r
             if "extern.cusparse" not in per_tpl:
                 print(f"  {gname} K={K}: no cuSPARSE result", flush=True)
                 continue
+            exact = [r for r in ok if r["precision"] == "fp32"]
+            tuned = min(exact, key=lambda r: r["kernel_s"])      # what build() picks by default (fp32)
+            tuned_any = min(ok, key=lambda r: r["kernel_s"])     # precision="bf16": anything goes
+            finals = {id(r): r for r in [*per_tpl.values(), tuned, tuned_any]}
             # re-measure the winners (selection noise) and their per-call latency
-            for tname, rec in per_tpl.items():
-                cm = mods[tname]
+            for rid, rec in finals.items():
+                cm = mods[rid]
                 rec["kernel_s"] = min(rec["kernel_s"], kernel_time(torch, lambda: cm(*ins, out=out)))
                 rec["latency_s"] = latency(torch, lambda: cm(*ins))
-            tuned_name = min(per_tpl, key=lambda t: per_tpl[t]["kernel_s"])
+            tuned = min(exact, key=lambda r: r["kernel_s"])
+            tuned_any = min(ok, key=lambda r: r["kernel_s"])
             cus = per_tpl["extern.cusparse"]
+            strip = lambda r: {k: v for k, v in r.items() if k != "template"}  # noqa: E731
             row = {"graph": gname, "m": m, "n": n, "nnz": int(A.nnz), "K": K, "floor_s": floor,
                    "cusparse_kernel_s": cus["kernel_s"], "cusparse_latency_s": cus["latency_s"],
-                   "tuned_template": tuned_name, "tuned_params": per_tpl[tuned_name]["params"],
-                   "tuned_kernel_s": per_tpl[tuned_name]["kernel_s"], "tuned_latency_s": per_tpl[tuned_name]["latency_s"],
-                   "templates": {t: {k: v for k, v in r.items() if k != "template"} for t, r in per_tpl.items()}}
+                   "tuned_template": tuned["template"], "tuned_params": tuned["params"],
+                   "tuned_pipeline": tuned["pipeline"],
+                   "tuned_kernel_s": tuned["kernel_s"], "tuned_latency_s": tuned["latency_s"],
+                   "tuned_any_template": tuned_any["template"], "tuned_any_params": tuned_any["params"],
+                   "tuned_any_pipeline": tuned_any["pipeline"], "tuned_any_precision": tuned_any["precision"],
+                   "tuned_any_kernel_s": tuned_any["kernel_s"],
+                   "templates": {t: strip(r) for t, r in per_tpl.items()},
+                   "n_candidates": len(measured), "n_failed": len(measured) - len(ok)}
             row["speedup_kernel"] = cus["kernel_s"] / row["tuned_kernel_s"]
             row["speedup_latency"] = cus["latency_s"] / row["tuned_latency_s"]
+            row["speedup_kernel_any"] = cus["kernel_s"] / row["tuned_any_kernel_s"]
             row["floor_fraction"] = floor / row["tuned_kernel_s"]
             rows.append(row)
-            own = [t for t in per_tpl if t != "extern.cusparse"]
-            ownb = min(own, key=lambda t: per_tpl[t]["kernel_s"]) if own else None
             print(f"{gname:28s} K={K:3d} nnz={A.nnz:8d} cusp {cus['kernel_s']*1e6:8.1f}us "
-                  + (f"{ownb} {per_tpl[ownb]['kernel_s']*1e6:8.1f}us " if ownb else "")
-                  + f"x{row['speedup_kernel']:.2f} lat x{row['speedup_latency']:.2f} floor {row['floor_fraction']:.2f} "
-                  f"[{time.time() - t_start:.0f}s]", flush=True)
+                  f"tuned {tuned['template']} {'+'.join(tuned['pipeline'])} {tuned['kernel_s']*1e6:8.1f}us "
+                  f"x{row['speedup_kernel']:.2f} (any precision x{row['speedup_kernel_any']:.2f} {tuned_any['template']} "
+                  f"{tuned_any['precision']}) lat x{row['speedup_latency']:.2f} floor {row['floor_fraction']:.2f} "
+                  f"[{len(measured)} cand, {time.time() - t_start:.0f}s]", flush=True)
             del mods
         _write(rows, templates, bw, torch, out_dir, tag, final=False)  # partial results survive a timeout
     return _write(rows, templates, bw, torch, out_dir, tag, final=True)
@@ -264,45 +374,102 @@ def summarize(rows, templates):
              "geomean_kernel": geomean([r["speedup_kernel"] for r in rk]),
              "geomean_latency": geomean([r["speedup_latency"] for r in rk]),
              "geomean_kernel_over200k": geomean([r["speedup_kernel"] for r in big]),
-             "worst_kernel": min(((r["speedup_kernel"], r["graph"]) for r in rk), default=None)}
+             "worst_kernel": min(((r["speedup_kernel"], r["graph"]) for r in rk), default=None),
+             "geomean_kernel_any": geomean([r.get("speedup_kernel_any", r["speedup_kernel"]) for r in rk]),
+             "geomean_kernel_any_over200k": geomean([r.get("speedup_kernel_any", r["speedup_kernel"]) for r in big])}
         for t in templates:
             if t == "extern.cusparse":
                 continue
             sp_ = [r["cusparse_kernel_s"] / r["templates"][t]["kernel_s"] for r in rk if t in r["templates"]]
             d[f"geomean_kernel_{t}_only"] = geomean(sp_)
+            d[f"graphs_{t}"] = len(sp_)
+            d[f"wins_{t}"] = sum(1 for x in sp_ if x > 1.0)
             d[f"worst_kernel_{t}_only"] = min(((r["cusparse_kernel_s"] / r["templates"][t]["kernel_s"], r["graph"])
                                                for r in rk if t in r["templates"]), default=None)
         s[K] = d
     return s
 
 
+def _cell(rec):
+    if rec is None:
+        return "-"
+    tag = [] if rec.get("precision", "fp32") == "fp32" else [rec["precision"]]
+    tag += [p.split(".")[-1] for p in rec.get("pipeline", []) if p.startswith("reorder.") or p.startswith("cluster.")]
+    return f"{rec['kernel_s'] * 1e6:.1f}" + (f" ({','.join(tag)})" if tag else "")
+
+
 def markdown(rows, summary, templates, bw, dev, tag):
     own = [t for t in templates if t != "extern.cusparse"]
     L = [f"## {tag}: {dev}, copy bandwidth {bw / 1e12:.2f} TB/s (read+write)", "",
          "Kernel time: CUDA-graph replay / calls (us). Latency: median single call + sync from Python (us). "
-         "Speed-ups are over cuSPARSE (torch.sparse). floor = memory-traffic floor / tuned kernel time.", "",
-         "| K | graphs | geomean kernel x | geomean latency x | geomean kernel x (nnz>200k) | worst kernel x | "
-         + " | ".join(f"{t} alone: geomean / worst" for t in own) + " |",
-         "|---|---|---|---|---|---|" + "---|" * len(own)]
+         "Speed-ups are over cuSPARSE fp32 (torch.sparse). *tuned* = fastest exact-fp32 candidate (what "
+         "`build()` picks with its default `precision='fp32'`); *any* = fastest candidate of any precision "
+         "(`precision='bf16'`: tf32/fp16/bf16 tensor-core kernels admitted, each checked at its tolerance). "
+         "floor = memory-traffic floor / tuned kernel time.  Template cells: best configuration of that "
+         "template (in brackets its precision and the reordering in front when not plain).", "",
+         "| K | graphs | geomean tuned x | geomean any x | geomean latency x | tuned x (nnz>200k) | any x (nnz>200k) "
+         "| worst tuned x | " + " | ".join(f"{t} alone: geomean / wins / worst" for t in own) + " |",
+         "|---|---|---|---|---|---|---|---|" + "---|" * len(own)]
     for K, d in summary.items():
         w = d["worst_kernel"]
         cells = []
         for t in own:
             ww = d.get(f"worst_kernel_{t}_only")
             cells.append(f"{d.get(f'geomean_kernel_{t}_only', float('nan')):.2f} / "
+                         f"{d.get(f'wins_{t}', 0)} of {d.get(f'graphs_{t}', 0)} / "
                          + (f"{ww[0]:.2f} ({ww[1]})" if ww else "-"))
-        L.append(f"| {K} | {d['graphs']} | {d['geomean_kernel']:.2f} | {d['geomean_latency']:.2f} | "
-                 f"{d['geomean_kernel_over200k']:.2f} | {w[0]:.2f} ({w[1]}) | " + " | ".join(cells) + " |")
-    L += ["", "| graph | nnz | K | cuSPARSE kernel | " + " | ".join(f"{t} kernel" for t in own)
-          + " | tuned kernel | x kernel | cuSPARSE lat | tuned lat | x lat | floor frac | tuned config |",
-          "|---|---|---|---|" + "---|" * len(own) + "---|---|---|---|---|---|---|"]
+        L.append(f"| {K} | {d['graphs']} | {d['geomean_kernel']:.2f} | {d.get('geomean_kernel_any', float('nan')):.2f} | "
+                 f"{d['geomean_latency']:.2f} | {d['geomean_kernel_over200k']:.2f} | "
+                 f"{d.get('geomean_kernel_any_over200k', float('nan')):.2f} | {w[0]:.2f} ({w[1]}) | "
+                 + " | ".join(cells) + " |")
+    L += ["", "| graph | nnz | K | cuSPARSE | " + " | ".join(own)
+          + " | tuned | x | any | x any | cuSPARSE lat | tuned lat | x lat | floor frac | tuned config |",
+          "|---|---|---|---|" + "---|" * len(own) + "---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        cells = [f"{r['templates'][t]['kernel_s'] * 1e6:.1f}" if t in r["templates"] else "-" for t in own]
+        cells = [_cell(r["templates"].get(t)) for t in own]
+        pipe = "+".join(r.get("tuned_pipeline", []))
         L.append(f"| {r['graph']} | {r['nnz']} | {r['K']} | {r['cusparse_kernel_s'] * 1e6:.1f} | " + " | ".join(cells)
-                 + f" | {r['tuned_kernel_s'] * 1e6:.1f} | {r['speedup_kernel']:.2f} | {r['cusparse_latency_s'] * 1e6:.1f} | "
+                 + f" | {r['tuned_kernel_s'] * 1e6:.1f} | {r['speedup_kernel']:.2f} | "
+                 f"{r.get('tuned_any_kernel_s', r['tuned_kernel_s']) * 1e6:.1f} | {r.get('speedup_kernel_any', r['speedup_kernel']):.2f} | "
+                 f"{r['cusparse_latency_s'] * 1e6:.1f} | "
                  f"{r['tuned_latency_s'] * 1e6:.1f} | {r['speedup_latency']:.2f} | {r['floor_fraction']:.2f} | "
-                 f"{r['tuned_template']} {json.dumps(r['tuned_params'], separators=(',', ':'))} |")
+                 f"{(pipe + ' -> ') if pipe else ''}{r['tuned_template']} "
+                 f"{json.dumps(r['tuned_params'], separators=(',', ':'))} |")
     return "\n".join(L) + "\n"
+
+
+def _build_job(job):
+    """Build (compile, cache) every first-stage candidate of one graph at the given widths."""
+    op, templates, gname, path, ks, max_seeds = job
+    A = sp.load_npz(path).tocsr().astype(np.float32)
+    A.sum_duplicates()
+    A.sort_indices()
+    cands, n, fails = Candidates(max_seeds=max_seeds), 0, 0
+    for K in ks:
+        sop = make_op(A, op, K, "sum" if op == "spmm" else None)
+        for tname, spec, p in cands.first(templates, gname, sop):
+            n += 1
+            try:
+                cands.build(gname, sop, tname, spec, p)
+            except Exception as e:
+                fails += 1
+                print(f"  build {gname} K={K} {tname} {p}: {type(e).__name__}: {e}"[:240], flush=True)
+    return gname, n, fails, {k[1]: round(v, 2) for k, v in cands.pass_s.items()}
+
+
+def build_only(op, templates, ks, names, jobs, max_seeds=None):
+    """Compile every candidate's kernels into the kernel cache (no GPU needed), ``jobs`` graphs at a time."""
+    import concurrent.futures as cf
+
+    gdir = os.environ.get("SPCOMPILE_GRAPHS", "")
+    todo = [(op, templates, os.path.basename(p)[:-4], p, ks, max_seeds) for p in sorted(glob.glob(os.path.join(gdir, "*.npz")),
+                                                                         key=os.path.getsize)
+            if names is None or os.path.basename(p)[:-4] in names]
+    t0 = time.time()
+    with cf.ProcessPoolExecutor(max_workers=jobs) as ex:
+        for gname, n, fails, pass_s in ex.map(_build_job, todo):
+            print(f"built {gname}: {n} candidates, {fails} failed, passes {pass_s} [{time.time() - t0:.0f}s]", flush=True)
+    return 0
 
 
 def main(argv=None, op="spmm", default_templates=("extern.cusparse", "csr.crc_cwm")):
@@ -312,9 +479,29 @@ def main(argv=None, op="spmm", default_templates=("extern.cusparse", "csr.crc_cw
     ap.add_argument("--graphs", nargs="*", default=None)
     ap.add_argument("--max-nnz", type=int, default=None)
     ap.add_argument("--templates", nargs="*", default=list(default_templates))
+    ap.add_argument("--all-templates", action="store_true",
+                    help="every available CUDA template for the op (tensor-core ones included)")
+    ap.add_argument("--skip", nargs="*", default=[], help="graphs to leave out (e.g. done in an earlier call)")
+    ap.add_argument("--build-only", action="store_true",
+                    help="only build every candidate (fills the kernel cache; no GPU needed)")
+    ap.add_argument("--tag", default=None, help="name of the JSON / markdown files (default <op>_gpu)")
+    ap.add_argument("--max-seeds", type=int, default=None,
+                    help="at most this many seed configurations per template and pipeline")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="processes for --build-only")
     a = ap.parse_args(argv)
-    graphs = load_graphs(a.graphs, a.max_nnz)
-    run_bench(op, a.templates, a.K, graphs, a.out, f"{op}_gpu")
+    if a.all_templates:
+        from spcompile.schedules import list_templates
+
+        a.templates = ["extern.cusparse"] + [t.name for t in list_templates("cuda", available_only=True)
+                                             if t.name != "extern.cusparse" and any(o[0] == op for o in t.ops)]
+    if a.build_only:
+        names = set(a.graphs) if a.graphs else None
+        if a.skip:
+            names = (names or {os.path.basename(p)[:-4] for p in glob.glob(os.path.join(
+                os.environ.get("SPCOMPILE_GRAPHS", ""), "*.npz"))}) - set(a.skip)
+        return build_only(op, a.templates, a.K, names, a.jobs, a.max_seeds)
+    graphs = [g for g in load_graphs(a.graphs, a.max_nnz) if g[0] not in a.skip]
+    run_bench(op, a.templates, a.K, graphs, a.out, a.tag or f"{op}_gpu", a.max_seeds)
     return 0
 
 
