@@ -416,7 +416,7 @@ class Tuner:
         if t.state == TrialState.COMPLETE:
             return "duplicate_of" not in t.user_attrs
         if t.state == TrialState.PRUNED:
-            return True
+            return "duplicate_of" not in t.user_attrs
         if t.state == TrialState.FAIL:  # stale trials of killed workers and interruptions don't count
             r = t.user_attrs.get(FAIL_REASON)
             return r is not None and r != INTERRUPTED
@@ -429,6 +429,7 @@ class Tuner:
         done = sum(1 for t in trials if self._counted(t))
         running = sum(1 for t in trials if t.state == TrialState.RUNNING)
         measured = {}
+        pruned = {}
         best_kernel = math.inf
         best_value = math.inf
         for t in trials:
@@ -437,6 +438,9 @@ class Tuner:
                 if "duplicate_of" not in t.user_attrs:
                     best_kernel = min(best_kernel, (t.user_attrs.get("result") or {}).get("kernel_ms") or math.inf)
                     best_value = min(best_value, t.value)
+            elif t.state == TrialState.PRUNED and "config_digest" in t.user_attrs:
+                pruned.setdefault(t.user_attrs["config_digest"], t.number)
+        self._pruned = pruned
         return done, running, measured, best_kernel, best_value
 
     def run(self, trials: int | None = None, timeout: float | None = None) -> TuneResult:
@@ -506,6 +510,14 @@ class Tuner:
                         self.study.tell(trial, val)
                         dup_streak += 1
                         self._emit(event="trial", number=trial.number, status="duplicate", value_ms=val,
+                                   best_ms=best_value, best_kernel_ms=best_kernel, baseline_ms=baseline_ms,
+                                   done=done, total=trials, counted=False)
+                        continue
+                    if dig in self._pruned:  # condemned before: not measured again
+                        trial.set_user_attr("duplicate_of", self._pruned[dig])
+                        self.study.tell(trial, state=TrialState.PRUNED)
+                        dup_streak += 1
+                        self._emit(event="trial", number=trial.number, status="duplicate", value_ms=None,
                                    best_ms=best_value, best_kernel_ms=best_kernel, baseline_ms=baseline_ms,
                                    done=done, total=trials, counted=False)
                         continue
@@ -600,7 +612,8 @@ class Tuner:
             baseline_ms=b.get("ms"), baseline_name=b.get("name"),
             n_trials=sum(1 for t in trials if self._counted(t)),
             n_complete=sum(1 for t in trials if t.state == TrialState.COMPLETE and "duplicate_of" not in t.user_attrs),
-            n_fail=sum(v for k, v in fails.items() if k != INTERRUPTED), n_pruned=sum(1 for t in trials if t.state == TrialState.PRUNED),
+            n_fail=sum(v for k, v in fails.items() if k != INTERRUPTED), n_pruned=sum(1 for t in trials if t.state == TrialState.PRUNED
+                                                                         and "duplicate_of" not in t.user_attrs),
             n_stale=n_stale, interrupted=interrupted, stop_reason=stop, fail_reasons=fails)
 
 

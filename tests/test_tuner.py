@@ -120,7 +120,7 @@ def test_pruning_and_duplicates_are_not_remeasured(db):
     digests = [json.dumps(c.to_dict(), sort_keys=True) for c in runner.calls]
     assert len(digests) == len(set(digests)), "a config was measured twice"
     trials = Tuner(op, "cpu", storage=db, runner=runner).study.get_trials()
-    pruned = [t for t in trials if t.state == TV.PRUNED]
+    pruned = [t for t in trials if t.state == TV.PRUNED and "duplicate_of" not in t.user_attrs]
     assert res.n_pruned == len(pruned)
     for t in pruned:  # pruned trials carry the estimate that condemned them
         assert t.intermediate_values
@@ -359,3 +359,44 @@ def test_precision_policy(db, reduced_template):
     assert allowed_precisions("fp16") == ("fp32", "tf32", "fp16")
     with pytest.raises(ValueError, match="precision must be one of"):
         spcompile.build(graph(), "spmm", K=16, target="cpu", precision="int8")
+
+
+class _Tiny(Template):
+    """Two configurations: w=2 is 10x slower than w=1 (pruned once seen)."""
+
+    name = "test.tiny"
+    target = "cpu"
+    priority = -100
+    ops = (("spmm", "sum"),)
+
+    def space(self, mod):
+        from optuna.distributions import CategoricalDistribution
+
+        return {"w": CategoricalDistribution([1, 2])}
+
+    def default_params(self, mod):
+        return {"w": 1}
+
+    def build(self, mod, params):
+        raise AssertionError("the fake runner never builds")
+
+
+def test_pruned_config_is_not_measured_again(db, monkeypatch):
+    sched_base.register_template(_Tiny)
+    try:
+        class Slow2(FakeRunner):
+            def kernel_s(self, cfg):
+                return 1e-2 if cfg.params.get("w") == 2 else 1e-3
+
+        op = make_op(graph(), "spmm", 16)
+        runner = Slow2()
+        res = Tuner(op, "cpu", storage=db, runner=runner, seed=0, reorders=(), max_duplicates=12).run(trials=40)
+        tiny = [json.dumps(c.to_dict(), sort_keys=True) for c in runner.calls if c.template == _Tiny.name]
+        assert len(tiny) == len(set(tiny)) == 2, tiny
+        trials = Tuner(op, "cpu", storage=db, runner=runner, reorders=()).study.get_trials()
+        dups = [t for t in trials if t.state == TV.PRUNED and "duplicate_of" in t.user_attrs]
+        assert dups, "the slow config was sampled again but not told as a pruned duplicate"
+        assert res.n_pruned == sum(1 for t in trials if t.state == TV.PRUNED and "duplicate_of" not in t.user_attrs)
+    finally:
+        with sched_base._LOCK:
+            sched_base._TEMPLATES.pop(_Tiny.name, None)

@@ -41,8 +41,26 @@ def compile_primfunc(func):
     return tvm.compile(func, target=host_llvm_target())
 
 
+_TEMP_DIRS: list = []
+
+
+def _remove_temp_dirs():
+    import shutil
+
+    for d in _TEMP_DIRS:
+        shutil.rmtree(d, ignore_errors=True)
+
+
 def export(lib, directory: str | None = None, name: str = "kernel.so") -> str:
-    directory = directory or tempfile.mkdtemp(prefix="spcompile-")
+    """Write ``lib`` as a shared library; without ``directory``, into a temporary directory that is
+    removed when the process exits (saved artifacts copy the file)."""
+    if directory is None:
+        if not _TEMP_DIRS:
+            import atexit
+
+            atexit.register(_remove_temp_dirs)
+        directory = tempfile.mkdtemp(prefix="spcompile-")
+        _TEMP_DIRS.append(directory)
     path = os.path.join(directory, name)
     lib.export_library(path)
     return path
