@@ -1,4 +1,4 @@
-"""tc.wmma_sgt (TC-GNN) and aspt.tiled (ASpT): every variant compiles with nvcc for sm_90 and
+"""tc.wmma_sgt / tc.wmma_sgt_sddmm (TC-GNN) and aspt.tiled (ASpT): every variant compiles with nvcc for sm_90 and
 sm_80; the arrays the templates upload reproduce A @ X (numpy emulation in float64, in the
 caller's order, after permuting passes too); on a GPU the kernels match the float64 reference
 with NaN-poisoned outputs at precision-appropriate tolerances."""
@@ -111,6 +111,86 @@ def test_tc_mean_scaling_and_empty():
     assert reference.rel_error(Y, _ref(A, X, "mean")) <= 1e-6
 
 
+@pytest.mark.parametrize("name", sorted(MATRICES))
+@pytest.mark.parametrize("prec,shape", [("tf32", "tf32"), ("tf32", "fp16"), ("fp16", "fp16"), ("bf16", "fp16")])
+@pytest.mark.parametrize("max_blocks", [0, 3, 32])
+@pytest.mark.parametrize("K,reorder", [(1, None), (19, "reorder.rcm"), (40, None)])
+def test_mma_packing_emulation(name, prec, shape, max_blocks, K, reorder):
+    """impl "mma": fragment packing, permuted column ids, lane column mapping, work items and the
+    in-order combination of split windows reproduce A @ X (lane-level emulation)."""
+    from spcompile.cuda_templates.tc_wmma_sgt import emulate_mma_spmm, mma_arrays
+    from spcompile.passes.base import list_passes
+
+    if reorder and reorder not in list_passes():
+        pytest.skip(f"{reorder} not registered")
+    A = MATRICES[name]()
+    mod = _mod(A, K, pipeline=([reorder] if reorder else []) + [("tile.sgt", {"shape": shape})])
+    arrays = mma_arrays(mod, prec, max_blocks)
+    items = arrays["items"]
+    n = np.diff(items[:, :2], axis=1).ravel()
+    assert np.all(n[:-1] >= n[1:])                                   # longest first
+    if max_blocks:
+        assert n.max(initial=0) <= max_blocks
+    X = np.random.default_rng(1).standard_normal((A.shape[1], K)).astype(np.float32)
+    meta = {"m": A.shape[0], "BW": mod.formats["sgt"].BLK_W, "precision": prec}
+    Y = emulate_mma_spmm(arrays, meta, X, col_groups=2)
+    assert reference.rel_error(Y, _ref(A, X)) <= (1e-3 if prec == "tf32" else 1e-2)
+
+
+def test_split_windows_balanced():
+    from spcompile.cuda_templates.tc_wmma_sgt import split_windows
+
+    wbp = np.array([0, 0, 100, 103, 103, 135])
+    r = split_windows(wbp, 32)
+    items = r["items"]
+    assert items.shape == (4 + 1 + 1 + 2, 4)                        # 100 -> 4 items, 32 -> 1, 3 -> 1, empty x2
+    assert sorted(map(tuple, items[:, :2].tolist())) == sorted(
+        [(0, 0), (0, 25), (25, 50), (50, 75), (75, 100), (100, 103), (103, 103), (103, 135)])
+    split = items[items[:, 3] >= 0]
+    assert set(split[:, 2]) == {1} and sorted(split[:, 3]) == [0, 1, 2, 3]
+    assert r["grp_ptr"].tolist() == [0, 4] and r["slot_grp"].tolist() == [0, 0, 0, 0]
+    assert split_windows(wbp, 0)["items"].shape == (5, 4)
+
+
+@pytest.mark.parametrize("name", sorted(MATRICES))
+@pytest.mark.parametrize("prec,shape", [("tf32", "sddmm"), ("tf32", "tf32"), ("fp16", "sddmm"), ("bf16", "sddmm")])
+@pytest.mark.parametrize("K,reorder", [(1, None), (19, "reorder.rcm"), (40, "reorder.degree")])
+def test_sddmm_packing_emulation(name, prec, shape, K, reorder):
+    """tc.wmma_sgt_sddmm: block windows / columns, the k-index mapping of the lanes' float4 loads,
+    the C layout and the caller's nonzero order reproduce the float64 SDDMM (emulated in float64)."""
+    from spcompile.cuda_templates.tc_wmma_sgt import emulate_tc_sddmm, sddmm_arrays
+    from spcompile.formats import as_csr
+    from spcompile.passes.base import list_passes
+
+    if reorder and reorder not in list_passes():
+        pytest.skip(f"{reorder} not registered")
+    A = MATRICES[name]()
+    mod = Pipeline(([reorder] if reorder else []) + [("tile.sgt", {"shape": shape})])(
+        SparseModule.from_op(make_op(A, "sddmm", K)))
+    arrays = sddmm_arrays(mod)
+    rng = np.random.default_rng(2)
+    X, Y = rng.standard_normal((A.shape[0], K)), rng.standard_normal((A.shape[1], K))
+    meta = {"m": A.shape[0], "BW": mod.formats["sgt"].BLK_W, "precision": prec, "nnz": A.nnz}
+    out = emulate_tc_sddmm(arrays, meta, X, Y)
+    assert reference.rel_error(out, reference.sddmm(as_csr(A), X, Y)) <= 1e-12
+
+
+def test_tc_sddmm_registered():
+    t = get_template("tc.wmma_sgt_sddmm")
+    A = MATRICES["random"]()
+    base = SparseModule.from_op(make_op(A, "sddmm", 32))
+    assert t.requires(base) == ("sgt",) and not t.supports(base)
+    for pipe in t.pipelines(base):
+        mod = Pipeline(list(pipe))(base)
+        assert t.supports(mod)
+        for p in t.seed_params(mod):
+            assert set(p) <= set(t.space(mod))
+    from spcompile.tuner import candidates
+
+    if rt.nvcc_available():
+        assert "tc.wmma_sgt_sddmm" in candidates(make_op(A, "sddmm", 32), "cuda")
+
+
 # ------------------------------------------------------------------------------------------
 # nvcc: every variant compiles for sm_90 and sm_80
 # ------------------------------------------------------------------------------------------
@@ -123,6 +203,20 @@ def _all_instances(which):
                 for tpw in (1, 2, 4):
                     for d in (0, 1):
                         inst.update(t.instances(prec, bw, tpw, d, 4))
+    elif which == "mma":
+        t = get_template("tc.wmma_sgt")
+        for prec, bws in (("tf32", (8, 16)), ("fp16", (16,)), ("bf16", (16,))):
+            for bw in bws:
+                for cg in (1, 2, 4):
+                    for u in (1, 2, 4):
+                        if t.mma_ok(prec, bw, cg, u):
+                            inst.update(t.mma_instances(prec, bw, cg, u, 4))
+    elif which == "sddmm":
+        t = get_template("tc.wmma_sgt_sddmm")
+        for prec, bws in (("tf32", (8, 16)), ("fp16", (16,)), ("bf16", (16,))):
+            for bw in bws:
+                for ku in (1, 2):
+                    inst.update(t.instances(prec, bw, ku, 4))
     else:
         t = get_template("aspt.tiled")
         for vec in (1, 2, 4):
@@ -134,7 +228,7 @@ def _all_instances(which):
 
 @pytest.mark.skipif(not rt.nvcc_available(), reason="nvcc not installed")
 @pytest.mark.parametrize("arch", [90, 80])
-@pytest.mark.parametrize("which", ["tc", "aspt"])
+@pytest.mark.parametrize("which", ["tc", "sddmm", "aspt"])
 def test_compile_all_variants(tmp_path, arch, which):
     t, inst = _all_instances(which)
     src = tmp_path / f"{which}.cu"
@@ -149,6 +243,24 @@ def test_compile_all_variants(tmp_path, arch, which):
 
 
 @pytest.mark.skipif(not rt.nvcc_available(), reason="nvcc not installed")
+def test_compile_all_mma_variants(tmp_path):
+    """impl "mma" of tc.wmma_sgt: all 52 variants for sm_90 and sm_80, the two archs compiled in
+    parallel (ptxas -O1 keeps this CI check fast; the kernel cache builds with full -O3)."""
+    t, inst = _all_instances("mma")
+    src = tmp_path / "mma.cu"
+    src.write_text(t.render(inst))
+    procs = {arch: subprocess.Popen([rt.nvcc_path(), "-cubin", "-O3", "-std=c++17", f"-arch=sm_{arch}", "-Xptxas", "-O1",
+                                     "-o", str(tmp_path / f"mma{arch}.cubin"), str(src)],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for arch in (90, 80)}
+    for arch, p in procs.items():
+        _, err = p.communicate()
+        assert p.returncode == 0, err[-4000:]
+        data = (tmp_path / f"mma{arch}.cubin").read_bytes()
+        for name, _ in inst:
+            assert name.encode() in data, name
+
+
+@pytest.mark.skipif(not rt.nvcc_available(), reason="nvcc not installed")
 def test_build_without_gpu(tmp_path, monkeypatch):
     monkeypatch.setenv("SPCOMPILE_KERNEL_CACHE", str(tmp_path / "cache"))
     A = MATRICES["random"]()
@@ -156,8 +268,18 @@ def test_build_without_gpu(tmp_path, monkeypatch):
     mod = _mod(A, 64, pipeline=tc.pipelines(_mod(A, 64))[0])
     k = tc.build(mod, tc.default_params(mod))
     assert k.files["kernel.fatbin"].startswith(str(tmp_path)) and k.meta["precision"] == "tf32"
+    assert k.meta["impl"] == "mma" and k.meta["items"] >= 1
     with pytest.raises(ValueError):
         tc.build(mod, {**tc.default_params(mod), "precision": "fp16"})   # 8-wide blocks: tf32 only
+    with pytest.raises(ValueError):
+        tc.build(mod, {**tc.default_params(mod), "col_groups": 4, "unroll": 4})   # would spill
+    kw = tc.build(mod, {**tc.default_params(mod), "impl": "wmma"})
+    assert kw.meta["impl"] == "wmma" and "tiles" in kw.arrays
+    ts = get_template("tc.wmma_sgt_sddmm")
+    smod = Pipeline(ts.pipelines(SparseModule.from_op(make_op(A, "sddmm", 64)))[0])(
+        SparseModule.from_op(make_op(A, "sddmm", 64)))
+    ks = ts.build(smod, ts.default_params(smod))
+    assert ks.meta["BW"] == 16 and ks.meta["tolerance_dtype"] == "tf32"
     at = get_template("aspt.tiled")
     mod = _mod(A, 64, pipeline=at.pipelines(_mod(A, 64))[0])
     k = at.build(mod, at.default_params(mod))
@@ -170,14 +292,18 @@ def test_build_without_gpu(tmp_path, monkeypatch):
 TOL = {"tf32": 2e-3, "fp16": 1e-2, "bf16": 2e-2, "fp32": 1e-5}
 
 
-def gpu_cases():
-    """(label, matrix, K, reduce, template, pipeline, params, tolerance) for the GPU checks."""
-    out = []
-    tc, at = get_template("tc.wmma_sgt"), get_template("aspt.tiled")
-    mats = {"random": random_matrix(1500, 3000, density=0.002, seed=5),
+def gpu_matrices():
+    return {"random": random_matrix(1500, 3000, density=0.002, seed=5),
             "clustered": MATRICES["clustered"](), "tiny": MATRICES["tiny"]()}
-    for mname, A in mats.items():
-        for K in (1, 19, 64, 128, 256):
+
+
+def gpu_cases(Ks=(1, 19, 64, 128, 256)):
+    """(label, matrix, K, reduce, template, pipeline, params, tolerance) for the GPU checks
+    (reduce None: SDDMM)."""
+    out = []
+    tc, at, ts = get_template("tc.wmma_sgt"), get_template("aspt.tiled"), get_template("tc.wmma_sgt_sddmm")
+    for mname, A in gpu_matrices().items():
+        for K in Ks:
             for reduce in ("sum", "mean"):
                 base = _mod(A, K, reduce)
                 for pipe in tc.pipelines(base):
@@ -190,14 +316,36 @@ def gpu_cases():
                     for p in at.seed_params(mod):
                         out.append((f"{mname}/K{K}/{reduce}/aspt/{len(pipe)}/{p}", A, K, reduce, "aspt.tiled",
                                     pipe, p, TOL["fp32"]))
+            base = SparseModule.from_op(make_op(A, "sddmm", K))
+            for pipe in ts.pipelines(base):
+                mod = Pipeline(list(pipe))(base)
+                for p in ts.seed_params(mod):
+                    out.append((f"{mname}/K{K}/sddmm/{pipe[0]['options']['shape']}/{p}", A, K, None,
+                                "tc.wmma_sgt_sddmm", pipe, p, TOL[p["precision"]]))
     return out
 
 
 def run_gpu_case(A, K, reduce, template, pipe, params, rng):
     """Build, run on fresh inputs with a NaN-poisoned output; returns the relative error."""
     import cupy
+    from spcompile.formats import as_csr
 
     tpl = get_template(template)
+    if reduce is None:                                   # SDDMM
+        mod = Pipeline(list(pipe))(SparseModule.from_op(make_op(A, "sddmm", K)))
+        kern = tpl.build(mod, params)
+        X = rng.standard_normal((A.shape[0], K)).astype(np.float32)
+        Y = rng.standard_normal((A.shape[1], K)).astype(np.float32)
+        out = cupy.full((A.nnz,), np.nan, dtype=cupy.float32)
+        rt.call(kern, "cupy", [cupy.asarray(X), cupy.asarray(Y)], out, out.shape)
+        y, ref = cupy.asnumpy(out), reference.sddmm(as_csr(A), X, Y)
+        err = reference.rel_error(y, ref)
+        if np.all(np.isfinite(y)):                       # bound relative to |A| |X| |Y| per entry
+            Ac = as_csr(A)
+            scale = np.abs(Ac.data) * np.einsum("ij,ij->i", np.abs(X[Ac.row_ids]).astype(np.float64),
+                                                np.abs(Y[Ac.indices]).astype(np.float64))
+            err = min(err, float(np.linalg.norm(y - ref) / max(np.linalg.norm(scale), 1e-300)))
+        return err
     mod = _mod(A, K, reduce, pipe)
     kern = tpl.build(mod, params)
     X = rng.standard_normal((A.shape[1], K)).astype(np.float32)
@@ -222,3 +370,25 @@ def test_gpu_correct():
         if not err <= tol:
             bad.append((label, err))
     assert not bad, bad[:10]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not cuda_available(), reason="no usable CUDA GPU")
+def test_gpu_split_repeatable():
+    """impl "mma" with split windows: the last-arriver combination resets its counters, so
+    repeated calls give bit-identical results (fixed slot order)."""
+    import cupy
+
+    A = gpu_matrices()["random"]
+    tc = get_template("tc.wmma_sgt")
+    mod = _mod(A, 64, "sum", tc.pipelines(_mod(A, 64))[0])
+    kern = tc.build(mod, {**tc.default_params(mod), "max_blocks": 8})
+    assert kern.meta["slots"] > 0
+    X = cupy.asarray(np.random.default_rng(3).standard_normal((A.shape[1], 64)).astype(np.float32))
+    outs = []
+    for _ in range(3):
+        out = cupy.full((A.shape[0], 64), np.nan, dtype=cupy.float32)
+        rt.call(kern, "cupy", [X], out, out.shape)
+        outs.append(cupy.asnumpy(out))
+    assert np.array_equal(outs[0], outs[1]) and np.array_equal(outs[0], outs[2])
+    assert reference.rel_error(outs[0], _ref(A, cupy.asnumpy(X))) <= TOL["tf32"]

@@ -164,3 +164,241 @@ __device__ __forceinline__ void tc_spmm(
         win_block_ptr, blk_cols, reinterpret_cast<const typename spc_tc::prec<P>::stor*>(tiles),    \
         nz_ptr, nz_pos, nz_val, row_ids, X, Y, m, K);                                               \
   }
+
+// =============================================================================================
+// Register-direct variant (impl "mma"): raw mma.sync, no shared memory, no block barriers, and
+// window splitting for load balance.
+//
+// Work items: a row window's TC blocks are cut into balanced runs of at most max_blocks blocks
+// (built in Python, longest first); one thread block per (item, slice of K).  Warp v of the block
+// owns CG groups of 32 output columns starting at kbase = (blockIdx.y * warps + v) * 32 * CG.
+//
+// Fragments (PTX ISA, mma.m16n8k8 tf32 / m16n8k16 f16|bf16, g = lane / 4, t = lane % 4):
+//   * A (the 16 x KS sparse tile of one MMA k-step) is stored in fragment order at build time
+//     (one 16-byte load per lane; tf32 values pre-rounded);
+//   * blk_cols is stored permuted so that a lane loads the X row ids it needs with one int2
+//     (tf32: tile columns t, t+4) or int4 (16-bit: tile columns 2t, 2t+1, 2t+8, 2t+9);
+//   * B = X[cols, 32 columns]: the MMA's n index is mapped to output columns so that lane (g, t)
+//     loads ONE float4 per X row, X[c][base + 4g .. 4g+3], element j feeding n-tile j (n index g
+//     of n-tile j <-> column base + 4g + j); 8 lanes read 128 contiguous bytes of a row;
+//   * C: lane (g, t) then holds rows g and g + 8, columns base + 8t .. 8t+7 (c0 of n-tiles 0..3,
+//     then c1 of n-tiles 0..3), written as two float4 per row.
+// A split window's items write 16 x K partials to part[slot]; the last warp to finish a
+// (window, column slice) -- per-warp atomic counter, threadfence-reduction pattern -- adds the
+// partials in slot order (deterministic), writes Y and resets the counter for the next call.
+// =============================================================================================
+namespace spc_tc {
+
+__device__ __forceinline__ unsigned f2tf32(float x) {
+  unsigned r;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+  return r;
+}
+
+template <int P> __device__ __forceinline__ unsigned pack2(float lo, float hi);
+template <> __device__ __forceinline__ unsigned pack2<1>(float lo, float hi) {
+  __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<unsigned*>(&h);
+}
+template <> __device__ __forceinline__ unsigned pack2<2>(float lo, float hi) {
+  __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<unsigned*>(&h);
+}
+
+template <int P> __device__ __forceinline__ void mma16816(float (&d)[4], const unsigned (&a)[4], unsigned b0,
+                                                          unsigned b1) {
+  if (P == 0) {
+    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else if (P == 1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+__device__ __forceinline__ float el(const float4& v, int j) {
+  return j == 0 ? v.x : (j == 1 ? v.y : (j == 2 ? v.z : v.w));
+}
+
+// 4 consecutive floats of row c (c < 0: zeros) from column col, zero beyond K.  VEC = 4: one
+// 16-byte load (K % 4 == 0 and a 16-byte aligned base); VEC = 1: guarded scalar loads.
+template <int VEC, bool CG_LOAD = false>
+__device__ __forceinline__ float4 ld4(const float* __restrict__ base, long long c, int col, int K) {
+  float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+  if (c < 0 || col >= K) return v;
+  const float* p = base + c * (long long)K + col;
+  if (VEC == 4) {
+    v = CG_LOAD ? __ldcg(reinterpret_cast<const float4*>(p)) : __ldg(reinterpret_cast<const float4*>(p));
+  } else {
+    v.x = CG_LOAD ? __ldcg(p) : __ldg(p);
+    if (col + 1 < K) v.y = CG_LOAD ? __ldcg(p + 1) : __ldg(p + 1);
+    if (col + 2 < K) v.z = CG_LOAD ? __ldcg(p + 2) : __ldg(p + 2);
+    if (col + 3 < K) v.w = CG_LOAD ? __ldcg(p + 3) : __ldg(p + 3);
+  }
+  return v;
+}
+
+template <int VEC> __device__ __forceinline__ void st4(float* __restrict__ p, int col, int K, float4 v) {
+  if (col >= K) return;
+  if (VEC == 4) {
+    *reinterpret_cast<float4*>(p + col) = v;
+  } else {
+    p[col] = v.x;
+    if (col + 1 < K) p[col + 1] = v.y;
+    if (col + 2 < K) p[col + 2] = v.z;
+    if (col + 3 < K) p[col + 3] = v.w;
+  }
+}
+
+__device__ __forceinline__ float4 add4(float4 a, float4 b) {
+  return make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w);
+}
+
+template <int P, int BW, int CG, int U, int VEC>
+__device__ __forceinline__ void tc_mma_spmm(
+    const int4* __restrict__ items, const int* __restrict__ slot_grp, const int* __restrict__ grp_ptr,
+    const int* __restrict__ pcols, const uint4* __restrict__ afrag, const int* __restrict__ row_ids,
+    const float* __restrict__ X, float* __restrict__ Y, float* part, int* counters, int m, int K) {
+  constexpr int KS = (P == 0) ? 8 : 16;
+  constexpr int S = BW / KS;                         // MMA k-steps per TC block
+  constexpr int NR = (P == 0) ? 2 : 4;               // X rows a lane loads per k-step
+  static_assert(BW % KS == 0, "TC block width must be a multiple of the MMA k");
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int kbase = (blockIdx.y * nw + warp) * 32 * CG;
+  if (kbase >= K) return;                            // uniform per warp; no block barriers below
+  const int4 it = __ldg(items + blockIdx.x);         // first block, end block, window, slot (-1)
+
+  float acc[CG][4][4];
+#pragma unroll
+  for (int c = 0; c < CG; ++c)
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) acc[c][j][r] = 0.0f;
+
+  for (int b = it.x; b < it.y; b += U) {
+    unsigned a[U][S][4];
+    float4 xv[U][S][NR][CG];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int bb = b + u;
+      const bool ok = bb < it.y;
+#pragma unroll
+      for (int s = 0; s < S; ++s) {
+        const long long step = (long long)bb * S + s;
+        int c[NR];
+        if (P == 0) {
+          int2 cc = make_int2(-1, -1);
+          if (ok) cc = __ldg(reinterpret_cast<const int2*>(pcols + step * 8) + t);
+          c[0] = cc.x; c[1] = cc.y;
+        } else {
+          int4 cc = make_int4(-1, -1, -1, -1);
+          if (ok) cc = __ldg(reinterpret_cast<const int4*>(pcols + step * 16) + t);
+          c[0] = cc.x; c[1] = cc.y; c[NR > 2 ? 2 : 0] = cc.z; c[NR > 3 ? 3 : 0] = cc.w;
+        }
+        uint4 av = make_uint4(0u, 0u, 0u, 0u);
+        if (ok) av = __ldg(afrag + step * 32 + lane);
+        a[u][s][0] = av.x; a[u][s][1] = av.y; a[u][s][2] = av.z; a[u][s][3] = av.w;
+#pragma unroll
+        for (int q = 0; q < NR; ++q)
+#pragma unroll
+          for (int cg = 0; cg < CG; ++cg) xv[u][s][q][cg] = ld4<VEC>(X, c[q], kbase + 32 * cg + 4 * g, K);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int s = 0; s < S; ++s)
+#pragma unroll
+        for (int cg = 0; cg < CG; ++cg)
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            unsigned b0, b1;
+            if (P == 0) {                            // B rows t and t + 4 of the k-step
+              b0 = f2tf32(el(xv[u][s][0][cg], j));
+              b1 = f2tf32(el(xv[u][s][1][cg], j));
+            } else {                                 // B rows (2t, 2t+1) and (2t+8, 2t+9)
+              b0 = pack2<P == 0 ? 1 : P>(el(xv[u][s][0][cg], j), el(xv[u][s][1 % NR][cg], j));
+              b1 = pack2<P == 0 ? 1 : P>(el(xv[u][s][2 % NR][cg], j), el(xv[u][s][3 % NR][cg], j));
+            }
+            mma16816<P>(acc[cg][j], a[u][s], b0, b1);
+          }
+  }
+
+  // lane's results: row g + 8h, columns col0 .. col0 + 7 with col0 = kbase + 32 cg + 8t
+#define SPC_TC_VAL(cg, h, q) make_float4(acc[cg][0][2 * (h) + (q)], acc[cg][1][2 * (h) + (q)], \
+                                         acc[cg][2][2 * (h) + (q)], acc[cg][3][2 * (h) + (q)])
+  const int win = it.z, slot = it.w;
+  if (slot < 0) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = win * 16 + g + 8 * h;
+      if (row < m) {
+        float* y = Y + (long long)__ldg(row_ids + row) * K;
+#pragma unroll
+        for (int cg = 0; cg < CG; ++cg)
+#pragma unroll
+          for (int q = 0; q < 2; ++q) st4<VEC>(y, kbase + 32 * cg + 8 * t + 4 * q, K, SPC_TC_VAL(cg, h, q));
+      }
+    }
+    return;
+  }
+  {
+    float* pp = part + (long long)slot * 16 * K;
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int cg = 0; cg < CG; ++cg)
+#pragma unroll
+        for (int q = 0; q < 2; ++q)
+          st4<VEC>(pp + (long long)(g + 8 * h) * K, kbase + 32 * cg + 8 * t + 4 * q, K, SPC_TC_VAL(cg, h, q));
+  }
+#undef SPC_TC_VAL
+  __threadfence();
+  __syncwarp();
+  const int grp = __ldg(slot_grp + slot);
+  const int first = __ldg(grp_ptr + grp), nslots = __ldg(grp_ptr + grp + 1) - first;
+  const long long cnt_idx = ((long long)grp * gridDim.y + blockIdx.y) * nw + warp;
+  int old = 0;
+  if (lane == 0) old = atomicAdd(counters + cnt_idx, 1);
+  old = __shfl_sync(0xffffffffu, old, 0);
+  if (old != nslots - 1) return;
+  __threadfence();                                   // last arriver: combine in slot order
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = win * 16 + g + 8 * h;
+    if (row >= m) continue;
+    float* y = Y + (long long)__ldg(row_ids + row) * K;
+#pragma unroll
+    for (int cg = 0; cg < CG; ++cg)
+#pragma unroll
+      for (int q = 0; q < 2; ++q) {
+        const int col = kbase + 32 * cg + 8 * t + 4 * q;
+        float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+        for (int z = 0; z < nslots; ++z)
+          o = add4(o, ld4<VEC, true>(part + (long long)(first + z) * 16 * K, g + 8 * h, col, K));
+        st4<VEC>(y, col, K, o);
+      }
+  }
+  if (lane == 0) counters[cnt_idx] = 0;             // ready for the next call (stream-ordered)
+}
+
+}  // namespace spc_tc
+
+#define SPC_TC_MMA_INSTANCE(NAME, P, BW, CG, U, VEC)                                                \
+  extern "C" __global__ void __launch_bounds__(256) NAME(                                           \
+      const int4* items, const int* slot_grp, const int* grp_ptr, const int* pcols, const uint4* afrag, \
+      const int* row_ids, const float* X, float* Y, float* part, int* counters, int m, int K) {      \
+    spc_tc::tc_mma_spmm<P, BW, CG, U, VEC>(items, slot_grp, grp_ptr, pcols, afrag, row_ids, X, Y, part, \
+                                           counters, m, K);                                         \
+  }
