@@ -3,8 +3,10 @@
 For every CUDA template x reduction x K in {1, 3, 32, 100, 128} and several parameter sets (the
 template's seeds plus every coarsening factor with split rows): random matrices with empty rows
 and one 10k-nonzero row, inputs as torch CUDA tensors, CuPy arrays and numpy arrays in turn, the
-output poisoned with NaN before every run, compared with the float64 reference.  Then a few shared
-graphs, save/load of a CUDA module, and the per-call overhead of the module.
+output poisoned with NaN before every run, compared with the float64 reference.  Then 16-bit inputs
+(float16 / bfloat16, fp32 accumulation: every reduction, odd K and K=1, torch and CuPy arrays, at
+the fp16/bf16 tolerance against the float64 reference of the rounded inputs), a few shared graphs,
+save/load of a CUDA module, and the per-call overhead of the module.
 
     python benchmarks/gpu_check.py --out DIR            # full check, JSON log in DIR
     python benchmarks/gpu_check.py --quick              # small, for compute-sanitizer memcheck
@@ -101,6 +103,14 @@ def precompile(quick: bool):
         for p in param_sets(tpl, mod):
             tpl.build(mod, p)
             n += 1
+    for tname, op, red, K, dt in half_cases(quick):
+        tpl = get_template(tname)
+        if tname.startswith("extern"):
+            continue
+        mod = SparseModule.from_op(make_op(A, op, K, red, dtype=dt))
+        for p in half_param_sets(tpl, mod):
+            tpl.build(mod, p)
+            n += 1
     return n
 
 
@@ -160,6 +170,101 @@ def check_matrix(A, label, quick, log, kinds=("torch", "cupy", "numpy"), templat
                 err = reference.rel_error(_host(res), ref)
                 rec["rel_err"] = err
                 rec["ok"] = bool(err <= 1e-5)
+            except Exception as e:  # results are data
+                rec["ok"] = False
+                rec["error"] = f"{type(e).__name__}: {e}"[:500]
+            fails += not rec["ok"]
+            log.append(rec)
+            if not rec["ok"]:
+                print("FAIL", json.dumps(rec, default=str), flush=True)
+    return fails
+
+
+HALF_DTYPES = ("float16", "bfloat16")
+HALF_KS = (1, 3, 32, 100, 128)
+
+
+def half_cases(quick: bool = False):
+    """(template, op, reduce, K, dtype) of the 16-bit input checks."""
+    ks = (3, 32) if quick else HALF_KS
+    for dt in HALF_DTYPES:
+        for K in ks:
+            for r in (("sum", "max") if quick else REDUCES):
+                yield "csr.crc_cwm", "spmm", r, K, dt
+            yield "csr.sddmm", "sddmm", None, K, dt
+            if not quick:
+                yield "extern.cusparse", "spmm", "sum", K, dt
+                yield "extern.cusparse", "sddmm", None, K, dt
+
+
+def half_param_sets(tpl, mod):
+    """A few configurations per 16-bit case: default, split rows with every unroll depth, the widest
+    and the scalar vector width, sub-warp groups."""
+    d = tpl.default_params(mod)
+    if tpl.name == "csr.crc_cwm":
+        sets = [d, {**d, "max_seg": 16, "unroll": 8, "vec": 8}, {**d, "max_seg": 64, "unroll": 1, "vec": 1},
+                {**d, "group": 8, "cf": 2, "vec": 2, "max_seg": 32, "unroll": 4},
+                {**d, "group": 32, "cf": 4, "vec": 4, "max_seg": 8, "unroll": 2, "rows_per_warp": 2}]
+    elif tpl.name == "csr.sddmm":
+        sets = [d, {**d, "vec": 8, "group": 4, "k_chunks": 1}, {**d, "vec": 1, "k_chunks": 4, "group": 32}]
+    else:
+        sets = [d]
+    out, seen = [], set()
+    for s_ in sets:
+        t = tuple(sorted(s_.items()))
+        if t not in seen:
+            seen.add(t)
+            out.append(s_)
+    return out
+
+
+def _to_kind(kind, a, dtype):
+    """A float32 host array as a ``dtype`` array of ``kind`` (torch or cupy)."""
+    import torch
+
+    t = torch.from_numpy(a).cuda().to(getattr(torch, dtype))
+    if kind == "torch":
+        return t
+    import cupy
+
+    return cupy.from_dlpack(t)
+
+
+def check_half(A, label, log, quick=False, templates=None, kinds=("torch", "cupy")):
+    """16-bit inputs: result dtype = input dtype, error vs the float64 reference of the *rounded*
+    inputs <= reference.tolerance(dtype), output poisoned with NaN before the call."""
+    import torch
+
+    fails = 0
+    rng = np.random.default_rng(2)
+    i = 0
+    for tname, op, red, K, dt in half_cases(quick):
+        if templates and tname not in templates:
+            continue
+        tpl = get_template(tname)
+        sop = make_op(A, op, K, red, dtype=dt)
+        mod = SparseModule.from_op(sop)
+        ins32 = [rng.standard_normal(s).astype(np.float32) for s in sop.input_shapes]
+        for p in half_param_sets(tpl, mod):
+            kind = kinds[i % len(kinds)] if dt == "float16" else "torch"   # cupy: no bfloat16 arrays
+            i += 1
+            rec = {"matrix": label, "template": tname, "op": op, "reduce": red, "K": K, "dtype": dt,
+                   "params": p, "kind": kind}
+            try:
+                xs = [_to_kind(kind, a, dt) for a in ins32]
+                rounded = [torch.from_numpy(a).to(getattr(torch, dt)).double().numpy() for a in ins32]
+                ref = reference.run(op, red, sop.A, *rounded)
+                cm = build_from_config(sop, Config(tname, p, (), "cuda", tpl.format))
+                out = _to_kind(kind, np.full(sop.output_shape, np.nan, np.float32), dt)
+                res = cm(*xs, out=out)
+                res2 = cm(*xs)                                   # allocated output
+                ok_dtype = str(res2.dtype).replace("torch.", "") == dt and res is out
+                host = torch.from_dlpack(res).double().cpu().numpy()
+                err = reference.rel_error(host, ref)
+                rec["rel_err"] = err
+                rec["ok"] = bool(err <= reference.tolerance(dt)) and ok_dtype
+                if not ok_dtype:
+                    rec["error"] = f"result dtype {res2.dtype}, expected {dt}"
             except Exception as e:  # results are data
                 rec["ok"] = False
                 rec["error"] = f"{type(e).__name__}: {e}"[:500]
@@ -244,9 +349,11 @@ def main(argv=None):
         cupy.cuda.set_allocator(None)  # no pool: memcheck sees every buffer's true bounds
         A = random_matrix(3, m=100, n=3000, density=0.01, long_row=2500)
         fails += check_matrix(A, "random-quick", True, log, kinds=("torch",))
+        fails += check_half(A, "random-quick", log, quick=True, kinds=("torch",))
     else:
         for seed in (0, 1):
             fails += check_matrix(random_matrix(seed), f"random{seed}", False, log)
+        fails += check_half(random_matrix(2), "random2-16bit", log)
         gdir = os.environ.get("SPCOMPILE_GRAPHS")
         if gdir:
             paths = sorted(glob.glob(os.path.join(gdir, "*.npz")), key=os.path.getsize)[: a.graphs]

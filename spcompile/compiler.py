@@ -18,11 +18,55 @@ from .schedules import get_template, list_templates
 __all__ = ["build", "make_op", "default_config", "build_from_config"]
 
 
+_DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "f32": "float32", "half": "float16", "fp16": "float16",
+                  "f16": "float16", "bf16": "bfloat16"}
+
+
+def dtype_name(dtype) -> str:
+    """Normalise a dtype given as a string ("float16", "half", "bf16", ...), numpy dtype or torch
+    dtype to one of :data:`spcompile.ir.DTYPES` (other names pass through and fail validation)."""
+    if isinstance(dtype, str):
+        name = dtype
+    elif type(dtype).__module__.split(".")[0] == "torch":
+        name = str(dtype).replace("torch.", "")
+    else:
+        try:
+            import numpy as _np
+
+            name = _np.dtype(dtype).name
+        except TypeError:
+            name = str(dtype)
+    return _DTYPE_ALIASES.get(name, name)
+
+
 def make_op(A, op: str = "spmm", K: int | None = None, reduce: str | None = None,
             dtype: str = "float32") -> SparseOp:
     if K is None:
         raise TypeError("K (the dense feature width) is required, e.g. build(A, op='spmm', K=64)")
-    return SparseOp(op, reduce, as_csr(A), K, dtype)
+    return SparseOp(op, reduce, as_csr(A), K, dtype_name(dtype))
+
+
+def _templates_for_dtype(sop: SparseOp, target: str) -> list[str]:
+    return [t.name for t in list_templates(target, op=sop.op, reduce=sop.reduce)
+            if sop.dtype in getattr(t, "dtypes", ("float32",))]
+
+
+def _check_dtype(sop: SparseOp, target: str, template: str | None) -> None:
+    """float16 / bfloat16 workloads only build with templates that declare them (``dtypes``;
+    templates without the attribute are float32 only); a clear error otherwise."""
+    if sop.dtype == "float32":
+        return
+    if target == "cpu":
+        raise ValueError(f"unsupported dtype {sop.dtype!r} on target 'cpu': the CPU templates compute in "
+                         f"float32 only; {sop.dtype} inputs (fp32 accumulation) are supported on target='cuda' "
+                         f"by {_templates_for_dtype(sop, 'cuda') or 'no template'}")
+    if template is not None:
+        tpl = get_template(template)
+        if sop.dtype not in getattr(tpl, "dtypes", ("float32",)):
+            raise ValueError(f"unsupported dtype {sop.dtype!r} for template {tpl.name!r} (it supports "
+                             f"{list(getattr(tpl, 'dtypes', ('float32',)))}); templates with {sop.dtype} "
+                             f"inputs for op={sop.op!r} reduce={sop.reduce!r}: "
+                             f"{_templates_for_dtype(sop, 'cuda') or 'none'}")
 
 
 def default_config(op: SparseOp, target: str) -> Config:
@@ -79,9 +123,11 @@ def build(A, op: str = "spmm", K: int | None = None, reduce: str | None = None, 
     from .tuner import allowed_precisions
 
     allowed_precisions(precision)  # a clear error for a bad policy, whatever path is taken
+    _check_dtype(sop, target, template)
     if template is not None or params is not None or pipeline is not None:
         if template is None:
             template = default_config(sop, target).template
+            _check_dtype(sop, target, template)
         tpl = get_template(template)
         cfg = Config(template, dict(params or {}), tuple(Pipeline(pipeline or ()).spec()), target, tpl.format)
         return build_from_config(sop, cfg, ctx)
@@ -92,6 +138,7 @@ def build(A, op: str = "spmm", K: int | None = None, reduce: str | None = None, 
     if _tuner is not None and hasattr(_tuner, "choose_config"):
         cfg, info = _tuner.choose_config(sop, target, storage=storage, tune=tune, trials=trials,
                                          timeout=timeout, precision=precision, **tune_options)
+        _check_dtype(sop, target, cfg.template)
         return build_from_config(sop, cfg, ctx, info)
     if tune or trials:
         raise RuntimeError("tuning is not available in this build of spcompile")

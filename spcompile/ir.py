@@ -26,7 +26,10 @@ import numpy as np
 from .formats import CSR, permute_csr
 
 OPS: dict[str, tuple] = {"spmm": ("sum", "max", "min", "mean"), "sddmm": (None,)}
-DTYPES = ("float32",)
+#: input/output dtypes of a workload.  float16 / bfloat16: X (and Y) and the result in that dtype,
+#: the matrix values and all arithmetic in fp32 (one rounding of the output); only some CUDA
+#: templates support them (a template's ``dtypes``), the CPU target is float32 only.
+DTYPES = ("float32", "float16", "bfloat16")
 
 __all__ = ["OPS", "SparseOp", "WorkloadKey", "SparseModule", "PassRecord", "matrix_features",
            "pattern_hash", "values_hash"]

@@ -141,9 +141,15 @@ class CompiledModule:
                 hint = f" (the module was built for K={self.K})"
             raise ValueError(f"{name} has shape {shape}, expected {want}{hint}")
         dt = str(x.dtype).replace("torch.", "")
-        if dt != self.key.dtype:
-            raise TypeError(f"{name} has dtype {dt}, expected {self.key.dtype} (cast it first, "
-                            f"e.g. X.astype(np.float32) / X.float())")
+        want_dt = self.key.dtype
+        if kind == "numpy" and want_dt == "bfloat16":
+            raise TypeError(f"{name} is a numpy array, but this module takes bfloat16 inputs and numpy has no "
+                            f"bfloat16 dtype: pass a torch.bfloat16 tensor (e.g. torch.from_numpy(x).bfloat16())")
+        if dt != want_dt:
+            cast = {"float32": "X.astype(np.float32) / X.float()", "float16": "X.astype(np.float16) / X.half()",
+                    "bfloat16": "X.bfloat16() (torch; numpy has no bfloat16)"}.get(want_dt, want_dt)
+            raise TypeError(f"{name} has dtype {dt}, expected {want_dt} (the module was built with "
+                            f"dtype={want_dt!r}; cast it first, e.g. {cast})")
         return kind
 
     def __call__(self, *inputs, out=None):
@@ -163,7 +169,7 @@ class CompiledModule:
             return self._call_cpu(kind, inputs, out)
         from .runtime import cuda as rt_cuda
 
-        res = rt_cuda.call(self.kernel, kind, inputs, out, self._out_shape)
+        res = rt_cuda.call(self.kernel, kind, inputs, out, self._out_shape, self.key.dtype)
         if kind == "torch" and self._fast is None and inputs[0].device.type == "cuda":
             self._fast = self._make_fast_torch(inputs[0].device)
         return res
@@ -179,8 +185,8 @@ class CompiledModule:
         from .runtime.cuda import _torch_stream
 
         kernel = self.kernel
-        T, f32 = torch.Tensor, torch.float32
-        dt = getattr(torch, self.key.dtype)
+        T = torch.Tensor
+        dt = getattr(torch, self.key.dtype)     # inputs and output: the module's dtype
         idx = device.index if device.index is not None else torch.cuda.current_device()
         dev = torch.device("cuda", idx)
         shapes = tuple(torch.Size(s) for s in self._in_shapes)
@@ -198,8 +204,8 @@ class CompiledModule:
                         or not x.is_contiguous()):
                     return None
             if out is None:
-                out = empty(oshape, dtype=f32, device=dev)
-            elif (type(out) is not T or out.dtype is not f32 or out.shape != oshape or out.get_device() != idx
+                out = empty(oshape, dtype=dt, device=dev)
+            elif (type(out) is not T or out.dtype is not dt or out.shape != oshape or out.get_device() != idx
                   or not out.is_contiguous()):
                 return None
             run("torch", inputs, out, stream_of())

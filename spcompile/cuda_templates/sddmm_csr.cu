@@ -7,25 +7,51 @@
 // 32 lanes are cut into groups of G lanes, each group computing one nonzero's dot product with
 // coalesced VEC-wide loads of the Y row and a shuffle reduction inside the group.
 //
-// Compile-time: G (lanes per nonzero: 4/8/16/32), VEC (1/2/4 floats per load, K % VEC == 0 and
-// aligned pointers; the launcher falls back to VEC=1), XC (column chunks per lane = K tile width
-// G*VEC*XC; the unrolled chunks give that many independent loads in flight).
+// Compile-time: T (element type of X, Y and out: float, __half or __nv_bfloat16; A's values stay
+// float, products and sums are fp32, out is rounded to T once), G (lanes per nonzero: 4/8/16/32),
+// VEC (elements per load: 1/2/4, and 8 for 16-bit T -- at most 16 bytes; K % VEC == 0 and aligned
+// pointers, the launcher falls back to VEC=1), XC (column chunks per lane = K tile width G*VEC*XC;
+// the unrolled chunks give that many independent loads in flight).
 // Run-time: K, warps per block, the segment partition (nonzeros per warp) built in Python.
 #include <cuda_runtime.h>
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
 
 namespace spc {
+namespace sddmm_detail {
 
-template <int VEC> __device__ __forceinline__ void ld(const float* __restrict__ p, float* v) {
-  if (VEC == 4) { float4 t = __ldg(reinterpret_cast<const float4*>(p)); v[0] = t.x; v[1] = t.y; v[2] = t.z; v[3] = t.w; }
-  else if (VEC == 2) { float2 t = __ldg(reinterpret_cast<const float2*>(p)); v[0] = t.x; v[1] = t.y; }
-  else { v[0] = __ldg(p); }
+__device__ __forceinline__ float to_f(float x) { return x; }
+__device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ void from_f(float x, float* o) { *o = x; }
+__device__ __forceinline__ void from_f(float x, __half* o) { *o = __float2half_rn(x); }
+__device__ __forceinline__ void from_f(float x, __nv_bfloat16* o) { *o = __float2bfloat16_rn(x); }
+
+template <int BYTES> struct raw_t;
+template <> struct raw_t<2> { typedef unsigned short type; };
+template <> struct raw_t<4> { typedef unsigned int type; };
+template <> struct raw_t<8> { typedef uint2 type; };
+template <> struct raw_t<16> { typedef uint4 type; };
+template <typename T, int VEC> union pack_t {
+  typename raw_t<sizeof(T) * VEC>::type raw;
+  T e[VEC];
+};
+
+}  // namespace sddmm_detail
+
+template <typename T, int VEC> __device__ __forceinline__ void ld(const T* __restrict__ p, float* v) {
+  typedef typename sddmm_detail::raw_t<sizeof(T) * VEC>::type RT;
+  sddmm_detail::pack_t<T, VEC> u;
+  u.raw = __ldg(reinterpret_cast<const RT*>(p));
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) v[i] = sddmm_detail::to_f(u.e[i]);
 }
 
-template <int G, int VEC, int XC>
+template <typename T, int G, int VEC, int XC>
 __device__ __forceinline__ void sddmm_csr(
     const int* __restrict__ seg_ptr, const int* __restrict__ seg_xrow, const int* __restrict__ indices,
-    const float* __restrict__ data, const int* __restrict__ nnz_ids, const float* __restrict__ X,
-    const float* __restrict__ Y, float* __restrict__ out, int nseg, int K) {
+    const float* __restrict__ data, const int* __restrict__ nnz_ids, const T* __restrict__ X,
+    const T* __restrict__ Y, T* __restrict__ out, int nseg, int K) {
   const int warp = (int)((blockIdx.x * (long long)blockDim.x + threadIdx.x) / 32);
   if (warp >= nseg) return;
   const int lane = threadIdx.x % G;
@@ -34,7 +60,7 @@ __device__ __forceinline__ void sddmm_csr(
   constexpr int TILE = G * VEC * XC;
   const unsigned gmask = (G == 32) ? 0xffffffffu : (((1u << G) - 1u) << (grp * G));
   const int lo = seg_ptr[warp], hi = seg_ptr[warp + 1];
-  const float* xrow = X + (size_t)seg_xrow[warp] * K;
+  const T* xrow = X + (size_t)seg_xrow[warp] * K;
   const bool one_tile = K <= TILE;
 
   float xr[XC][VEC];                               // X row slice kept in registers (one tile)
@@ -42,7 +68,7 @@ __device__ __forceinline__ void sddmm_csr(
 #pragma unroll
     for (int c = 0; c < XC; ++c) {
       const int col = c * G * VEC + lane * VEC;
-      if (col < K) ld<VEC>(xrow + col, xr[c]);
+      if (col < K) ld<T, VEC>(xrow + col, xr[c]);
       else {
 #pragma unroll
         for (int v = 0; v < VEC; ++v) xr[c][v] = 0.0f;
@@ -51,7 +77,7 @@ __device__ __forceinline__ void sddmm_csr(
   }
   for (int p = lo + grp; p - grp < hi; p += NG) {  // every group runs the same trip count
     const bool valid = p < hi;
-    const float* yrow = Y + (size_t)(valid ? indices[p] : 0) * K;
+    const T* yrow = Y + (size_t)(valid ? indices[p] : 0) * K;
     float acc = 0.0f;
     if (valid) {
       if (one_tile) {
@@ -60,7 +86,7 @@ __device__ __forceinline__ void sddmm_csr(
           const int col = c * G * VEC + lane * VEC;
           if (col < K) {
             float yv[VEC];
-            ld<VEC>(yrow + col, yv);
+            ld<T, VEC>(yrow + col, yv);
 #pragma unroll
             for (int v = 0; v < VEC; ++v) acc = fmaf(xr[c][v], yv[v], acc);
           }
@@ -72,8 +98,8 @@ __device__ __forceinline__ void sddmm_csr(
             const int col = t + c * G * VEC + lane * VEC;
             if (col < K) {
               float yv[VEC], xv[VEC];
-              ld<VEC>(yrow + col, yv);
-              ld<VEC>(xrow + col, xv);
+              ld<T, VEC>(yrow + col, yv);
+              ld<T, VEC>(xrow + col, xv);
 #pragma unroll
               for (int v = 0; v < VEC; ++v) acc = fmaf(xv[v], yv[v], acc);
             }
@@ -83,15 +109,23 @@ __device__ __forceinline__ void sddmm_csr(
     }
 #pragma unroll
     for (int off = G / 2; off > 0; off >>= 1) acc += __shfl_xor_sync(gmask, acc, off, G);
-    if (valid && lane == 0) out[nnz_ids[p]] = data[p] * acc;
+    if (valid && lane == 0) sddmm_detail::from_f(data[p] * acc, out + nnz_ids[p]);
   }
 }
 
 }  // namespace spc
 
-#define SPC_SDDMM_INSTANCE(NAME, G, VEC, XC)                                                        \
+// TN: 0 float, 1 __half, 2 __nv_bfloat16
+#define SPC_SDDMM_ELEM_0 float
+#define SPC_SDDMM_ELEM_1 __half
+#define SPC_SDDMM_ELEM_2 __nv_bfloat16
+#define SPC_SDDMM_ELEM(TN) SPC_SDDMM_ELEM_##TN
+
+#define SPC_SDDMM_INSTANCE(NAME, TN, G, VEC, XC)                                                    \
   extern "C" __global__ void __launch_bounds__(256) NAME(                                           \
       const int* seg_ptr, const int* seg_xrow, const int* indices, const float* data,               \
-      const int* nnz_ids, const float* X, const float* Y, float* out, int nseg, int K) {            \
-    spc::sddmm_csr<G, VEC, XC>(seg_ptr, seg_xrow, indices, data, nnz_ids, X, Y, out, nseg, K);      \
+      const int* nnz_ids, const SPC_SDDMM_ELEM(TN)* X, const SPC_SDDMM_ELEM(TN)* Y,                 \
+      SPC_SDDMM_ELEM(TN)* out, int nseg, int K) {                                                   \
+    spc::sddmm_csr<SPC_SDDMM_ELEM(TN), G, VEC, XC>(seg_ptr, seg_xrow, indices, data, nnz_ids, X, Y, \
+                                                   out, nseg, K);                                   \
   }

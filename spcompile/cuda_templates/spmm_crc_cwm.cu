@@ -6,11 +6,18 @@
 // variant (no copy-pasted kernels, no configuration #defines).
 //
 // Compile-time parameters (they shape registers and unrolled loops):
+//   T    element type of X and Y: float, __half or __nv_bfloat16 (A's values stay float and every
+//        product and sum is fp32; Y is rounded to T once, at the end -- partials of split rows
+//        stay fp32)
 //   R    reduction: 0 sum, 1 max, 2 min, 3 mean
 //   CF   coarsening factor of CWM: each lane produces CF column slices (CF x VEC outputs)
-//   VEC  vector width of X loads / Y stores (1, 2 or 4 floats; needs K % VEC == 0 and aligned
-//        pointers, the launcher falls back to the VEC=1 instance otherwise)
+//   VEC  vector width of X loads / Y stores in elements of T (1, 2, 4, and 8 for 16-bit T: at most
+//        16 bytes; needs K % VEC == 0 and aligned pointers, the launcher falls back to the VEC=1
+//        instance otherwise)
 //   G    lanes per row group (32 = one warp per row as in the paper; 4/8/16 for narrow K)
+//   U    nonzeros whose X rows are loaded before any is accumulated (U x CF vector loads in
+//        flight per lane: latency hiding on short/long rows of small graphs); accumulation order
+//        stays the nonzero order
 // Run-time parameters: K, block size (warps per block), segments per group (rows per warp), and
 // the row partition computed at build time:
 //   seg_ptr[s]..seg_ptr[s+1]  nonzeros of segment s (a whole row, or a bounded slice of a long row)
@@ -21,6 +28,8 @@
 // column tile, classic threadfence-reduction pattern) combines all partials in slot order
 // (deterministic) and resets the counter for the next call.  No second launch, no memset.
 #include <cuda_runtime.h>
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
 #include <math_constants.h>
 
 namespace spc {
@@ -33,33 +42,70 @@ template <int R> __device__ __forceinline__ float red_op(float acc, float v) {
   if (R == 2) return fminf(acc, v);
   return acc + v;
 }
-template <int VEC> struct vec_t;
-template <> struct vec_t<1> { typedef float type; };
-template <> struct vec_t<2> { typedef float2 type; };
-template <> struct vec_t<4> { typedef float4 type; };
+// element conversion (fp32 arithmetic everywhere; one rounding on the final store)
+__device__ __forceinline__ float to_f(float x) { return x; }
+__device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
+template <typename T> __device__ __forceinline__ T from_f(float x);
+template <> __device__ __forceinline__ float from_f<float>(float x) { return x; }
+template <> __device__ __forceinline__ __half from_f<__half>(float x) { return __float2half_rn(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
 
-template <int VEC> __device__ __forceinline__ void load_vec(const float* __restrict__ p, float* v) {
-  if (VEC == 4) { float4 t = __ldg(reinterpret_cast<const float4*>(p)); v[0] = t.x; v[1] = t.y; v[2] = t.z; v[3] = t.w; }
-  else if (VEC == 2) { float2 t = __ldg(reinterpret_cast<const float2*>(p)); v[0] = t.x; v[1] = t.y; }
-  else { v[0] = __ldg(p); }
+// raw storage of BYTES bytes (one vector memory instruction)
+template <int BYTES> struct raw_t;
+template <> struct raw_t<2> { typedef unsigned short type; };
+template <> struct raw_t<4> { typedef unsigned int type; };
+template <> struct raw_t<8> { typedef uint2 type; };
+template <> struct raw_t<16> { typedef uint4 type; };
+template <typename T, int VEC> union pack_t {
+  typename raw_t<sizeof(T) * VEC>::type raw;
+  T e[VEC];
+};
+
+template <typename T, int VEC> __device__ __forceinline__ void load_vec(const T* __restrict__ p, float* v) {
+  typedef typename raw_t<sizeof(T) * VEC>::type RT;
+  pack_t<T, VEC> u;
+  u.raw = __ldg(reinterpret_cast<const RT*>(p));
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) v[i] = to_f(u.e[i]);
 }
-template <int VEC> __device__ __forceinline__ void store_vec(float* p, const float* v) {
-  if (VEC == 4) { *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]); }
-  else if (VEC == 2) { *reinterpret_cast<float2*>(p) = make_float2(v[0], v[1]); }
+template <typename T, int VEC>
+__device__ __forceinline__ void load_raw(const T* __restrict__ p, pack_t<T, VEC>& u) {
+  typedef typename raw_t<sizeof(T) * VEC>::type RT;
+  u.raw = __ldg(reinterpret_cast<const RT*>(p));
+}
+template <typename T, int VEC> __device__ __forceinline__ void store_vec(T* p, const float* v) {
+  typedef typename raw_t<sizeof(T) * VEC>::type RT;
+  pack_t<T, VEC> u;
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) u.e[i] = from_f<T>(v[i]);
+  *reinterpret_cast<RT*>(p) = u.raw;
+}
+// fp32 partials of split rows
+template <int VEC> __device__ __forceinline__ void store_part(float* p, const float* v) {
+  if (VEC % 4 == 0) {
+#pragma unroll
+    for (int i = 0; i < VEC; i += 4) *reinterpret_cast<float4*>(p + i) = make_float4(v[i], v[i + 1], v[i + 2], v[i + 3]);
+  } else if (VEC == 2) { *reinterpret_cast<float2*>(p) = make_float2(v[0], v[1]); }
   else { p[0] = v[0]; }
 }
-template <int VEC> __device__ __forceinline__ void load_vec_cg(const float* p, float* v) {
+template <int VEC> __device__ __forceinline__ void load_part_cg(const float* p, float* v) {
   // partials written by other blocks in this launch: read through L2, never a stale L1 line
-  if (VEC == 4) { float4 t = __ldcg(reinterpret_cast<const float4*>(p)); v[0] = t.x; v[1] = t.y; v[2] = t.z; v[3] = t.w; }
-  else if (VEC == 2) { float2 t = __ldcg(reinterpret_cast<const float2*>(p)); v[0] = t.x; v[1] = t.y; }
+  if (VEC % 4 == 0) {
+#pragma unroll
+    for (int i = 0; i < VEC; i += 4) {
+      float4 t = __ldcg(reinterpret_cast<const float4*>(p + i));
+      v[i] = t.x; v[i + 1] = t.y; v[i + 2] = t.z; v[i + 3] = t.w;
+    }
+  } else if (VEC == 2) { float2 t = __ldcg(reinterpret_cast<const float2*>(p)); v[0] = t.x; v[1] = t.y; }
   else { v[0] = __ldcg(p); }
 }
 
-template <int R, int CF, int VEC, int G>
+template <typename T, int R, int CF, int VEC, int G, int U>
 __device__ __forceinline__ void spmm_crc_cwm(
     const int* __restrict__ seg_ptr, const int* __restrict__ seg_out, const int* __restrict__ seg_slot,
-    const int* __restrict__ indices, const float* __restrict__ data, const float* __restrict__ X,
-    float* __restrict__ Y, float* part, int* counters, const int* __restrict__ grp_ptr,
+    const int* __restrict__ indices, const float* __restrict__ data, const T* __restrict__ X,
+    T* __restrict__ Y, float* part, int* counters, const int* __restrict__ grp_ptr,
     const int* __restrict__ slot_grp, const int* __restrict__ grp_out, const int* __restrict__ grp_len,
     int nseg, int K, int segs_per_group) {
   extern __shared__ int smem[];
@@ -90,18 +136,35 @@ __device__ __forceinline__ void spmm_crc_cwm(
         s_val[lane] = data[base + lane];
       }
       __syncwarp(gmask);
-#pragma unroll 4
-      for (int e = 0; e < n; ++e) {
-        const float a = s_val[e];
-        const float* xrow = X + (size_t)s_idx[e] * K;
+      for (int e0 = 0; e0 < n; e0 += U) {
+        // U nonzeros' X slices are loaded first (U x CF loads in flight, kept packed: a 16-byte
+        // load is 4 registers whatever T is), then converted and accumulated in nonzero order
+        pack_t<T, VEC> xv[U][CF];
+        float a[U];
 #pragma unroll
-        for (int c = 0; c < CF; ++c) {
-          const int col = col_base + c * G * VEC;
-          if (col < K) {
-            float xv[VEC];
-            load_vec<VEC>(xrow + col, xv);
+        for (int u = 0; u < U; ++u) {
+          const int e = e0 + u;
+          if (e < n) {
+            a[u] = s_val[e];
+            const T* xrow = X + (size_t)s_idx[e] * K;
 #pragma unroll
-            for (int v = 0; v < VEC; ++v) acc[c][v] = red_op<R>(acc[c][v], a * xv[v]);
+            for (int c = 0; c < CF; ++c) {
+              const int col = col_base + c * G * VEC;
+              if (col < K) load_raw<T, VEC>(xrow + col, xv[u][c]);
+            }
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          if (e0 + u < n) {
+#pragma unroll
+            for (int c = 0; c < CF; ++c) {
+              const int col = col_base + c * G * VEC;
+              if (col < K) {
+#pragma unroll
+                for (int v = 0; v < VEC; ++v) acc[c][v] = red_op<R>(acc[c][v], a[u] * to_f(xv[u][c].e[v]));
+              }
+            }
           }
         }
       }
@@ -112,7 +175,7 @@ __device__ __forceinline__ void spmm_crc_cwm(
     if (slot < 0) {                                 // whole row: finish and write
       const int len = hi - lo;
       const float scale = (R == 3 && len > 0) ? 1.0f / (float)len : 1.0f;
-      float* yrow = Y + (size_t)seg_out[s] * K;
+      T* yrow = Y + (size_t)seg_out[s] * K;
 #pragma unroll
       for (int c = 0; c < CF; ++c) {
         const int col = col_base + c * G * VEC;
@@ -120,7 +183,7 @@ __device__ __forceinline__ void spmm_crc_cwm(
           float o[VEC];
 #pragma unroll
           for (int v = 0; v < VEC; ++v) o[v] = (len == 0) ? 0.0f : acc[c][v] * scale;
-          store_vec<VEC>(yrow + col, o);
+          store_vec<T, VEC>(yrow + col, o);
         }
       }
     } else {                                        // slice of a split row
@@ -128,7 +191,7 @@ __device__ __forceinline__ void spmm_crc_cwm(
 #pragma unroll
       for (int c = 0; c < CF; ++c) {
         const int col = col_base + c * G * VEC;
-        if (col < K) store_vec<VEC>(prow + col, acc[c]);
+        if (col < K) store_part<VEC>(prow + col, acc[c]);
       }
       __threadfence();
       __syncwarp(gmask);
@@ -142,22 +205,34 @@ __device__ __forceinline__ void spmm_crc_cwm(
         __threadfence();
         const int len = grp_len[g];
         const float scale = (R == 3 && len > 0) ? 1.0f / (float)len : 1.0f;
-        float* yrow = Y + (size_t)grp_out[g] * K;
+        T* yrow = Y + (size_t)grp_out[g] * K;
+        // per column slice, QB = U partials loaded per batch (U x VEC values in flight per lane; the
+        // combine shares the kernel's register budget, so U sets both its and the main loop's depth),
+        // added in slot order
+        constexpr int QB = U;
 #pragma unroll
         for (int c = 0; c < CF; ++c) {
           const int col = col_base + c * G * VEC;
           if (col < K) {
-            float o[VEC], t[VEC];
+            float o[VEC];
 #pragma unroll
             for (int v = 0; v < VEC; ++v) o[v] = red_init<R>();
-            for (int q = 0; q < nslots; ++q) {
-              load_vec_cg<VEC>(part + (size_t)(first + q) * K + col, t);
+            for (int q0 = 0; q0 < nslots; q0 += QB) {
+              float t[QB][VEC];
 #pragma unroll
-              for (int v = 0; v < VEC; ++v) o[v] = red_op<R>(o[v], t[v]);
+              for (int u = 0; u < QB; ++u)
+                if (q0 + u < nslots) load_part_cg<VEC>(part + (size_t)(first + q0 + u) * K + col, t[u]);
+#pragma unroll
+              for (int u = 0; u < QB; ++u) {         // slot order: deterministic, run to run
+                if (q0 + u < nslots) {
+#pragma unroll
+                  for (int v = 0; v < VEC; ++v) o[v] = red_op<R>(o[v], t[u][v]);
+                }
+              }
             }
 #pragma unroll
             for (int v = 0; v < VEC; ++v) o[v] *= scale;
-            store_vec<VEC>(yrow + col, o);
+            store_vec<T, VEC>(yrow + col, o);
           }
         }
         if (lane == 0) counters[cnt_idx] = 0;       // ready for the next call (stream-ordered)
@@ -168,13 +243,19 @@ __device__ __forceinline__ void spmm_crc_cwm(
 
 }  // namespace spc
 
-#define SPC_SPMM_INSTANCE(NAME, R, CF, VEC, G)                                                       \
+// TN: 0 float, 1 __half, 2 __nv_bfloat16 (the element type of X and Y)
+#define SPC_ELEM_0 float
+#define SPC_ELEM_1 __half
+#define SPC_ELEM_2 __nv_bfloat16
+#define SPC_ELEM(TN) SPC_ELEM_##TN
+
+#define SPC_SPMM_INSTANCE(NAME, TN, R, CF, VEC, G, U)                                                \
   extern "C" __global__ void __launch_bounds__(256) NAME(                                            \
       const int* seg_ptr, const int* seg_out, const int* seg_slot, const int* indices,               \
-      const float* data, const float* X, float* Y, float* part, int* counters, const int* grp_ptr,   \
-      const int* slot_grp, const int* grp_out, const int* grp_len, int nseg, int K,                  \
-      int segs_per_group) {                                                                          \
-    spc::spmm_crc_cwm<R, CF, VEC, G>(seg_ptr, seg_out, seg_slot, indices, data, X, Y, part,          \
-                                     counters, grp_ptr, slot_grp, grp_out, grp_len, nseg, K,         \
-                                     segs_per_group);                                                \
+      const float* data, const SPC_ELEM(TN)* X, SPC_ELEM(TN)* Y, float* part, int* counters,         \
+      const int* grp_ptr, const int* slot_grp, const int* grp_out, const int* grp_len, int nseg,     \
+      int K, int segs_per_group) {                                                                   \
+    spc::spmm_crc_cwm<SPC_ELEM(TN), R, CF, VEC, G, U>(seg_ptr, seg_out, seg_slot, indices, data, X,  \
+                                                      Y, part, counters, grp_ptr, slot_grp, grp_out, \
+                                                      grp_len, nseg, K, segs_per_group);             \
   }

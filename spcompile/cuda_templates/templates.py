@@ -25,6 +25,10 @@ from ..schedules.base import Template, csr_kernel_arrays, register_template, sou
 
 _DIR = os.path.dirname(os.path.abspath(__file__))
 _REDUCE = {"sum": 0, "max": 1, "min": 2, "mean": 3}
+#: element types of X / Y / output the nvcc templates compile for (TN template code, bytes);
+#: the matrix values stay fp32 and all arithmetic is fp32 (one rounding of the output)
+_ELEM = {"float32": (0, 4), "float16": (1, 2), "bfloat16": (2, 2)}
+_SHORT = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
 
 
 def _source(fname: str) -> str:
@@ -34,6 +38,11 @@ def _source(fname: str) -> str:
 
 def _i32(a) -> np.ndarray:
     return np.ascontiguousarray(a, dtype=np.int32)
+
+
+def _vec_choices(dtype: str) -> list[int]:
+    """Vector widths (elements) up to 16 bytes per load for ``dtype``."""
+    return [1, 2, 4, 8] if _ELEM[dtype][1] == 2 else [1, 2, 4]
 
 
 def _largest_vec(K: int, vec: int) -> int:
@@ -97,6 +106,8 @@ class _NvccTemplate(Template):
     target = "cuda"
     source_file = ""
     instance_macro = ""
+    #: input/output dtypes the template compiles for (subclasses that take 16-bit inputs widen it)
+    dtypes: tuple = ("float32",)
 
     def available(self) -> bool:
         return rt.nvcc_available()
@@ -116,7 +127,7 @@ class _NvccTemplate(Template):
     def supports(self, mod: SparseModule) -> bool:
         A = mod.A
         ok_size = max(A.nnz, A.shape[0] + 1, A.shape[1]) < 2**31 - 1
-        return super().supports(mod) and ok_size
+        return super().supports(mod) and ok_size and mod.op.dtype in self.dtypes
 
 
 class _NvccKernel(rt.CUDAKernel):
@@ -182,7 +193,7 @@ class CrcCwmKernel(_NvccKernel):
         block, smem = (threads, 1, 1), threads * 8
         self._launch = rt.Launch(self._fn, (bx, ty, 1), block, args, smem)
         self._launch1 = rt.Launch(self._fn1, (bx, ty1, 1), block, args, smem)   # unaligned X / Y
-        self._amask = 4 * VEC - 1
+        self._amask = _ELEM[self.meta.get("dtype", "float32")][1] * VEC - 1
         self._empty = nseg == 0
         self._ready = True
 
@@ -196,11 +207,13 @@ class CrcCwmKernel(_NvccKernel):
 @register_template
 class CrcCwm(_NvccTemplate):
     """GE-SpMM (SC'20) CSR SpMM with sum/max/min/mean: coalesced row caching in shared memory,
-    coarse-grained warp merging (CF), vector loads, sub-warp row groups for narrow K, and split long
-    rows for load balance.  Any K >= 1."""
+    coarse-grained warp merging (CF), vector loads, sub-warp row groups for narrow K, split long
+    rows for load balance, and ``unroll`` nonzeros' X loads in flight before accumulating.  Any
+    K >= 1.  X / Y in float32, float16 or bfloat16 (fp32 accumulation, one rounding of Y)."""
 
     name = "csr.crc_cwm"
-    version = "1"
+    version = "2"
+    dtypes = ("float32", "float16", "bfloat16")   # X / Y; fp32 accumulation
     priority = 30
     ops = tuple(("spmm", r) for r in ("sum", "max", "min", "mean"))
     source_file = "spmm_crc_cwm.cu"
@@ -209,13 +222,13 @@ class CrcCwm(_NvccTemplate):
     def space(self, mod):
         from optuna.distributions import CategoricalDistribution as C
 
-        return {"cf": C([1, 2, 4, 8]), "vec": C([1, 2, 4]), "group": C([4, 8, 16, 32]),
+        return {"cf": C([1, 2, 4, 8]), "vec": C(_vec_choices(mod.op.dtype)), "group": C([4, 8, 16, 32]),
                 "warps_per_block": C([2, 4, 8]), "rows_per_warp": C([1, 2, 4]),
-                "max_seg": C([0, 64, 256, 1024, 4096])}
+                "max_seg": C([0, 8, 16, 32, 64, 256, 1024, 4096]), "unroll": C([1, 2, 4, 8])}
 
     @staticmethod
-    def heuristic(K: int, max_row: int, mean_row: float) -> dict:
-        vec = _largest_vec(K, 4)
+    def heuristic(K: int, max_row: int, mean_row: float, dtype: str = "float32") -> dict:
+        vec = _largest_vec(K, 16 // _ELEM[dtype][1])
         lanes = -(-K // vec)
         group = next(g for g in (4, 8, 16, 32) if g >= min(lanes, 32))
         cf = min(8, max(1, -(-K // (group * vec))))
@@ -223,12 +236,12 @@ class CrcCwm(_NvccTemplate):
         cf = min(cf, 4)
         max_seg = 0 if max_row <= max(256, 4 * mean_row) else 256
         return {"cf": cf, "vec": vec, "group": group, "warps_per_block": 4, "rows_per_warp": 1,
-                "max_seg": max_seg}
+                "max_seg": max_seg, "unroll": 2 if cf <= 2 else 1}
 
     def default_params(self, mod):
         lens = mod.A.row_lengths
         return self.heuristic(mod.op.K, int(lens.max()) if lens.size else 0,
-                              float(lens.mean()) if lens.size else 0.0)
+                              float(lens.mean()) if lens.size else 0.0, mod.op.dtype)
 
     def seed_params(self, mod):
         d = self.default_params(mod)
@@ -237,18 +250,31 @@ class CrcCwm(_NvccTemplate):
         for ms in (0, 32, 64, 256, 1024):
             seeds.append({**d, "max_seg": ms})
         # few rows with long-ish rows (small dense-ish graphs): short slices give parallelism
-        vec4 = _largest_vec(K, 4)
+        vmax = 16 // _ELEM[mod.op.dtype][1]
+        vec4 = _largest_vec(K, vmax)
         cf4 = min(4, max(1, -(-K // (32 * vec4))))
         cf4 = 1 << (cf4 - 1).bit_length() if cf4 > 1 else 1
         for ms in (32, 64):
             seeds.append({**d, "group": 32, "vec": vec4, "cf": cf4, "max_seg": ms})
-        vec = _largest_vec(K, 4)
+        vec = vec4
         for cf in (1, 2, 4, 8):
             if 32 * vec * cf <= max(32 * vec, 2 * K):
-                seeds.append({**d, "group": 32, "vec": vec, "cf": cf})
+                seeds.append({**d, "group": 32, "vec": vec, "cf": cf, "unroll": 2 if cf <= 2 else 1})
         seeds.append({**d, "vec": 1, "group": 32, "cf": min(4, max(1, -(-K // 32)))})
         seeds.append({**d, "warps_per_block": 8, "rows_per_warp": 2})
         seeds.append({**d, "warps_per_block": 2})
+        seeds.append({**d, "unroll": 1})
+        seeds.append({**d, "unroll": 4 if d["cf"] <= 2 else 2})
+        if mod.A.nnz <= 200_000:
+            # small graphs are latency-bound: shorter slices of long rows and finer column tiles
+            # (more row groups / blocks in flight), more X loads in flight per lane
+            for ms in (8, 16, 32):
+                seeds.append({**d, "group": 32, "vec": vec4, "cf": cf4, "max_seg": ms,
+                              "unroll": max(1, min(8, 8 // cf4))})
+            for g in (8, 16):
+                if g * vec4 < K:
+                    for ms in (16, 32):
+                        seeds.append({**d, "group": g, "vec": vec4, "cf": 1, "max_seg": ms, "unroll": 8})
         out, seen = [], set()
         for s in seeds:
             t = tuple(sorted(s.items()))
@@ -258,32 +284,38 @@ class CrcCwm(_NvccTemplate):
         return out
 
     @staticmethod
-    def instance_name(R, CF, VEC, G) -> str:
-        return f"spmm_crc_cwm_r{R}_cf{CF}_v{VEC}_g{G}"
+    def instance_name(TN, R, CF, VEC, G, U) -> str:
+        t = ("f32", "f16", "bf16")[TN]
+        return f"spmm_crc_cwm_{t}_r{R}_cf{CF}_v{VEC}_g{G}_u{U}"
 
-    def instances(self, reduce: str, cf: int, vec: int, group: int) -> list:
-        R = _REDUCE[reduce]
-        inst = [(self.instance_name(R, cf, vec, group), (R, cf, vec, group))]
+    def instances(self, reduce: str, cf: int, vec: int, group: int, unroll: int = 4,
+                  dtype: str = "float32") -> list:
+        R, TN = _REDUCE[reduce], _ELEM[dtype][0]
+        inst = [(self.instance_name(TN, R, cf, vec, group, unroll), (TN, R, cf, vec, group, unroll))]
         if vec > 1:
-            inst.append((self.instance_name(R, cf, 1, group), (R, cf, 1, group)))
+            inst.append((self.instance_name(TN, R, cf, 1, group, unroll), (TN, R, cf, 1, group, unroll)))
         return inst
 
     def build(self, mod: SparseModule, params: Mapping[str, Any]):
         params = self.check_params(mod, params)
         K = mod.op.K
-        cf, group = int(params["cf"]), int(params["group"])
-        if cf not in (1, 2, 4, 8) or group not in (4, 8, 16, 32) or int(params["vec"]) not in (1, 2, 4):
-            raise ValueError(f"invalid csr.crc_cwm parameters {params}")
+        dtype = mod.op.dtype
+        if dtype not in self.dtypes:
+            raise ValueError(f"csr.crc_cwm supports dtypes {list(self.dtypes)}, not {dtype!r}")
+        cf, group, unroll = int(params["cf"]), int(params["group"]), int(params["unroll"])
+        if (cf not in (1, 2, 4, 8) or group not in (4, 8, 16, 32) or int(params["vec"]) not in _vec_choices(dtype)
+                or unroll not in (1, 2, 4, 8)):
+            raise ValueError(f"invalid csr.crc_cwm parameters {params} for dtype {dtype}")
         if int(params["warps_per_block"]) not in (1, 2, 4, 8) or int(params["rows_per_warp"]) < 1:
             raise ValueError(f"invalid csr.crc_cwm parameters {params}")
         vec = _largest_vec(K, int(params["vec"]))
         ka = csr_kernel_arrays(mod, np.int32)
         arrays = {"indices": _i32(ka["indices"]), "data": ka["data"],
                   **spmm_partition(ka["indptr"], ka["row_ids"], int(params["max_seg"]))}
-        inst = self.instances(mod.op.reduce, cf, vec, group)
+        inst = self.instances(mod.op.reduce, cf, vec, group, unroll, dtype)
         arch = rt.device_arch()
         path = self.compile(inst, arch=arch, name=inst[0][0])
-        meta = {"K": K, "vec": vec, "arch": arch, "instances": [[n, list(a)] for n, a in inst]}
+        meta = {"K": K, "vec": vec, "arch": arch, "dtype": dtype, "instances": [[n, list(a)] for n, a in inst]}
         return CrcCwmKernel(self.name, params, arrays, {"kernel.fatbin": path}, meta, self)
 
     def load(self, params, arrays, files, meta):
@@ -305,7 +337,7 @@ class SddmmKernel(_NvccKernel):
         grid, block = (max(1, -(-nseg // wpb)), 1, 1), (32 * wpb, 1, 1)
         self._launch = rt.Launch(self._fn, grid, block, args)
         self._launch1 = rt.Launch(self._fn1, grid, block, args)
-        self._amask = 4 * int(self.meta["vec"]) - 1
+        self._amask = _ELEM[self.meta.get("dtype", "float32")][1] * int(self.meta["vec"]) - 1
         self._empty = nseg == 0
         self._ready = True
 
@@ -320,10 +352,12 @@ class SddmmKernel(_NvccKernel):
 class CsrSddmm(_NvccTemplate):
     """CSR SDDMM: a warp per bounded run of one row's nonzeros (X row reused from registers),
     G-lane groups per nonzero with VEC-wide coalesced loads and shuffle reductions, XC column
-    chunks per lane (K tiling).  Any K >= 1."""
+    chunks per lane (K tiling).  Any K >= 1.  X / Y / output in float32, float16 or bfloat16
+    (fp32 dot products, one rounding of each output)."""
 
     name = "csr.sddmm"
-    version = "1"
+    version = "2"
+    dtypes = ("float32", "float16", "bfloat16")   # X / Y / output; fp32 dot products
     priority = 30
     ops = (("sddmm", None),)
     source_file = "sddmm_csr.cu"
@@ -332,12 +366,12 @@ class CsrSddmm(_NvccTemplate):
     def space(self, mod):
         from optuna.distributions import CategoricalDistribution as C
 
-        return {"group": C([4, 8, 16, 32]), "vec": C([1, 2, 4]), "k_chunks": C([1, 2, 4]),
+        return {"group": C([4, 8, 16, 32]), "vec": C(_vec_choices(mod.op.dtype)), "k_chunks": C([1, 2, 4]),
                 "nnz_per_warp": C([8, 16, 32, 64, 128, 256]), "warps_per_block": C([2, 4, 8])}
 
     @staticmethod
-    def heuristic(K: int) -> dict:
-        vec = _largest_vec(K, 4)
+    def heuristic(K: int, dtype: str = "float32") -> dict:
+        vec = _largest_vec(K, 16 // _ELEM[dtype][1])
         lanes = -(-K // vec)
         group = 32 if lanes >= 32 else next(g for g in (4, 8, 16, 32) if g >= lanes)
         xc = min(4, max(1, -(-K // (group * vec))))
@@ -345,12 +379,12 @@ class CsrSddmm(_NvccTemplate):
         return {"group": group, "vec": vec, "k_chunks": xc, "nnz_per_warp": 32, "warps_per_block": 4}
 
     def default_params(self, mod):
-        return self.heuristic(mod.op.K)
+        return self.heuristic(mod.op.K, mod.op.dtype)
 
     def seed_params(self, mod):
         d = self.default_params(mod)
         K = mod.op.K
-        vec = _largest_vec(K, 4)
+        vec = d["vec"]
         seeds = [d, {**d, "nnz_per_warp": 8}, {**d, "nnz_per_warp": 128}]
         for g in (8, 16):
             xc = min(4, max(1, -(-K // (g * vec))))
@@ -367,31 +401,36 @@ class CsrSddmm(_NvccTemplate):
         return out
 
     @staticmethod
-    def instance_name(G, VEC, XC) -> str:
-        return f"sddmm_csr_g{G}_v{VEC}_xc{XC}"
+    def instance_name(TN, G, VEC, XC) -> str:
+        t = ("f32", "f16", "bf16")[TN]
+        return f"sddmm_csr_{t}_g{G}_v{VEC}_xc{XC}"
 
-    def instances(self, group: int, vec: int, xc: int) -> list:
-        inst = [(self.instance_name(group, vec, xc), (group, vec, xc))]
+    def instances(self, group: int, vec: int, xc: int, dtype: str = "float32") -> list:
+        TN = _ELEM[dtype][0]
+        inst = [(self.instance_name(TN, group, vec, xc), (TN, group, vec, xc))]
         if vec > 1:
-            inst.append((self.instance_name(group, 1, xc), (group, 1, xc)))
+            inst.append((self.instance_name(TN, group, 1, xc), (TN, group, 1, xc)))
         return inst
 
     def build(self, mod: SparseModule, params: Mapping[str, Any]):
         params = self.check_params(mod, params)
         K = mod.op.K
+        dtype = mod.op.dtype
+        if dtype not in self.dtypes:
+            raise ValueError(f"csr.sddmm supports dtypes {list(self.dtypes)}, not {dtype!r}")
         group, xc = int(params["group"]), int(params["k_chunks"])
-        if group not in (4, 8, 16, 32) or xc not in (1, 2, 4, 8) or int(params["vec"]) not in (1, 2, 4):
-            raise ValueError(f"invalid csr.sddmm parameters {params}")
+        if group not in (4, 8, 16, 32) or xc not in (1, 2, 4, 8) or int(params["vec"]) not in _vec_choices(dtype):
+            raise ValueError(f"invalid csr.sddmm parameters {params} for dtype {dtype}")
         if int(params["warps_per_block"]) not in (1, 2, 4, 8) or int(params["nnz_per_warp"]) < 1:
             raise ValueError(f"invalid csr.sddmm parameters {params}")
         vec = _largest_vec(K, int(params["vec"]))
         ka = csr_kernel_arrays(mod, np.int32)
         arrays = {"indices": _i32(ka["indices"]), "data": ka["data"], "nnz_ids": _i32(ka["nnz_ids"]),
                   **sddmm_partition(ka["indptr"], ka["row_ids"], int(params["nnz_per_warp"]))}
-        inst = self.instances(group, vec, xc)
+        inst = self.instances(group, vec, xc, dtype)
         arch = rt.device_arch()
         path = self.compile(inst, arch=arch, name=inst[0][0])
-        meta = {"K": K, "vec": vec, "arch": arch, "instances": [[n, list(a)] for n, a in inst]}
+        meta = {"K": K, "vec": vec, "arch": arch, "dtype": dtype, "instances": [[n, list(a)] for n, a in inst]}
         return SddmmKernel(self.name, params, arrays, {"kernel.fatbin": path}, meta, self)
 
     def load(self, params, arrays, files, meta):
@@ -414,7 +453,10 @@ class CusparseKernel(rt.CUDAKernel):
         m, n = (int(v) for v in self.meta["shape"])
         crow = torch.from_numpy(a["indptr"]).to(dev)
         col = torch.from_numpy(a["indices"]).to(dev)
-        vals = torch.from_numpy(a["data"]).to(dev)
+        # torch.sparse needs A in the inputs' dtype: for 16-bit inputs the library's A is rounded
+        # to that dtype (cuSPARSE still accumulates in fp32)
+        tdt = getattr(torch, self.meta.get("dtype", "float32"))
+        vals = torch.from_numpy(a["data"]).to(dev).to(tdt)
         if self.meta["op"] == "spmm":
             self._A = torch.sparse_csr_tensor(crow, col, vals, (m, n), device=dev)
         else:
@@ -469,6 +511,12 @@ class Cusparse(Template):
     target = "cuda"
     priority = 5
     ops = (("spmm", "sum"), ("spmm", "mean"), ("sddmm", None))
+    #: 16-bit inputs: torch.sparse.mm / sampled_addmm on CUDA take CSR float16 / bfloat16 (checked
+    #: on the H100, torch 2.11); A's values are then rounded to the input dtype for the library
+    dtypes = ("float32", "float16", "bfloat16")
+
+    def supports(self, mod):
+        return super().supports(mod) and mod.op.dtype in self.dtypes
 
     def available(self) -> bool:
         import importlib.util
@@ -490,7 +538,7 @@ class Cusparse(Template):
             data = (data / np.repeat(np.maximum(lens, 1), lens)).astype(np.float32)
         arrays = {"indptr": np.array(A.indptr, dtype=np.int64), "indices": np.array(A.indices, dtype=np.int64),
                   "data": data}
-        meta = {"op": mod.op.op, "reduce": mod.op.reduce, "shape": list(A.shape)}
+        meta = {"op": mod.op.op, "reduce": mod.op.reduce, "shape": list(A.shape), "dtype": mod.op.dtype}
         return CusparseKernel(self.name, params, arrays, {}, meta)
 
     def load(self, params, arrays, files, meta):

@@ -336,35 +336,41 @@ def _torch_stream(torch, index: int) -> int:
     return torch.cuda.current_stream(index).cuda_stream
 
 
-def call(kernel: CUDAKernel, kind: str, inputs: Sequence[Any], out, out_shape: tuple) -> Any:
+def call(kernel: CUDAKernel, kind: str, inputs: Sequence[Any], out, out_shape: tuple,
+         dtype: str | None = None) -> Any:
     """Run ``kernel`` on already validated inputs (shape/dtype checked by the module).
 
     ``kind`` is "torch", "cupy" or "numpy".  Device inputs stay where they are and the result is
     produced on the same device, on the framework's current stream, without synchronising.
-    numpy (and CPU torch) inputs are copied in and the result copied out.
+    numpy (and CPU torch) inputs are copied in and the result copied out.  ``dtype`` ("float32",
+    "float16" or "bfloat16"; default: the kernel's ``meta["dtype"]``, else float32) is the dtype of
+    the inputs and of the result (kernels accumulate in fp32 and round the result once).
     """
     if not kernel._ready:
         kernel.prepare()
+    dtype = dtype or kernel.meta.get("dtype", "float32")
     if kind == "torch":
         torch = sys.modules["torch"]
+        tdt = getattr(torch, dtype)
         dev = inputs[0].device
         if dev.type != "cuda":
-            host = [x.detach().contiguous().numpy() for x in inputs]
-            res = call(kernel, "numpy", host, None, out_shape)
+            # CPU tensors: through the device (works for bfloat16 too, which numpy lacks)
+            d = torch.device("cuda", kernel.device_id)
+            res = call(kernel, "torch", [x.detach().to(d) for x in inputs], None, out_shape, dtype).cpu()
             if out is not None:
-                out.copy_(torch.from_numpy(res))
+                out.copy_(res)
                 return out
-            return torch.from_numpy(res)
+            return res
         idx = dev.index if dev.index is not None else torch.cuda.current_device()
         if idx != kernel.device_id or any(x.device != dev for x in inputs[1:]):
             raise ValueError(f"inputs must be on cuda:{kernel.device_id} (the module's device), got "
                              f"{[str(x.device) for x in inputs]}")
         xs = [x if x.is_contiguous() else x.contiguous() for x in inputs]
         if out is None:
-            out = torch.empty(out_shape, dtype=torch.float32, device=dev)
+            out = torch.empty(out_shape, dtype=tdt, device=dev)
         elif not (isinstance(out, torch.Tensor) and tuple(out.shape) == tuple(out_shape)
-                  and out.dtype == torch.float32 and out.device == dev and out.is_contiguous()):
-            raise ValueError(f"out must be a contiguous float32 tensor of shape {tuple(out_shape)} on {dev}")
+                  and out.dtype == tdt and out.device == dev and out.is_contiguous()):
+            raise ValueError(f"out must be a contiguous {dtype} tensor of shape {tuple(out_shape)} on {dev}")
         kernel.run("torch", xs, out, _torch_stream(torch, idx))
         return out
     if kind == "cupy":
@@ -374,23 +380,26 @@ def call(kernel: CUDAKernel, kind: str, inputs: Sequence[Any], out, out_shape: t
             raise ValueError(f"inputs must be on device {kernel.device_id} (the module's device)")
         xs = [x if x.flags.c_contiguous else cupy.ascontiguousarray(x) for x in inputs]
         if out is None:
-            out = cupy.empty(out_shape, dtype=cupy.float32)
+            out = cupy.empty(out_shape, dtype=inputs[0].dtype)
         elif not (isinstance(out, cupy.ndarray) and tuple(out.shape) == tuple(out_shape)
-                  and out.dtype == cupy.float32 and out.flags.c_contiguous and out.device.id == kernel.device_id):
-            raise ValueError(f"out must be a C-contiguous float32 cupy array of shape {tuple(out_shape)}")
+                  and str(out.dtype) == dtype and out.flags.c_contiguous and out.device.id == kernel.device_id):
+            raise ValueError(f"out must be a C-contiguous {dtype} cupy array of shape {tuple(out_shape)}")
         kernel.run("cupy", xs, out, cupy.cuda.get_current_stream().ptr)
         return out
     if kind == "numpy":
         import cupy
 
+        if dtype == "bfloat16":
+            raise TypeError("numpy has no bfloat16 dtype: pass torch.bfloat16 tensors to a bfloat16 module")
+        ndt = np.dtype(dtype)
         with cupy.cuda.Device(kernel.device_id):
-            xs = [cupy.asarray(np.ascontiguousarray(x, dtype=np.float32)) for x in inputs]
-            dout = cupy.empty(out_shape, dtype=cupy.float32)
+            xs = [cupy.asarray(np.ascontiguousarray(x, dtype=ndt)) for x in inputs]
+            dout = cupy.empty(out_shape, dtype=ndt)
             kernel.run("cupy", xs, dout, cupy.cuda.get_current_stream().ptr)
             res = cupy.asnumpy(dout)
         if out is not None:
-            if not (isinstance(out, np.ndarray) and out.shape == tuple(out_shape) and out.dtype == np.float32):
-                raise ValueError(f"out must be a float32 numpy array of shape {tuple(out_shape)}")
+            if not (isinstance(out, np.ndarray) and out.shape == tuple(out_shape) and out.dtype == ndt):
+                raise ValueError(f"out must be a {dtype} numpy array of shape {tuple(out_shape)}")
             out[...] = res
             return out
         return res
