@@ -71,14 +71,14 @@ PIPES = {"h256": [("tile.aspt", {"panel_height": 256})],
 @pytest.mark.parametrize("name", sorted(MATRICES))
 @pytest.mark.parametrize("pipe", sorted(PIPES))
 @pytest.mark.parametrize("reduce", REDUCES)
-@pytest.mark.parametrize("chunk,max_seg", [(128, 256), (3, 4), (1, 0)])
-def test_emulation_matches_reference(name, pipe, reduce, chunk, max_seg):
+@pytest.mark.parametrize("chunk,max_seg,max_ent", [(128, 256, 0), (3, 4, 5), (1, 0, 1), (64, 16, 32)])
+def test_emulation_matches_reference(name, pipe, reduce, chunk, max_seg, max_ent):
     from spcompile.cuda_templates.aspt_tiled import aspt_arrays, emulate_aspt_spmm
 
     A = MATRICES[name]()
     K = 5
     mod = _mod(A, K, reduce, PIPES[pipe])
-    arrays = aspt_arrays(mod, chunk, max_seg)
+    arrays = aspt_arrays(mod, chunk, max_seg, max_ent)
     X = np.random.default_rng(2).standard_normal((A.shape[1], K)).astype(np.float32)
     Y = emulate_aspt_spmm(arrays, {"m": A.shape[0], "reduce": reduce}, X)
     assert np.all(np.isfinite(Y)), "an output row was never written"
@@ -92,13 +92,15 @@ def test_task_structure():
 
     A = MATRICES["hub"]()
     mod = _mod(A, 8, "sum", PIPES["h256"])
-    a = aspt_arrays(mod, chunk=7, max_seg=16)
-    xs = np.diff(a["task_xptr"])
+    a = aspt_arrays(mod, chunk=7, max_seg=16, max_ent=9)
+    xs = a["task_nc"]
     assert xs.min() >= 1 and xs.max() <= 7
     te = a["task_eptr"].astype(np.int64)
+    assert np.all(np.diff(te) <= 9) and np.all(np.diff(te) >= 1)
     et = np.repeat(np.arange(te.size - 1), np.diff(te))
     assert np.all(a["ent_slot"] < xs[et]) and np.all(a["ent_slot"] >= 0)
-    key = et * (A.shape[0] + 1) * 8 + a["ent_out"].astype(np.int64) * 8 + a["ent_slot"]   # no perm: out == row
+    # no perm: out == row; inside a chunk entries ascend by (row, slot), split tasks continue it
+    key = a["task_x0"][et].astype(np.int64) * (A.shape[0] + 1) * 8 + a["ent_out"].astype(np.int64) * 8 + a["ent_slot"]
     assert np.all(np.diff(key) > 0)
     assert np.all(a["tail_hi"] - a["tail_lo"] <= 16) and np.all(a["tail_hi"] > a["tail_lo"])
     assert np.all(a["rem_end1"] - a["rem_ptr"][:-1] <= 16)

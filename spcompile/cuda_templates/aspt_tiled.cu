@@ -15,9 +15,11 @@
 // 2. <NAME>_tiles -- blockIdx.x < ntail_blocks: each warp reduces one further remainder segment
 //    of a long row (load balance for hub rows) and combines it into Y atomically.
 //    Other blocks: one dense *task* each = (row panel, chunk of at most `chunk` of the panel's
-//    dense columns).  The block stages X[dense column, K tile] of the chunk in shared memory once
+//    dense columns, at most max_ent of the chunk's entries: a chunk with more is split into
+//    tasks that stage it again, for parallelism).  The block stages X[dense column, K tile] of the chunk in shared memory once
 //    (coalesced vector loads, zero beyond K), then its warps split the task's entries evenly
-//    (entries are ordered by row, then slot) and read X from shared memory; a warp combines its
+//    (entries are ordered by row, then slot) and read X from shared memory (4 entries of one row
+//    at a time where the row does not change: 4 loads in flight); a warp combines its
 //    running row result into Y atomically whenever the row changes (so a hub row's dense entries
 //    are spread over all warps of the block, and a panel's chunks over many blocks).
 //    Atomics: red.add (float4/float2 vector form on sm_90), max/min through the integer order of
@@ -153,7 +155,8 @@ __device__ __forceinline__ void flush(float* __restrict__ Y, int out, int K, int
 
 template <int R, int VEC, int CF>
 __device__ __forceinline__ void aspt_tiles(
-    const int* __restrict__ task_xptr, const int* __restrict__ task_eptr, const int* __restrict__ dense_xrow,
+    const int* __restrict__ task_x0, const int* __restrict__ task_nc, const int* __restrict__ task_eptr,
+    const int* __restrict__ dense_xrow,
     const int* __restrict__ ent_out, const int* __restrict__ ent_slot, const float* __restrict__ ent_val,
     const int* __restrict__ tail_lo, const int* __restrict__ tail_hi, const int* __restrict__ tail_out,
     const int* __restrict__ rem_col, const float* __restrict__ rem_val,
@@ -181,7 +184,7 @@ __device__ __forceinline__ void aspt_tiles(
 
   // ---- dense task: stage the chunk's X rows once
   const int t = blockIdx.x - ntail_blocks;
-  const int x0 = task_xptr[t], nc = task_xptr[t + 1] - x0;
+  const int x0 = task_x0[t], nc = task_nc[t];
   for (int i = threadIdx.x; i < nc * QV; i += blockDim.x) {
     const int s = i / QV, q = (i - s * QV) * VEC;
     float v[VEC];
@@ -199,10 +202,35 @@ __device__ __forceinline__ void aspt_tiles(
   int cur = -1;
   for (int base = lo; base < hi; base += 32) {
     const int n = min(32, hi - base);
-    int mo = 0, ms = 0;
+    int mo = -1, ms = 0;
     float mv = 0.0f;
     if (lane < n) { mo = ent_out[base + lane]; ms = ent_slot[base + lane]; mv = ent_val[base + lane]; }
-    for (int e = 0; e < n; ++e) {
+    // bit e: entry e starts another row (than entry e - 1, or than `cur` for e = 0)
+    const int prev = __shfl_up_sync(0xffffffffu, mo, 1);
+    const unsigned starts = __ballot_sync(0xffffffffu, lane < n && (lane == 0 ? mo != cur : mo != prev));
+    int e = 0;
+    while (e < n) {                                        // uniform per warp
+      if (e + 4 <= n && ((starts >> e) & 0xFu) == 0u) {    // 4 entries of the current row: 4 loads in flight
+        int s4[4];
+        float a4[4], v4[4][CF][VEC];
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          s4[q] = __shfl_sync(0xffffffffu, ms, e + q);
+          a4[q] = __shfl_sync(0xffffffffu, mv, e + q);
+        }
+#pragma unroll
+        for (int q = 0; q < 4; ++q)
+#pragma unroll
+          for (int c = 0; c < CF; ++c) lds<VEC>(xs + s4[q] * KT + lane * VEC + c * 32 * VEC, v4[q][c]);
+#pragma unroll
+        for (int q = 0; q < 4; ++q)
+#pragma unroll
+          for (int c = 0; c < CF; ++c)
+#pragma unroll
+            for (int u = 0; u < VEC; ++u) acc[c][u] = red_op<R>(acc[c][u], a4[q] * v4[q][c][u]);
+        e += 4;
+        continue;
+      }
       const int o = __shfl_sync(0xffffffffu, mo, e);
       const int s = __shfl_sync(0xffffffffu, ms, e);
       const float a = __shfl_sync(0xffffffffu, mv, e);
@@ -224,6 +252,7 @@ __device__ __forceinline__ void aspt_tiles(
 #pragma unroll
         for (int u = 0; u < VEC; ++u) acc[c][u] = red_op<R>(acc[c][u], a * v[u]);
       }
+      ++e;
     }
   }
   if (cur >= 0) flush<R, VEC, CF>(Y, cur, K, k0, acc);
@@ -239,11 +268,11 @@ __device__ __forceinline__ void aspt_tiles(
                                     m, K, rpw);                                                     \
   }                                                                                                 \
   extern "C" __global__ void __launch_bounds__(1024) NAME##_tiles(                                  \
-      const int* task_xptr, const int* task_eptr, const int* dense_xrow, const int* ent_out,        \
-      const int* ent_slot, const float* ent_val, const int* tail_lo, const int* tail_hi,            \
+      const int* task_x0, const int* task_nc, const int* task_eptr, const int* dense_xrow,          \
+      const int* ent_out, const int* ent_slot, const float* ent_val, const int* tail_lo, const int* tail_hi,            \
       const int* tail_out, const int* rem_col, const float* rem_val, const float* X, float* Y,      \
       int ntail, int ntail_blocks, int K) {                                                         \
-    spc_aspt::aspt_tiles<R, VEC, CF>(task_xptr, task_eptr, dense_xrow, ent_out, ent_slot, ent_val,  \
+    spc_aspt::aspt_tiles<R, VEC, CF>(task_x0, task_nc, task_eptr, dense_xrow, ent_out, ent_slot, ent_val,  \
                                      tail_lo, tail_hi, tail_out, rem_col, rem_val, X, Y, ntail,     \
                                      ntail_blocks, K);                                              \
   }

@@ -60,13 +60,16 @@ def _segments(counts: np.ndarray, starts: np.ndarray) -> np.ndarray:
     return np.repeat(np.asarray(starts, dtype=np.int64) - first, counts) + np.arange(tot, dtype=np.int64)
 
 
-def aspt_arrays(mod: SparseModule, chunk: int = 128, max_seg: int = 256) -> dict[str, np.ndarray]:
+def aspt_arrays(mod: SparseModule, chunk: int = 128, max_seg: int = 256, max_ent: int = 0) -> dict[str, np.ndarray]:
     """Kernel arrays from ``mod.formats["aspt"]`` with permutations folded in (original column
     ids, output row ids).
 
-    Dense tasks: ``task_xptr`` (T + 1) slices ``dense_xrow`` (X row of each staged column);
+    Dense tasks: task t stages ``dense_xrow[task_x0[t] : task_x0[t] + task_nc[t]]`` (X row of
+    each staged column; a chunk of at most ``chunk`` of a panel's dense columns);
     ``task_eptr`` (T + 1) slices the task's entries ``ent_out`` (output row, caller's order),
     ``ent_slot`` (shared-memory row inside the task), ``ent_val`` -- ordered by row, then slot.
+    A chunk with more than ``max_ent`` entries (0: no limit) is split into several tasks that
+    stage the same columns (balanced entry ranges).
     Remainder, regrouped by module row: ``rem_ptr`` (m + 1), ``rem_col``, ``rem_val``; the row
     kernel takes ``rem_ptr[r] .. rem_end1[r]`` (at most ``max_seg`` entries, all for 0), the
     tile kernel the segments ``tail_lo .. tail_hi`` (output row ``tail_out``).  ``row_len``:
@@ -102,8 +105,15 @@ def aspt_arrays(mod: SparseModule, chunk: int = 128, max_seg: int = 256) -> dict
     tile_val = np.asarray(fmt.tile_data, dtype=np.float64)
     if mean:
         tile_val = tile_val * inv_len[erow]
-    task_eptr = np.zeros(T + 1, dtype=np.int64)
-    np.cumsum(np.bincount(etask, minlength=T), out=task_eptr[1:])
+    cnt = np.bincount(etask, minlength=T).astype(np.int64)
+    nsub = np.ones(T, dtype=np.int64) if max_ent <= 0 else np.maximum(1, -(-cnt // max_ent))
+    S = int(nsub.sum())
+    s_task = np.repeat(np.arange(T, dtype=np.int64), nsub)
+    s_i = np.arange(S, dtype=np.int64) - np.repeat(np.cumsum(nsub) - nsub, nsub)
+    cstart = np.cumsum(cnt) - cnt
+    task_eptr = np.append(cstart[s_task] + (s_i * cnt[s_task]) // nsub[s_task], cnt.sum())
+    task_x0 = task_xptr[:-1][s_task]
+    task_nc = np.diff(task_xptr)[s_task]
 
     # ---- remainder, regrouped by module row
     rem_rows = np.asarray(fmt.rem_rows, dtype=np.int64)
@@ -124,7 +134,7 @@ def aspt_arrays(mod: SparseModule, chunk: int = 128, max_seg: int = 256) -> dict
     tail_lo = rem_ptr[t_row] + within * max(max_seg, 1)
     tail_hi = np.minimum(tail_lo + max(max_seg, 1), rem_ptr[t_row + 1])
 
-    return {"task_xptr": _i32(task_xptr), "task_eptr": _i32(task_eptr),
+    return {"task_x0": _i32(task_x0), "task_nc": _i32(task_nc), "task_eptr": _i32(task_eptr),
             "dense_xrow": _i32(mapc(fmt.dense_cols)),
             "ent_out": _i32(row_ids[erow[order]]), "ent_slot": _i32((slot % chunk)[order]),
             "ent_val": np.ascontiguousarray(tile_val[order], dtype=np.float32),
@@ -160,7 +170,8 @@ def emulate_aspt_spmm(arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any],
     # tile kernel: dense tasks
     te = a["task_eptr"].astype(np.int64)
     et = np.repeat(np.arange(te.size - 1), np.diff(te))
-    xs_rows = a["dense_xrow"].astype(np.int64)[a["task_xptr"].astype(np.int64)[et] + a["ent_slot"]]
+    assert np.all(a["ent_slot"] < a["task_nc"][et]), "entry outside its task's staged chunk"
+    xs_rows = a["dense_xrow"].astype(np.int64)[a["task_x0"].astype(np.int64)[et] + a["ent_slot"]]
     ufunc.at(Y, a["ent_out"].astype(np.int64), a["ent_val"].astype(np.float64)[:, None] * X[xs_rows])
     # tile kernel: tail segments
     tl, th = a["tail_lo"].astype(np.int64), a["tail_hi"].astype(np.int64)
@@ -171,7 +182,7 @@ def emulate_aspt_spmm(arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any],
 
 class AsptKernel(_NvccKernel):
     _ROWS = ("rem_ptr", "rem_end1", "row_len", "rem_col", "rem_val", "row_ids")
-    _TILES = ("task_xptr", "task_eptr", "dense_xrow", "ent_out", "ent_slot", "ent_val", "tail_lo", "tail_hi",
+    _TILES = ("task_x0", "task_nc", "task_eptr", "dense_xrow", "ent_out", "ent_slot", "ent_val", "tail_lo", "tail_hi",
               "tail_out", "rem_col", "rem_val")
 
     def _module(self):
@@ -240,7 +251,7 @@ class AsptTiled(_NvccTemplate):
     width, CF, warps per block, rows per warp.  Pipelines: tile.aspt, cluster.lsh -> tile.aspt."""
 
     name = "aspt.tiled"
-    version = "2"
+    version = "3"
     priority = 10
     ops = (("spmm", "sum"), ("spmm", "mean"), ("spmm", "max"), ("spmm", "min"))
     format = "aspt"
@@ -264,18 +275,20 @@ class AsptTiled(_NvccTemplate):
     def space(self, mod):
         from optuna.distributions import CategoricalDistribution as C
 
-        return {"chunk": C([32, 64, 128, 256, 512]), "max_seg": C([0, 64, 256, 1024]), "vec": C([1, 2, 4]),
+        return {"chunk": C([32, 64, 128, 256, 512]), "max_seg": C([0, 64, 256, 1024]),
+                "max_ent": C([0, 256, 1024, 4096]), "vec": C([1, 2, 4]),
                 "cf": C([1, 2, 4]), "warps": C([4, 8, 16]), "rows_per_warp": C([1, 2, 4])}
 
     def default_params(self, mod):
-        return {"chunk": 128, "max_seg": 256, "vec": _largest_vec(mod.op.K, 4), "cf": 1, "warps": 8,
+        return {"chunk": 128, "max_seg": 256, "max_ent": 1024, "vec": _largest_vec(mod.op.K, 4), "cf": 1, "warps": 8,
                 "rows_per_warp": 1}
 
     def seed_params(self, mod):
         d = self.default_params(mod)
         K = mod.op.K
-        seeds = [d, {**d, "chunk": 256, "warps": 16}, {**d, "chunk": 64}, {**d, "warps": 16},
-                 {**d, "vec": _largest_vec(K, 2), "chunk": 256}, {**d, "max_seg": 64}, {**d, "max_seg": 1024}]
+        seeds = [d, {**d, "chunk": 256, "warps": 16}, {**d, "chunk": 64}, {**d, "max_ent": 256},
+                 {**d, "max_ent": 4096, "warps": 16}, {**d, "vec": _largest_vec(K, 2), "chunk": 256},
+                 {**d, "max_seg": 64}, {**d, "max_seg": 1024, "max_ent": 0}]
         if K >= 256:
             seeds.append({**d, "cf": 2})
         out, seen = [], set()
@@ -305,15 +318,15 @@ class AsptTiled(_NvccTemplate):
         if not self.supports(mod):
             raise ValueError("aspt.tiled needs an ASpT format (run tile.aspt first)")
         cf, chunk, W = int(params["cf"]), int(params["chunk"]), int(params["warps"])
-        max_seg, rpw = int(params["max_seg"]), int(params["rows_per_warp"])
+        max_seg, rpw, max_ent = int(params["max_seg"]), int(params["rows_per_warp"]), int(params["max_ent"])
         if cf not in (1, 2, 4) or int(params["vec"]) not in (1, 2, 4) or chunk < 1 or W not in (1, 2, 4, 8, 16, 32) \
-                or max_seg < 0 or rpw < 1:
+                or max_seg < 0 or rpw < 1 or max_ent < 0:
             raise ValueError(f"invalid aspt.tiled parameters {params}")
         K = mod.op.K
         vec = _largest_vec(K, int(params["vec"]))
         KT, KT1 = 32 * vec * cf, 32 * cf
         chunk = max(1, min(chunk, _SMEM_CAP // (KT * 4)))
-        arrays = aspt_arrays(mod, chunk, max_seg)
+        arrays = aspt_arrays(mod, chunk, max_seg, max_ent)
         inst = self.instances(vec, cf, rpw, mod.op.reduce)
         arch = rt.device_arch()
         path = self.compile(inst, arch=arch, name=inst[0][0])
