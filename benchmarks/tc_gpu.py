@@ -140,14 +140,12 @@ def bench_candidates(A, K, op):
     def mma(prec, full):
         def f(mod):
             d = {**tc._defaults(mod)[0], "precision": prec}
-            if prec != "tf32" or mod.formats["sgt"].BLK_W != 8:
-                d["unroll"] = 1
-            seeds = [d, {**d, "max_blocks": 8}, {**d, "max_blocks": 128}]
+            seeds = [d, {**d, "max_blocks": 8}, {**d, "max_blocks": 128}, {**d, "unroll": 1}]
             if full:
-                seeds += [{**d, "max_blocks": 0}, {**d, "unroll": 1}, {**d, "unroll": 4, "col_groups": 1,
-                                                                       "warps_per_block": min(8, -(-K // 32))}]
+                seeds += [{**d, "max_blocks": 0}, {**d, "unroll": 2}]
                 cg2 = 2 if d["col_groups"] == 1 else 1
-                seeds.append({**d, "col_groups": cg2, "unroll": 1, "warps_per_block": max(1, min(8, -(-K // (32 * cg2))))})
+                seeds.append({**d, "col_groups": cg2, "unroll": 1 if cg2 == 2 else 4,
+                              "warps_per_block": max(1, min(8, -(-K // (32 * cg2))))})
             return [s for s in seeds if tc.mma_ok(prec, mod.formats["sgt"].BLK_W, s["col_groups"], s["unroll"])]
         return f
 

@@ -286,6 +286,28 @@ __device__ __forceinline__ void tc_mma_spmm(
 #pragma unroll
       for (int r = 0; r < 4; ++r) acc[c][j][r] = 0.0f;
 
+  // X row ids of the next U blocks are loaded one iteration ahead (software pipelining): the X
+  // loads of an iteration then wait for one memory latency, not two (ids, then rows).
+  int cn[U][S][NR];
+  auto load_cols = [&](int b) {
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int s = 0; s < S; ++s) {
+        const long long step = (long long)(b + u) * S + s;
+        const bool ok = b + u < it.y;
+        if (P == 0) {
+          int2 cc = make_int2(-1, -1);
+          if (ok) cc = __ldg(reinterpret_cast<const int2*>(pcols + step * 8) + t);
+          cn[u][s][0] = cc.x; cn[u][s][1] = cc.y;
+        } else {
+          int4 cc = make_int4(-1, -1, -1, -1);
+          if (ok) cc = __ldg(reinterpret_cast<const int4*>(pcols + step * 16) + t);
+          cn[u][s][0] = cc.x; cn[u][s][1] = cc.y; cn[u][s][NR > 2 ? 2 : 0] = cc.z; cn[u][s][NR > 3 ? 3 : 0] = cc.w;
+        }
+      }
+  };
+  load_cols(it.x);
   for (int b = it.x; b < it.y; b += U) {
     unsigned a[U][S][4];
     float4 xv[U][S][NR][CG];
@@ -296,25 +318,16 @@ __device__ __forceinline__ void tc_mma_spmm(
 #pragma unroll
       for (int s = 0; s < S; ++s) {
         const long long step = (long long)bb * S + s;
-        int c[NR];
-        if (P == 0) {
-          int2 cc = make_int2(-1, -1);
-          if (ok) cc = __ldg(reinterpret_cast<const int2*>(pcols + step * 8) + t);
-          c[0] = cc.x; c[1] = cc.y;
-        } else {
-          int4 cc = make_int4(-1, -1, -1, -1);
-          if (ok) cc = __ldg(reinterpret_cast<const int4*>(pcols + step * 16) + t);
-          c[0] = cc.x; c[1] = cc.y; c[NR > 2 ? 2 : 0] = cc.z; c[NR > 3 ? 3 : 0] = cc.w;
-        }
         uint4 av = make_uint4(0u, 0u, 0u, 0u);
         if (ok) av = __ldg(afrag + step * 32 + lane);
         a[u][s][0] = av.x; a[u][s][1] = av.y; a[u][s][2] = av.z; a[u][s][3] = av.w;
 #pragma unroll
         for (int q = 0; q < NR; ++q)
 #pragma unroll
-          for (int cg = 0; cg < CG; ++cg) xv[u][s][q][cg] = ld4<VEC>(X, c[q], kbase + 32 * cg + 4 * g, K);
+          for (int cg = 0; cg < CG; ++cg) xv[u][s][q][cg] = ld4<VEC>(X, cn[u][s][q], kbase + 32 * cg + 4 * g, K);
       }
     }
+    load_cols(b + U);                                // ids of the next iteration (-1 past the end)
 #pragma unroll
     for (int u = 0; u < U; ++u)
 #pragma unroll

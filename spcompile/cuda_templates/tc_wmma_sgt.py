@@ -426,7 +426,7 @@ class TcWmmaSgt(_NvccTemplate):
     @staticmethod
     def _mma_shape(K: int) -> tuple[int, int]:
         groups = -(-K // 32)
-        cg = 1 if groups <= 4 else 2
+        cg = 1 if groups <= 8 else 2
         return cg, _pow2_at_most(-(-groups // cg), 8)
 
     @staticmethod
@@ -440,7 +440,7 @@ class TcWmmaSgt(_NvccTemplate):
         K = mod.op.K
         tpw, _ = self._wmma_shape(K)
         cg, wm = self._mma_shape(K)
-        return {"impl": "mma", "warps_per_block": wm, "col_groups": cg, "unroll": 2 if cg == 1 else 1,
+        return {"impl": "mma", "warps_per_block": wm, "col_groups": cg, "unroll": 4 if cg == 1 else 2,
                 "max_blocks": 32, "tiles_per_warp": tpw, "dense_a": 1, "precision": "tf32"}
 
     def _defaults(self, mod):
@@ -454,14 +454,13 @@ class TcWmmaSgt(_NvccTemplate):
         seeds = [d]
         for mb in (0, 8, 128):
             seeds.append({**d, "max_blocks": mb})
-        seeds.append({**d, "unroll": 1})
-        seeds.append({**d, "unroll": 4, "col_groups": 1, "warps_per_block": _pow2_at_most(groups, 8)})
+        seeds += [{**d, "unroll": 1}, {**d, "unroll": 2}]
         if groups >= 2:
             cg2 = 2 if d["col_groups"] == 1 else 1
-            seeds.append({**d, "col_groups": cg2, "unroll": 1 if cg2 == 2 else 2,
+            seeds.append({**d, "col_groups": cg2, "unroll": 1 if cg2 == 2 else 4,
                           "warps_per_block": _pow2_at_most(-(-groups // cg2), 8)})
         for prec in self._precisions(mod):
-            seeds.append({**d, "precision": prec, "unroll": 1})
+            seeds.append({**d, "precision": prec})
         seeds += [dw, {**dw, "dense_a": 0}]
         return _dedup(seeds)
 
