@@ -80,10 +80,25 @@ class _Pruned(Exception):
         self.estimate = estimate
 
 
+def round_to(x: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 values rounded to ``dtype`` ("float16", "bfloat16"; round to nearest even), as float32."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if dtype == "float16":
+        return x.astype(np.float16).astype(np.float32)
+    if dtype == "bfloat16":
+        b = x.view(np.uint32)
+        b = (b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
+        return b.view(np.float32)
+    return x
+
+
 def make_inputs(op: SparseOp, n_sets: int, seed: int = 0) -> list[tuple[np.ndarray, ...]]:
-    """``n_sets`` independent random float32 input tuples for ``op``."""
+    """``n_sets`` independent random input tuples for ``op``: float32 arrays whose values are
+    exactly representable in the op's dtype (so the float64 reference sees the inputs the kernel
+    sees)."""
     rng = np.random.default_rng(seed)
-    return [tuple(rng.standard_normal(s, dtype=np.float32) for s in op.input_shapes) for _ in range(n_sets)]
+    return [tuple(round_to(rng.standard_normal(s, dtype=np.float32), op.dtype) for s in op.input_shapes)
+            for _ in range(n_sets)]
 
 
 def build_timed(op: SparseOp, config: Config) -> tuple[CompiledModule, float, float]:
@@ -304,9 +319,43 @@ class CUDARunner(_BaseRunner):
         if hit is not None and hit[0] is op:
             return hit[1]
         inputs, _ = self._data(op)
-        dev = [tuple(cp.asarray(x) for x in ins) for ins in inputs]
+        dev = [tuple(self._to_device(x, op.dtype) for x in ins) for ins in inputs]
         self._dev_cache = {id(op): (op, dev)}
         return dev
+
+    @staticmethod
+    def _to_device(x, dtype: str):
+        """A device array of ``dtype``: CuPy for float32/float16, a torch tensor for bfloat16
+        (CuPy has no bfloat16); the kernels take either."""
+        import cupy as cp
+
+        if dtype == "bfloat16":
+            import torch
+
+            return torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)).cuda().to(torch.bfloat16)
+        return cp.asarray(np.ascontiguousarray(x, dtype=np.dtype(dtype)))
+
+    @staticmethod
+    def _out(op, fill=None):
+        if op.dtype == "bfloat16":
+            import torch
+
+            o = torch.empty(op.output_shape, dtype=torch.bfloat16, device="cuda")
+            return o.fill_(fill) if fill is not None else o
+        import cupy as cp
+
+        o = cp.empty(op.output_shape, dtype=np.dtype(op.dtype))
+        if fill is not None:
+            o.fill(fill)
+        return o
+
+    @staticmethod
+    def _host(out) -> np.ndarray:
+        import cupy as cp
+
+        if isinstance(out, cp.ndarray):
+            return cp.asnumpy(out).astype(np.float32)
+        return out.float().cpu().numpy()
 
     def _flush(self):
         import cupy as cp
@@ -326,17 +375,17 @@ class CUDARunner(_BaseRunner):
         _, refs = self._data(op)
         worst = 0.0
         for ins, ref in zip(dev, refs):
-            out = cp.full(op.output_shape, cp.nan, dtype=cp.float32)
+            out = self._out(op, float("nan"))  # poisoned: unwritten entries fail
             cm.kernel(*ins, out=out)
             cp.cuda.runtime.deviceSynchronize()  # surfaces launch errors here
-            worst = max(worst, reference.rel_error(cp.asnumpy(out), ref))
+            worst = max(worst, reference.rel_error(self._host(out), ref))
         return worst
 
     def _time(self, op, cm, deadline, prune_above, cancel) -> list[float]:
         import cupy as cp
 
         dev = self._dev_inputs(op)
-        outs = [cp.empty(op.output_shape, dtype=cp.float32) for _ in dev]
+        outs = [self._out(op) for _ in dev]
         fn = cm.kernel
         n = len(dev)
         for i in range(self.warmup):

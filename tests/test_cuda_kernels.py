@@ -95,3 +95,26 @@ def test_fast_call_path_checks_and_threads():
     t.start()
     t.join()
     assert np.allclose(res["y"], ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_tune_16bit_workload(tmp_path, dtype):
+    """The CUDA runner tunes 16-bit workloads: inputs of that dtype, the float64 reference of the
+    rounded inputs, the dtype's tolerance; the stored best builds and is correct."""
+    import scipy.sparse as sp
+    import torch
+
+    from spcompile.tuner import tune
+
+    A = sp.random(400, 300, density=0.03, format="csr", random_state=5, dtype=np.float32)
+    db = str(tmp_path / "t.db")
+    res = tune(A, "spmm", K=40, target="cuda", dtype=dtype, trials=5, storage=db, seed=0)
+    assert res.best_config is not None and res.n_complete >= 1, res.fail_reasons
+    mod = spcompile.build(A, "spmm", K=40, target="cuda", dtype=dtype, storage=db)
+    assert mod.tuning["source"] == "database"
+    X = torch.randn(300, 40, device="cuda").to(getattr(torch, dtype))
+    Y = mod(X)
+    assert Y.dtype == X.dtype
+    ref = A.astype(np.float64) @ X.double().cpu().numpy()
+    err = np.linalg.norm(Y.double().cpu().numpy() - ref) / np.linalg.norm(ref)
+    assert err < 1e-2, err

@@ -66,8 +66,12 @@ class Template:
         """Whether this machine has the toolchain to *build* this template."""
         return True
 
+    #: input/output dtypes the template computes for (16-bit ones need explicit support)
+    dtypes: tuple = ("float32",)
+
     def supports(self, mod: SparseModule) -> bool:
-        return (mod.op.op, mod.op.reduce) in self.ops and all(f in mod.formats for f in self.requires(mod))
+        return ((mod.op.op, mod.op.reduce) in self.ops and mod.op.dtype in self.dtypes
+                and all(f in mod.formats for f in self.requires(mod)))
 
     def requires(self, mod: SparseModule) -> tuple[str, ...]:
         """Format data (``mod.formats`` names) this template needs from passes."""
