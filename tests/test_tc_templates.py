@@ -392,3 +392,29 @@ def test_gpu_split_repeatable():
         outs.append(cupy.asnumpy(out))
     assert np.array_equal(outs[0], outs[1]) and np.array_equal(outs[0], outs[2])
     assert reference.rel_error(outs[0], _ref(A, cupy.asnumpy(X))) <= TOL["tf32"]
+
+
+@pytest.mark.skipif(not rt.nvcc_available(), reason="nvcc not installed")
+@pytest.mark.parametrize("name,op", [("tc.wmma_sgt", "spmm"), ("tc.wmma_sgt_sddmm", "sddmm")])
+def test_artifact_roundtrip(tmp_path, monkeypatch, name, op):
+    """What a saved artifact holds (arrays through .npz, meta through JSON, the fatbin) rebuilds the
+    same kernel with load(), compiling nothing."""
+    import io
+    import json
+
+    monkeypatch.setenv("SPCOMPILE_KERNEL_CACHE", str(tmp_path / "cache"))
+    A = MATRICES["clustered"]()
+    tpl = get_template(name)
+    base = SparseModule.from_op(make_op(A, op, 24) if op == "sddmm" else make_op(A, op, 24, "sum"))
+    mod = Pipeline(list(tpl.pipelines(base)[0]))(base)
+    params = {**tpl.default_params(mod), **({"max_blocks": 8} if op == "spmm" else {})}
+    k = tpl.build(mod, params)
+    buf = io.BytesIO()
+    np.savez(buf, **k.arrays)
+    buf.seek(0)
+    with np.load(buf, allow_pickle=False) as z:
+        arrays = {n: np.array(z[n]) for n in z.files}
+    k2 = tpl.load(json.loads(json.dumps(k.params)), arrays, dict(k.files), json.loads(json.dumps(k.meta)))
+    assert k2.meta == k.meta and set(k2.arrays) == set(k.arrays)
+    for n in k.arrays:
+        assert k2.arrays[n].dtype == k.arrays[n].dtype and np.array_equal(k2.arrays[n], k.arrays[n])
