@@ -199,7 +199,9 @@ class Candidates:
                     seeds = tpl.seed_params(mod)
                 except Exception:
                     seeds = [tpl.default_params(mod)]
-                for p in seeds[: self.max_seeds]:
+                if spec:  # templates fed by their own pipelines: the first seeds only (time)
+                    seeds = seeds[: self.max_seeds]
+                for p in seeds:
                     res.append((t, spec, {**tpl.default_params(mod), **dict(p)}))
         return res
 
@@ -487,7 +489,8 @@ def main(argv=None, op="spmm", default_templates=("extern.cusparse", "csr.crc_cw
                     help="only build every candidate (fills the kernel cache; no GPU needed)")
     ap.add_argument("--tag", default=None, help="name of the JSON / markdown files (default <op>_gpu)")
     ap.add_argument("--max-seeds", type=int, default=None,
-                    help="at most this many seed configurations per template and pipeline")
+                    help="at most this many seed configurations per pipeline of the templates that "
+                         "have pass pipelines of their own (tensor-core, ASpT); CSR templates get all")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="processes for --build-only")
     a = ap.parse_args(argv)
     if a.all_templates:
