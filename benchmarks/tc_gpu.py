@@ -79,7 +79,6 @@ def sanitize_cases():
             mod = _mod(A, K, "sum", pipe)
             d, dw = tc._defaults(mod)
             ps = [d, {**d, "max_blocks": 2}, {**d, "max_blocks": 2, "col_groups": 2, "unroll": 1},
-                  {**d, "max_blocks": 4, "win_batch": 4}, {**d, "max_blocks": 0, "win_batch": 16},
                   {**d, "max_blocks": 2, "unroll": 4, "col_groups": 1}, dw, {**dw, "dense_a": 0}]
             ps += [{**d, "precision": q, "max_blocks": 2, "unroll": 1} for q in tc._precisions(mod)]
             for p in ps:
@@ -141,9 +140,9 @@ def bench_candidates(A, K, op):
     def mma(prec, full):
         def f(mod):
             d = {**tc._defaults(mod)[0], "precision": prec}
-            seeds = [d, {**d, "max_blocks": 8}, {**d, "max_blocks": 128}, {**d, "unroll": 1}, {**d, "win_batch": 4}]
+            seeds = [d, {**d, "max_blocks": 8}, {**d, "max_blocks": 128}, {**d, "unroll": 1}]
             if full:
-                seeds += [{**d, "max_blocks": 0}, {**d, "unroll": 2}, {**d, "win_batch": 4}, {**d, "win_batch": 16}]
+                seeds += [{**d, "max_blocks": 0}, {**d, "unroll": 2}]
                 cg2 = 2 if d["col_groups"] == 1 else 1
                 seeds.append({**d, "col_groups": cg2, "unroll": 1 if cg2 == 2 else 4,
                               "warps_per_block": max(1, min(8, -(-K // (32 * cg2))))})

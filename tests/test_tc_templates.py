@@ -113,9 +113,9 @@ def test_tc_mean_scaling_and_empty():
 
 @pytest.mark.parametrize("name", sorted(MATRICES))
 @pytest.mark.parametrize("prec,shape", [("tf32", "tf32"), ("tf32", "fp16"), ("fp16", "fp16"), ("bf16", "fp16")])
-@pytest.mark.parametrize("max_blocks,win_batch", [(0, 1), (3, 1), (32, 1), (3, 4), (0, 16)])
+@pytest.mark.parametrize("max_blocks", [0, 3, 32])
 @pytest.mark.parametrize("K,reorder", [(1, None), (19, "reorder.rcm"), (40, None)])
-def test_mma_packing_emulation(name, prec, shape, max_blocks, win_batch, K, reorder):
+def test_mma_packing_emulation(name, prec, shape, max_blocks, K, reorder):
     """impl "mma": fragment packing, permuted column ids, lane column mapping, work items and the
     in-order combination of split windows reproduce A @ X (lane-level emulation)."""
     from spcompile.cuda_templates.tc_wmma_sgt import emulate_mma_spmm, mma_arrays
@@ -125,15 +125,12 @@ def test_mma_packing_emulation(name, prec, shape, max_blocks, win_batch, K, reor
         pytest.skip(f"{reorder} not registered")
     A = MATRICES[name]()
     mod = _mod(A, K, pipeline=([reorder] if reorder else []) + [("tile.sgt", {"shape": shape})])
-    arrays = mma_arrays(mod, prec, max_blocks, win_batch)
+    arrays = mma_arrays(mod, prec, max_blocks)
     items = arrays["items"]
     n = np.diff(items[:, :2], axis=1).ravel()
     assert np.all(n[:-1] >= n[1:])                                   # longest first
     if max_blocks:
-        assert n[items[:, 3] > -2].max(initial=0) <= max_blocks      # single windows / pieces
-    assert (-items[:, 3]).max(initial=1) <= max(win_batch, 1)
-    wins = np.concatenate([np.arange(w, w + max(1, -sl)) if sl <= -2 else [w] for _, _, w, sl in items])
-    assert set(wins.tolist()) == set(range(mod.formats["sgt"].num_windows))   # every window covered
+        assert n.max(initial=0) <= max_blocks
     X = np.random.default_rng(1).standard_normal((A.shape[1], K)).astype(np.float32)
     meta = {"m": A.shape[0], "BW": mod.formats["sgt"].BLK_W, "precision": prec}
     Y = emulate_mma_spmm(arrays, meta, X, col_groups=2)
@@ -153,10 +150,6 @@ def test_split_windows_balanced():
     assert set(split[:, 2]) == {1} and sorted(split[:, 3]) == [0, 1, 2, 3]
     assert r["grp_ptr"].tolist() == [0, 4] and r["slot_grp"].tolist() == [0, 0, 0, 0]
     assert split_windows(wbp, 0)["items"].shape == (5, 4)
-    b = split_windows(wbp, 32, 4)["items"]          # windows 2-3 batched; 4 would pass 32 blocks
-    assert sorted(map(tuple, b.tolist())) == sorted(
-        [(0, 0, 0, -1), (0, 25, 1, 0), (25, 50, 1, 1), (50, 75, 1, 2), (75, 100, 1, 3), (100, 103, 2, -2),
-         (103, 135, 4, -1)])
 
 
 @pytest.mark.parametrize("name", sorted(MATRICES))

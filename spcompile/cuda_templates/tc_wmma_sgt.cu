@@ -183,8 +183,6 @@ __device__ __forceinline__ void tc_spmm(
 //     of n-tile j <-> column base + 4g + j); 8 lanes read 128 contiguous bytes of a row;
 //   * C: lane (g, t) then holds rows g and g + 8, columns base + 8t .. 8t+7 (c0 of n-tiles 0..3,
 //     then c1 of n-tiles 0..3), written as two float4 per row.
-// Small consecutive windows may be batched into one item (slot field -n: n windows; the warp
-// walks them with win_block_ptr, writing each window's rows before the next).
 // A split window's items write 16 x K partials to part[slot]; the last warp to finish a
 // (window, column slice) -- per-warp atomic counter, threadfence-reduction pattern -- adds the
 // partials in slot order (deterministic), writes Y and resets the counter for the next call.
@@ -267,7 +265,7 @@ __device__ __forceinline__ float4 add4(float4 a, float4 b) {
 
 template <int P, int BW, int CG, int U, int VEC>
 __device__ __forceinline__ void tc_mma_spmm(
-    const int4* __restrict__ items, const int* __restrict__ win_block_ptr, const int* __restrict__ slot_grp, const int* __restrict__ grp_ptr,
+    const int4* __restrict__ items, const int* __restrict__ slot_grp, const int* __restrict__ grp_ptr,
     const int* __restrict__ pcols, const uint4* __restrict__ afrag, const int* __restrict__ row_ids,
     const float* __restrict__ X, float* __restrict__ Y, float* part, int* counters, int m, int K) {
   constexpr int KS = (P == 0) ? 8 : 16;
@@ -278,14 +276,7 @@ __device__ __forceinline__ void tc_mma_spmm(
   const int g = lane >> 2, t = lane & 3;
   const int kbase = (blockIdx.y * nw + warp) * 32 * CG;
   if (kbase >= K) return;                            // uniform per warp; no block barriers below
-  const int4 it = __ldg(items + blockIdx.x);         // first block, end block, window, slot
-  // slot >= 0: part of a split window; -1: one whole window; -n (n >= 2): n consecutive whole
-  // windows from it.z (batched small windows: one thread block's fixed costs serve n windows)
-  const int nwi = it.w <= -2 ? -it.w : 1;
-  for (int wi = 0; wi < nwi; ++wi) {
-  const int win = it.z + wi;
-  const int lo = nwi > 1 ? __ldg(win_block_ptr + win) : it.x;
-  const int hi = nwi > 1 ? __ldg(win_block_ptr + win + 1) : it.y;
+  const int4 it = __ldg(items + blockIdx.x);         // first block, end block, window, slot (-1)
 
   float acc[CG][4][4];
 #pragma unroll
@@ -304,7 +295,7 @@ __device__ __forceinline__ void tc_mma_spmm(
 #pragma unroll
       for (int s = 0; s < S; ++s) {
         const long long step = (long long)(b + u) * S + s;
-        const bool ok = b + u < hi;
+        const bool ok = b + u < it.y;
         if (P == 0) {
           int2 cc = make_int2(-1, -1);
           if (ok) cc = __ldg(reinterpret_cast<const int2*>(pcols + step * 8) + t);
@@ -316,14 +307,14 @@ __device__ __forceinline__ void tc_mma_spmm(
         }
       }
   };
-  load_cols(lo);
-  for (int b = lo; b < hi; b += U) {
+  load_cols(it.x);
+  for (int b = it.x; b < it.y; b += U) {
     unsigned a[U][S][4];
     float4 xv[U][S][NR][CG];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int bb = b + u;
-      const bool ok = bb < hi;
+      const bool ok = bb < it.y;
 #pragma unroll
       for (int s = 0; s < S; ++s) {
         const long long step = (long long)bb * S + s;
@@ -360,7 +351,7 @@ __device__ __forceinline__ void tc_mma_spmm(
   // lane's results: row g + 8h, columns col0 .. col0 + 7 with col0 = kbase + 32 cg + 8t
 #define SPC_TC_VAL(cg, h, q) make_float4(acc[cg][0][2 * (h) + (q)], acc[cg][1][2 * (h) + (q)], \
                                          acc[cg][2][2 * (h) + (q)], acc[cg][3][2 * (h) + (q)])
-  const int slot = it.w;
+  const int win = it.z, slot = it.w;
   if (slot < 0) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -373,7 +364,7 @@ __device__ __forceinline__ void tc_mma_spmm(
           for (int q = 0; q < 2; ++q) st4<VEC>(y, kbase + 32 * cg + 8 * t + 4 * q, K, SPC_TC_VAL(cg, h, q));
       }
     }
-    continue;
+    return;
   }
   {
     float* pp = part + (long long)slot * 16 * K;
@@ -413,16 +404,14 @@ __device__ __forceinline__ void tc_mma_spmm(
       }
   }
   if (lane == 0) counters[cnt_idx] = 0;             // ready for the next call (stream-ordered)
-  }  // windows of the item
 }
 
 }  // namespace spc_tc
 
 #define SPC_TC_MMA_INSTANCE(NAME, P, BW, CG, U, VEC)                                                \
   extern "C" __global__ void __launch_bounds__(256) NAME(                                           \
-      const int4* items, const int* win_block_ptr, const int* slot_grp, const int* grp_ptr,          \
-      const int* pcols, const uint4* afrag, const int* row_ids, const float* X, float* Y, float* part, \
-      int* counters, int m, int K) {                                                                \
-    spc_tc::tc_mma_spmm<P, BW, CG, U, VEC>(items, win_block_ptr, slot_grp, grp_ptr, pcols, afrag, row_ids, \
-                                           X, Y, part, counters, m, K);                             \
+      const int4* items, const int* slot_grp, const int* grp_ptr, const int* pcols, const uint4* afrag, \
+      const int* row_ids, const float* X, float* Y, float* part, int* counters, int m, int K) {      \
+    spc_tc::tc_mma_spmm<P, BW, CG, U, VEC>(items, slot_grp, grp_ptr, pcols, afrag, row_ids, X, Y, part, \
+                                           counters, m, K);                                         \
   }

@@ -150,63 +150,31 @@ def _tf32_round(a: np.ndarray) -> np.ndarray:
     return u.astype(np.uint32).view(np.float32)
 
 
-def split_windows(win_block_ptr: np.ndarray, max_blocks: int, win_batch: int = 1) -> dict[str, np.ndarray]:
+def split_windows(win_block_ptr: np.ndarray, max_blocks: int) -> dict[str, np.ndarray]:
     """Work items of at most ``max_blocks`` TC blocks (0: whole windows), balanced within a window,
-    longest first.  ``items`` (n, 4) int32: first block, end block, window, slot -- slot >= 0: the
-    partial slot of a split window's piece, -1: one whole window, -k (k >= 2): k consecutive whole
-    windows starting at that window (``win_batch`` > 1 batches runs of unsplit windows whose
-    blocks fit in one item); ``slot_grp`` (slot -> split window group), ``grp_ptr`` (group -> its
-    contiguous slots).  Empty windows are items too (the kernel writes their zero rows)."""
+    longest first.  ``items`` (n, 4) int32: first block, end block, window, partial slot (-1 when
+    the window is one item); ``slot_grp`` (slot -> split window group), ``grp_ptr`` (group ->
+    its contiguous slots).  Empty windows get one empty item (the kernel writes their zeros)."""
     wbp = np.asarray(win_block_ptr, dtype=np.int64)
     nb = np.diff(wbp)
     nwin = nb.size
     nch = np.maximum(1, -(-nb // int(max_blocks))) if max_blocks and max_blocks > 0 else np.ones(nwin, np.int64)
-    # batching: runs of consecutive unsplit windows cut into groups of <= win_batch windows (and,
-    # with max_blocks, <= max_blocks blocks: a group ends where the running block count would
-    # cross a multiple of max_blocks)
-    wb = max(1, int(win_batch))
-    split_w = nch > 1
-    run = np.cumsum(split_w)                                   # unsplit windows of one run share it
-    first_of_run = np.zeros(nwin, dtype=np.int64)
-    if nwin:
-        starts = np.flatnonzero(np.r_[True, (run[1:] != run[:-1]) | split_w[1:] | split_w[:-1]])
-        first_of_run[starts] = starts
-        first_of_run = np.maximum.accumulate(first_of_run)
-    pos = np.arange(nwin, dtype=np.int64) - first_of_run
-    key = pos // wb
-    if max_blocks and max_blocks > 0 and wb > 1:
-        csum = np.cumsum(nb) - (np.cumsum(nb) - nb)[first_of_run]   # blocks up to and incl. w in its run
-        key = key * (1 << 31) + (csum - 1) // int(max_blocks)
-    gstart = np.ones(nwin, dtype=bool)
-    if nwin:
-        gstart[1:] = split_w[1:] | split_w[:-1] | (run[1:] != run[:-1]) | (key[1:] != key[:-1]) | \
-            (first_of_run[1:] != first_of_run[:-1])
-    gstart |= split_w
-    g_first = np.flatnonzero(gstart)                           # first window of each group
-    g_len = np.diff(np.r_[g_first, nwin])
-    # items: split windows -> nch pieces; groups of unsplit windows -> one item
-    is_split = split_w[g_first]
-    pieces = np.where(is_split, nch[g_first], 1)
-    gi = np.repeat(np.arange(g_first.size), pieces)
-    first = np.cumsum(pieces) - pieces
-    within = np.arange(gi.size, dtype=np.int64) - first[gi]
-    w0 = g_first[gi]
-    wend = w0 + g_len[gi]
-    nbw = wbp[wend] - wbp[w0]
-    lo = wbp[w0] + (within * nbw) // pieces[gi]
-    hi = wbp[w0] + ((within + 1) * nbw) // pieces[gi]
-    spl = is_split[gi]
-    slot = np.where(g_len[gi] > 1, -g_len[gi], -1).astype(np.int64)
-    slot[spl] = np.arange(int(spl.sum()))
-    sw = np.flatnonzero(split_w)
+    win = np.repeat(np.arange(nwin, dtype=np.int64), nch)
+    first = np.cumsum(nch) - nch
+    within = np.arange(win.size, dtype=np.int64) - first[win]
+    lo = wbp[win] + (within * nb[win]) // nch[win]
+    hi = wbp[win] + ((within + 1) * nb[win]) // nch[win]
+    split = nch[win] > 1
+    slot = np.full(win.size, -1, dtype=np.int64)
+    slot[split] = np.arange(int(split.sum()))
+    sw = np.flatnonzero(nch > 1)
     grp_ptr = np.concatenate([[0], np.cumsum(nch[sw])]).astype(np.int64)
     slot_grp = np.repeat(np.arange(sw.size, dtype=np.int64), nch[sw])
     order = np.argsort(-(hi - lo), kind="stable")
-    items = np.stack([lo, hi, w0, slot], 1)[order]
+    items = np.stack([lo, hi, win, slot], 1)[order]
     return {"items": np.ascontiguousarray(items, dtype=np.int32),
             "slot_grp": np.ascontiguousarray(slot_grp, dtype=np.int32),
-            "grp_ptr": np.ascontiguousarray(grp_ptr, dtype=np.int32),
-            "win_block_ptr": np.ascontiguousarray(wbp, dtype=np.int32)}
+            "grp_ptr": np.ascontiguousarray(grp_ptr, dtype=np.int32)}
 
 
 def _folded_cols(mod: SparseModule) -> np.ndarray:
@@ -225,8 +193,7 @@ def _spmm_data(mod: SparseModule, ka) -> np.ndarray:
     return data
 
 
-def mma_arrays(mod: SparseModule, precision: str = "tf32", max_blocks: int = 32,
-               win_batch: int = 1) -> dict[str, np.ndarray]:
+def mma_arrays(mod: SparseModule, precision: str = "tf32", max_blocks: int = 32) -> dict[str, np.ndarray]:
     """Arrays of the register-direct kernel: ``afrag`` (A fragments per MMA k-step and lane, 16
     bytes each: 4 tf32-rounded floats or 8 fp16/bf16), ``pcols`` (each k-step's X row ids in the
     order a lane loads them: tf32 columns (t, t+4) per lane, 16-bit (2t, 2t+1, 2t+8, 2t+9)),
@@ -257,7 +224,7 @@ def mma_arrays(mod: SparseModule, precision: str = "tf32", max_blocks: int = 32,
     out = {"afrag": np.ascontiguousarray(frag.reshape(-1)),
            "pcols": np.ascontiguousarray(pcols.reshape(-1), dtype=np.int32),
            "row_ids": np.ascontiguousarray(ka["row_ids"], dtype=np.int32)}
-    out.update(split_windows(fmt.win_block_ptr, max_blocks, win_batch))
+    out.update(split_windows(fmt.win_block_ptr, max_blocks))
     return out
 
 
@@ -314,21 +281,14 @@ def emulate_mma_spmm(arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any], 
     row_ids = np.asarray(arrays["row_ids"], dtype=np.int64)
     nslot = int(np.asarray(arrays["slot_grp"]).size)
     part = np.full((nslot, 16, K), np.nan)
-    wbp = np.asarray(arrays["win_block_ptr"], dtype=np.int64)
     for lo, hi, win, slot in items:
-        if slot <= -2:                                   # batched consecutive windows
-            assert lo == wbp[win] and hi == wbp[win - slot]
-            spans = [(w, wbp[w], wbp[w + 1]) for w in range(win, win - slot)]
+        v = cs[hi] - cs[lo]
+        if slot < 0:
+            rows = win * 16 + np.arange(16)
+            keep = rows < m
+            Y[row_ids[rows[keep]]] = v[keep]
         else:
-            spans = [(win, lo, hi)]
-        for w, b0, b1 in spans:
-            v = cs[b1] - cs[b0]
-            if slot < 0:
-                rows = w * 16 + np.arange(16)
-                keep = rows < m
-                Y[row_ids[rows[keep]]] = v[keep]
-            else:
-                part[slot] = v
+            part[slot] = v
     grp_ptr = np.asarray(arrays["grp_ptr"], dtype=np.int64)
     slot_grp = np.asarray(arrays["slot_grp"], dtype=np.int64)
     for grp in range(grp_ptr.size - 1):
@@ -383,7 +343,7 @@ class TcKernel(_NvccKernel):
         ngrp = int(self.arrays["grp_ptr"].size) - 1
         nslot = int(self.arrays["slot_grp"].size)
         ty = -(-K // (32 * CG * W))
-        dev = self._upload(("items", "win_block_ptr", "slot_grp", "grp_ptr", "pcols", "afrag", "row_ids"))
+        dev = self._upload(("items", "slot_grp", "grp_ptr", "pcols", "afrag", "row_ids"))
         self._part = cupy.empty(max(1, nslot * 16 * K), dtype=cupy.float32)
         self._counters = cupy.zeros(max(1, ngrp * ty * W), dtype=cupy.int32)
         args = list(dev) + [None, None, int(self._part.data.ptr), int(self._counters.data.ptr),
@@ -426,8 +386,7 @@ class TcWmmaSgt(_NvccTemplate):
     """TC-GNN (ATC'23) tensor-core SpMM on SGT row windows: tf32 m16n8k8 / m16n16k8 (fp16 / bf16
     m16n8k16 / m16n16k16 as options) with fp32 accumulation.  impl "mma": register-direct
     mma.sync with balanced work items (windows split into runs of at most ``max_blocks`` TC
-    blocks, runs of up to ``win_batch`` small windows batched into one item; tunable: warps per
-    block, 32-column groups per warp, blocks in flight per warp);
+    blocks; tunable: warps per block, 32-column groups per warp, blocks in flight per warp);
     impl "wmma": the paper's scheme (sparse tile and gathered X rows staged in shared memory;
     tunable: warps per block, 16-column tiles per warp, sparse-tile source)."""
 
@@ -461,8 +420,7 @@ class TcWmmaSgt(_NvccTemplate):
         from optuna.distributions import CategoricalDistribution as C
 
         return {"impl": C(["mma", "wmma"]), "warps_per_block": C([1, 2, 4, 8]), "col_groups": C([1, 2, 4]),
-                "unroll": C([1, 2, 4]), "max_blocks": C([0, 8, 32, 128]), "win_batch": C([1, 4, 16]),
-                "tiles_per_warp": C([1, 2, 4]),
+                "unroll": C([1, 2, 4]), "max_blocks": C([0, 8, 32, 128]), "tiles_per_warp": C([1, 2, 4]),
                 "dense_a": C([0, 1]), "precision": C(["tf32", "fp16", "bf16"])}
 
     @staticmethod
@@ -483,7 +441,7 @@ class TcWmmaSgt(_NvccTemplate):
         tpw, _ = self._wmma_shape(K)
         cg, wm = self._mma_shape(K)
         return {"impl": "mma", "warps_per_block": wm, "col_groups": cg, "unroll": 4 if cg == 1 else 2,
-                "max_blocks": 32, "win_batch": 1, "tiles_per_warp": tpw, "dense_a": 1, "precision": "tf32"}
+                "max_blocks": 32, "tiles_per_warp": tpw, "dense_a": 1, "precision": "tf32"}
 
     def _defaults(self, mod):
         d = self.default_params(mod)
@@ -496,7 +454,7 @@ class TcWmmaSgt(_NvccTemplate):
         seeds = [d]
         for mb in (0, 8, 128):
             seeds.append({**d, "max_blocks": mb})
-        seeds += [{**d, "unroll": 1}, {**d, "unroll": 2}, {**d, "win_batch": 4}]
+        seeds += [{**d, "unroll": 1}, {**d, "unroll": 2}]
         if groups >= 2:
             cg2 = 2 if d["col_groups"] == 1 else 1
             seeds.append({**d, "col_groups": cg2, "unroll": 1 if cg2 == 2 else 4,
@@ -569,13 +527,12 @@ class TcWmmaSgt(_NvccTemplate):
                 "precision": prec, "tolerance_dtype": PRECISIONS[prec][2], "arch": arch, "impl": impl}
         if impl == "mma":
             cg, un, mb = int(params["col_groups"]), int(params["unroll"]), int(params["max_blocks"])
-            wb = int(params["win_batch"])
-            if W not in (1, 2, 4, 8) or cg not in (1, 2, 4) or un not in (1, 2, 4) or mb < 0 or wb < 1:
+            if W not in (1, 2, 4, 8) or cg not in (1, 2, 4) or un not in (1, 2, 4) or mb < 0:
                 raise ValueError(f"invalid tc.wmma_sgt parameters {params}")
             if not self.mma_ok(prec, fmt.BLK_W, cg, un):
                 raise ValueError(f"col_groups x unroll too large for {prec} with {fmt.BLK_W}-wide blocks "
                                  "(registers would spill)")
-            arrays = mma_arrays(mod, prec, mb, wb)
+            arrays = mma_arrays(mod, prec, mb)
             inst = self.mma_instances(prec, fmt.BLK_W, cg, un, vec)
             meta.update(items=int(arrays["items"].shape[0]), slots=int(arrays["slot_grp"].size))
         elif impl == "wmma":
