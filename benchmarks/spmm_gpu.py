@@ -241,12 +241,12 @@ def geomean(xs):
     return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else float("nan")
 
 
-def run_bench(op: str, templates, ks, graphs, out_dir, tag, max_seeds=None):
+def run_bench(op: str, templates, ks, graphs, out_dir, tag, max_seeds=None, prior=None):
     import torch
 
     bw = copy_bandwidth(torch)
     print(f"device: {torch.cuda.get_device_name()}  copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
-    rows = []
+    rows = list(prior or [])
     t_start = time.time()
     cands = Candidates(max_seeds=max_seeds)
     for gname, A in graphs:
@@ -254,6 +254,8 @@ def run_bench(op: str, templates, ks, graphs, out_dir, tag, max_seeds=None):
         m, n = A.shape
         Ad = None
         for K in ks:
+            if any(r["graph"] == gname and r["K"] == K for r in rows):
+                continue  # measured in an earlier run (--merge)
             sop = make_op(A, op, K, "sum" if op == "spmm" else None)
             torch.manual_seed(K)
             if op == "spmm":
@@ -323,8 +325,18 @@ def run_bench(op: str, templates, ks, graphs, out_dir, tag, max_seeds=None):
             # re-measure the winners (selection noise) and their per-call latency
             for rid, rec in finals.items():
                 cm = mods[rid]
-                rec["kernel_s"] = min(rec["kernel_s"], kernel_time(torch, lambda: cm(*ins, out=out)))
-                rec["latency_s"] = latency(torch, lambda: cm(*ins))
+                try:
+                    rec["kernel_s"] = min(rec["kernel_s"], kernel_time(torch, lambda: cm(*ins, out=out)))
+                    rec["latency_s"] = latency(torch, lambda: cm(*ins))
+                except Exception as e:  # a winner that fails when run again is a bug: say so, drop it
+                    rec["error"] = f"re-run failed: {type(e).__name__}: {e}"[:300]
+                    print(f"  {gname} K={K} {rec['template']} {rec['params']}: {rec['error']}", flush=True)
+                    rec.pop("kernel_s", None)
+            ok = [r for r in ok if "kernel_s" in r]
+            exact = [r for r in ok if r["precision"] == "fp32"]
+            per_tpl = {t: r for t, r in per_tpl.items() if "kernel_s" in r}
+            if "extern.cusparse" not in per_tpl or not exact:
+                continue
             tuned = min(exact, key=lambda r: r["kernel_s"])
             tuned_any = min(ok, key=lambda r: r["kernel_s"])
             cus = per_tpl["extern.cusparse"]
@@ -484,6 +496,8 @@ def main(argv=None, op="spmm", default_templates=("extern.cusparse", "csr.crc_cw
     ap.add_argument("--templates", nargs="*", default=list(default_templates))
     ap.add_argument("--all-templates", action="store_true",
                     help="every available CUDA template for the op (tensor-core ones included)")
+    ap.add_argument("--merge", nargs="*", default=[],
+                    help="JSON files of earlier runs: their rows are kept and their (graph, K) not re-run")
     ap.add_argument("--skip", nargs="*", default=[], help="graphs to leave out (e.g. done in an earlier call)")
     ap.add_argument("--build-only", action="store_true",
                     help="only build every candidate (fills the kernel cache; no GPU needed)")
@@ -505,7 +519,13 @@ def main(argv=None, op="spmm", default_templates=("extern.cusparse", "csr.crc_cw
                 os.environ.get("SPCOMPILE_GRAPHS", ""), "*.npz"))}) - set(a.skip)
         return build_only(op, a.templates, a.K, names, a.jobs, a.max_seeds)
     graphs = [g for g in load_graphs(a.graphs, a.max_nnz) if g[0] not in a.skip]
-    run_bench(op, a.templates, a.K, graphs, a.out, a.tag or f"{op}_gpu", a.max_seeds)
+    prior = []
+    for path in a.merge:
+        with open(path) as f:
+            prior += [r for r in json.load(f)["rows"] if r["K"] in a.K]
+    done = {(r["graph"], r["K"]) for r in prior}
+    graphs = [g for g in graphs if any((g[0], K) not in done for K in a.K)]
+    run_bench(op, a.templates, a.K, graphs, a.out, a.tag or f"{op}_gpu", a.max_seeds, prior)
     return 0
 
 

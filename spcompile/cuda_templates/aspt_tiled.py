@@ -224,8 +224,7 @@ class AsptKernel(_NvccKernel):
         self._grid_tiles = [(ntb + ntask, -(-K // x), 1) for x in kt]
         self._smem = [int(meta["smem"]), int(meta["smem1"])]
         for f, s in zip(self._tiles, self._smem):
-            if s > 48 * 1024:
-                f.max_dynamic_shared_size_bytes = s
+            rt.ensure_dynamic_smem(f, s)
         self._has_tiles = ntb + ntask > 0
         self._amask = 4 * int(meta["vec"]) - 1
         self._empty = m == 0 or K == 0

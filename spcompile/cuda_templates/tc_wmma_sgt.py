@@ -324,9 +324,8 @@ class TcKernel(_NvccKernel):
         self._grid = (max(nwin, 1), -(-ktiles // (W * TPW)), 1)
         self._block = (32 * W, 1, 1)
         self._smem = int(meta["smem_fixed"]) + W * int(meta["smem_per_warp"])
-        if self._smem > 48 * 1024:
-            for f in fns:
-                f.max_dynamic_shared_size_bytes = self._smem
+        for f in fns:
+            rt.ensure_dynamic_smem(f, self._smem)
         self._empty = nwin == 0 or m == 0
         self._vec = int(meta["vec"])
         self._cupy = cupy

@@ -188,6 +188,22 @@ def _stream(handle: int):
 
 
 # -- launching ------------------------------------------------------------------------------
+def ensure_dynamic_smem(fn, nbytes: int) -> None:
+    """Let ``fn`` launch with ``nbytes`` of dynamic shared memory.  The attribute belongs to the
+    CUfunction, which every kernel object built from the same cached binary shares: it is only
+    ever raised, so one module's setting never breaks another's launches."""
+    nbytes = int(nbytes)
+    if nbytes <= 48 * 1024:
+        return
+    try:
+        cur = int(fn.max_dynamic_shared_size_bytes)
+    except Exception:
+        cur = 0
+    if nbytes > cur:
+        fn.max_dynamic_shared_size_bytes = nbytes
+
+
+
 _LIBCUDA: Any = None
 
 
