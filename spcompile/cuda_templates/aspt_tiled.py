@@ -35,7 +35,7 @@ import numpy as np
 
 from ..ir import SparseModule
 from ..runtime import cuda as rt
-from ..schedules.base import csr_kernel_arrays, register_template
+from ..schedules.base import csr_kernel_arrays, register_template, unique_params
 from .templates import _NvccKernel, _NvccTemplate, _largest_vec
 
 __all__ = ["AsptTiled", "aspt_arrays", "emulate_aspt_spmm", "PANEL_HEIGHT"]
@@ -290,13 +290,7 @@ class AsptTiled(_NvccTemplate):
                  {**d, "max_seg": 64}, {**d, "max_seg": 1024, "max_ent": 0}]
         if K >= 256:
             seeds.append({**d, "cf": 2})
-        out, seen = [], set()
-        for s in seeds:
-            t = tuple(sorted(s.items()))
-            if t not in seen:
-                seen.add(t)
-                out.append(s)
-        return out
+        return unique_params(seeds)
 
     @staticmethod
     def instance_name(R, VEC, CF) -> str:

@@ -39,7 +39,7 @@ import numpy as np
 
 from ..ir import SparseModule
 from ..runtime import cuda as rt
-from ..schedules.base import csr_kernel_arrays, register_template
+from ..schedules.base import csr_kernel_arrays, register_template, unique_params
 from .templates import _NvccKernel, _NvccTemplate
 
 __all__ = ["SptcVnm", "sptc_arrays", "pack_arrays", "condense_windows", "PACKS", "emulate_sptc_spmm", "decode_tiles", "META_LAYOUT", "PRECISIONS",
@@ -502,13 +502,7 @@ class SptcVnm(_NvccTemplate):
                                                             "warps_per_block": max(1, d["warps_per_block"] // 2)},
                  {**d, "slabs_per_warp": 2, "warps_per_block": min(8, 2 * d["warps_per_block"])},
                  {**d, "pack": "block"}, {**d, "precision": "bf16"}]
-        out, seen = [], set()
-        for s in seeds:
-            t = tuple(sorted(s.items()))
-            if t not in seen:
-                seen.add(t)
-                out.append(s)
-        return out
+        return unique_params(seeds)
 
     @staticmethod
     def instance_name(P, NT) -> str:

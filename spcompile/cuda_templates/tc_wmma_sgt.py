@@ -30,7 +30,7 @@ import numpy as np
 
 from ..ir import SparseModule
 from ..runtime import cuda as rt
-from ..schedules.base import csr_kernel_arrays, register_template
+from ..schedules.base import csr_kernel_arrays, register_template, unique_params
 from .templates import _NvccKernel, _NvccTemplate, _source
 
 __all__ = ["TcWmmaSgt", "TcWmmaSgtSddmm", "tc_arrays", "emulate_tc_spmm", "mma_arrays", "emulate_mma_spmm",
@@ -365,16 +365,6 @@ class TcKernel(_NvccKernel):
            shared_mem=self._smem, stream=rt._stream(stream))
 
 
-def _dedup(seeds):
-    out, seen = [], set()
-    for s in seeds:
-        t = tuple(sorted(s.items()))
-        if t not in seen:
-            seen.add(t)
-            out.append(s)
-    return out
-
-
 def _pow2_at_most(x: int, hi: int) -> int:
     x = max(1, min(int(x), hi))
     return 1 << (x.bit_length() - 1) if x & (x - 1) else x
@@ -461,7 +451,7 @@ class TcWmmaSgt(_NvccTemplate):
         for prec in self._precisions(mod):
             seeds.append({**d, "precision": prec})
         seeds += [dw, {**dw, "dense_a": 0}]
-        return _dedup(seeds)
+        return unique_params(seeds)
 
     # -- rendering / instances ---------------------------------------------------------------
     def render(self, instances):
@@ -696,7 +686,7 @@ class TcWmmaSgtSddmm(_NvccTemplate):
         d = self.default_params(mod)
         seeds = [d, {**d, "k_unroll": 3 - d["k_unroll"]}, {**d, "warps_per_block": 8}, {**d, "warps_per_block": 2}]
         seeds += [{**d, "precision": p} for p in self._precisions(mod)]
-        return _dedup(seeds)
+        return unique_params(seeds)
 
     def instances(self, precision: str, BW: int, ku: int, vec: int) -> list:
         P = PRECISIONS[precision][0]

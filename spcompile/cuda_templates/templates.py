@@ -21,7 +21,7 @@ import numpy as np
 
 from ..ir import SparseModule
 from ..runtime import cuda as rt
-from ..schedules.base import Template, csr_kernel_arrays, register_template, source_hash_of
+from ..schedules.base import Template, csr_kernel_arrays, register_template, source_hash_of, unique_params
 
 _DIR = os.path.dirname(os.path.abspath(__file__))
 _REDUCE = {"sum": 0, "max": 1, "min": 2, "mean": 3}
@@ -106,8 +106,6 @@ class _NvccTemplate(Template):
     target = "cuda"
     source_file = ""
     instance_macro = ""
-    #: input/output dtypes the template compiles for (subclasses that take 16-bit inputs widen it)
-    dtypes: tuple = ("float32",)
 
     def available(self) -> bool:
         return rt.nvcc_available()
@@ -127,7 +125,7 @@ class _NvccTemplate(Template):
     def supports(self, mod: SparseModule) -> bool:
         A = mod.A
         ok_size = max(A.nnz, A.shape[0] + 1, A.shape[1]) < 2**31 - 1
-        return super().supports(mod) and ok_size and mod.op.dtype in self.dtypes
+        return super().supports(mod) and ok_size
 
 
 class _NvccKernel(rt.CUDAKernel):
@@ -275,13 +273,7 @@ class CrcCwm(_NvccTemplate):
                 if g * vec4 < K:
                     for ms in (16, 32):
                         seeds.append({**d, "group": g, "vec": vec4, "cf": 1, "max_seg": ms, "unroll": 8})
-        out, seen = [], set()
-        for s in seeds:
-            t = tuple(sorted(s.items()))
-            if t not in seen:
-                seen.add(t)
-                out.append(s)
-        return out
+        return unique_params(seeds)
 
     @staticmethod
     def instance_name(TN, R, CF, VEC, G, U) -> str:
@@ -392,13 +384,7 @@ class CsrSddmm(_NvccTemplate):
             seeds.append({**d, "group": g, "k_chunks": xc})
             seeds.append({**d, "group": g, "k_chunks": xc, "nnz_per_warp": 64})
         seeds.append({**d, "warps_per_block": 8})
-        out, seen = [], set()
-        for s in seeds:
-            t = tuple(sorted(s.items()))
-            if t not in seen:
-                seen.add(t)
-                out.append(s)
-        return out
+        return unique_params(seeds)
 
     @staticmethod
     def instance_name(TN, G, VEC, XC) -> str:
@@ -521,7 +507,7 @@ class Cusparse(Template):
     def supports(self, mod):
         if mod.op.dtype != "float32" and mod.op.op != "spmm":
             return False
-        return super().supports(mod) and mod.op.dtype in self.dtypes
+        return super().supports(mod)
 
     def available(self) -> bool:
         import importlib.util

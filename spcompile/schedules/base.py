@@ -49,6 +49,17 @@ class Kernel:
         raise NotImplementedError
 
 
+def unique_params(seeds) -> list[dict]:
+    """``seeds`` without repeated parameter sets, first occurrence kept (for ``seed_params``)."""
+    out, seen = [], set()
+    for s in seeds:
+        t = tuple(sorted(s.items()))
+        if t not in seen:
+            seen.add(t)
+            out.append(s)
+    return out
+
+
 class Template:
     """Base class of kernel templates.  Subclasses set ``name`` (dotted), ``version``, ``target``
     ("cpu" or "cuda"), ``ops`` (supported (op, reduce) pairs) and implement the methods below."""
