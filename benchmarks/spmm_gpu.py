@@ -222,18 +222,8 @@ class Candidates:
         return res
 
     def build(self, gname, sop, tname, spec, params):
-        from spcompile.ir import values_hash
-        from spcompile.module import CompiledModule
-
-        if not spec:
-            return build_from_config(sop, Config(tname, params, (), "cuda"))
-        tpl = get_template(tname)
-        mod = self.module(gname, sop, spec)
-        params = tpl.check_params(mod, params)
-        kernel = tpl.build(mod, params)
-        ran = tuple({"name": r.name, "options": dict(r.options)} for r in mod.log)
-        return CompiledModule(sop.key(), Config(tname, params, ran, "cuda", tpl.format), kernel,
-                              [r.to_dict() for r in mod.log], values_hash(sop.A))
+        mod = self.module(gname, sop, spec) if spec else None
+        return build_from_config(sop, Config(tname, params, tuple(spec), "cuda"), module=mod)
 
 
 def geomean(xs):

@@ -48,12 +48,12 @@ def make_op(A, op: str = "spmm", K: int | None = None, reduce: str | None = None
 
 def _templates_for_dtype(sop: SparseOp, target: str) -> list[str]:
     return [t.name for t in list_templates(target, op=sop.op, reduce=sop.reduce)
-            if sop.dtype in getattr(t, "dtypes", ("float32",))]
+            if sop.dtype in t.dtypes]
 
 
 def _check_dtype(sop: SparseOp, target: str, template: str | None) -> None:
-    """float16 / bfloat16 workloads only build with templates that declare them (``dtypes``;
-    templates without the attribute are float32 only); a clear error otherwise."""
+    """float16 / bfloat16 workloads only build with templates that declare them
+    (``Template.dtypes``, float32 only by default); a clear error otherwise."""
     if sop.dtype == "float32":
         return
     if target == "cpu":
@@ -62,9 +62,9 @@ def _check_dtype(sop: SparseOp, target: str, template: str | None) -> None:
                          f"by {_templates_for_dtype(sop, 'cuda') or 'no template'}")
     if template is not None:
         tpl = get_template(template)
-        if sop.dtype not in getattr(tpl, "dtypes", ("float32",)):
+        if sop.dtype not in tpl.dtypes:
             raise ValueError(f"unsupported dtype {sop.dtype!r} for template {tpl.name!r} (it supports "
-                             f"{list(getattr(tpl, 'dtypes', ('float32',)))}); templates with {sop.dtype} "
+                             f"{list(tpl.dtypes)}); templates with {sop.dtype} "
                              f"inputs for op={sop.op!r} reduce={sop.reduce!r}: "
                              f"{_templates_for_dtype(sop, 'cuda') or 'none'}")
 
@@ -82,15 +82,19 @@ def default_config(op: SparseOp, target: str) -> Config:
 
 
 def build_from_config(op: SparseOp, config: Config, ctx: PassContext | None = None,
-                      tuning: Mapping[str, Any] | None = None) -> CompiledModule:
-    """Replay a decision: run its pipeline, build its template with its parameters."""
+                      tuning: Mapping[str, Any] | None = None, module: SparseModule | None = None) -> CompiledModule:
+    """Replay a decision: run its pipeline, build its template with its parameters.  ``module``:
+    the pipeline's output when the caller already has it (e.g. one pipeline run reused for
+    several templates or widths; its ``op`` must be ``op``)."""
     tpl = get_template(config.template)
     if tpl.target != config.target:
         raise ValueError(f"template {tpl.name!r} is for target {tpl.target!r}, not {config.target!r}")
     if not tpl.available():
         raise RuntimeError(f"template {tpl.name!r} cannot be built on this machine (toolchain missing)")
     pipeline = Pipeline(config.pipeline)
-    mod = pipeline(SparseModule.from_op(op), ctx)
+    if module is not None and module.op is not op:
+        raise ValueError("module was produced for another op")
+    mod = module if module is not None else pipeline(SparseModule.from_op(op), ctx)
     if not tpl.supports(mod):
         raise ValueError(f"template {tpl.name!r} does not support op={op.op!r} reduce={op.reduce!r} "
                          f"after pipeline {[p['name'] for p in pipeline.spec()]}")

@@ -104,7 +104,7 @@ def make_inputs(op: SparseOp, n_sets: int, seed: int = 0) -> list[tuple[np.ndarr
 def build_timed(op: SparseOp, config: Config) -> tuple[CompiledModule, float, float]:
     """Replay ``config`` like :func:`spcompile.compiler.build_from_config`, timing the pass
     pipeline (preprocessing) and the template build (compilation) separately."""
-    from .ir import values_hash
+    from .compiler import build_from_config
     from .passes import Pipeline
     from .schedules import get_template
 
@@ -113,18 +113,11 @@ def build_timed(op: SparseOp, config: Config) -> tuple[CompiledModule, float, fl
         raise ValueError(f"template {tpl.name!r} is for target {tpl.target!r}, not {config.target!r}")
     if not tpl.available():
         raise RuntimeError(f"template {tpl.name!r} cannot be built on this machine")
-    pipeline = Pipeline(config.pipeline)
     t0 = time.perf_counter()
-    mod = pipeline(SparseModule.from_op(op))
+    mod = Pipeline(config.pipeline)(SparseModule.from_op(op))
     t1 = time.perf_counter()
-    if not tpl.supports(mod):
-        raise ValueError(f"template {tpl.name!r} does not support this op after pipeline "
-                         f"{[p['name'] for p in pipeline.spec()]}")
-    params = tpl.check_params(mod, config.params)
-    kernel = tpl.build(mod, params)
+    cm = build_from_config(op, config, module=mod)
     t2 = time.perf_counter()
-    cfg = Config(tpl.name, params, tuple(pipeline.spec()), config.target, tpl.format)
-    cm = CompiledModule(op.key(), cfg, kernel, [r.to_dict() for r in mod.log], values_hash(op.A))
     return cm, t1 - t0, t2 - t1
 
 
