@@ -207,20 +207,26 @@ def ensure_dynamic_smem(fn, nbytes: int) -> None:
 _LIBCUDA: Any = None
 
 
+@functools.lru_cache(maxsize=None)
+def _driver():
+    """The CUDA driver library through ctypes, or None."""
+    try:
+        return ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+
+
 def _libcuda():
     """``cuLaunchKernel`` of the driver through ctypes (argtypes fixed once), or None."""
     global _LIBCUDA
     if _LIBCUDA is None:
-        if os.environ.get("SPCOMPILE_CUPY_LAUNCH"):
-            _LIBCUDA = False
-            return None
+        lib = None if os.environ.get("SPCOMPILE_CUPY_LAUNCH") else _driver()
         try:
-            lib = ctypes.CDLL("libcuda.so.1")
             f = lib.cuLaunchKernel
             f.restype = ctypes.c_int
             f.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
             _LIBCUDA = f
-        except (OSError, AttributeError):
+        except AttributeError:  # no driver (lib is None) or no such symbol
             _LIBCUDA = False
     return _LIBCUDA or None
 
@@ -240,7 +246,7 @@ def _make_context_current() -> bool:
     try:
         import cupy
 
-        lib = ctypes.CDLL("libcuda.so.1")
+        lib = _driver()
         dev = ctypes.c_int()
         if lib.cuDeviceGet(ctypes.byref(dev), ctypes.c_int(cupy.cuda.runtime.getDevice())) != 0:
             return False
