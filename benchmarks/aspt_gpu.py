@@ -8,15 +8,16 @@ Modes (combinable):
                configuration, both offered pipelines, misaligned X/Y) on fresh inputs with
                NaN-poisoned outputs against float64 (rel. Frobenius error <= 1e-5)
   --sanitize   a few small cases of every kernel path (run it under compute-sanitizer)
-  --bench      shared graphs at K = 128 and 256: cuSPARSE, csr.crc_cwm (all seeds), aspt.tiled with
-               the offered pipelines (tile.aspt H=256; cluster.lsh -> tile.aspt H=256) and tile.aspt
-               with H = 64 / 128 (all seeds each); every configuration is checked against float64 and
-               timed (N calls captured in a CUDA graph, replayed between events), the fastest kept
+  --bench      shared graphs at K = 128 and 256: cuSPARSE, csr.crc_cwm (all seeds), aspt.tiled v3
+               (scheme "tasks" seeds) and v4 (scheme "panel" seeds) on tile.aspt H=256 with and without
+               cluster.lsh (always applied), v4 on H=128; every configuration is checked against
+               float64 and timed (N calls captured in a CUDA graph, replayed between events), the
+               fastest kept; pass times recorded (pass_s)
   --build-only build every kernel of the selected modes without a GPU (fills the kernel cache)
 
 Command used on the H100 (see docs/aspt_benchmark.md):
-    python benchmarks/aspt_gpu.py --check --bench --out $OUT
     compute-sanitizer --tool memcheck python benchmarks/aspt_gpu.py --sanitize --out $OUT/san
+    python benchmarks/aspt_gpu.py --check --bench --out $OUT
 """
 from __future__ import annotations
 
@@ -94,7 +95,10 @@ def run_sanitize(build_only, log):
             for pipe in at.pipelines(_mod(A, K, reduce, ())):
                 mod = _mod(A, K, reduce, pipe)
                 d = at.default_params(mod)
-                for p in (d, {**d, "chunk": 32, "max_seg": 64, "warps": 4, "rows_per_warp": 2}):
+                t = {**d, "scheme": "tasks"}
+                for p in (d, {**d, "chunk": 8, "split": 64, "max_ent": 64, "warps": 4},
+                          {**d, "nbuf": 1, "chunk": 16, "warps": 32},
+                          t, {**t, "chunk": 32, "max_seg": 64, "warps": 4, "rows_per_warp": 2}):
                     label = f"san/K{K}/{reduce}/{len(pipe)}/{p}"
                     try:
                         if build_only:
@@ -113,15 +117,23 @@ def run_sanitize(build_only, log):
 
 
 # ------------------------------------------------------------------------------------------
+PANEL_SEEDS = "panel"
+TASK_SEEDS = "tasks"
+
+
 def bench_variants(A, K):
+    """(label, template, pipeline, seed filter): cuSPARSE, csr.crc_cwm (all seeds), aspt.tiled v3
+    (scheme "tasks") and v4 (scheme "panel") on tile.aspt H=256 with and without cluster.lsh
+    (LSH *always* applied here, skip rule off, to measure it), v4 on H=128."""
     at, crc = get_template("aspt.tiled"), get_template("csr.crc_cwm")
-    base = _mod(A, K, "sum", ())
-    p_plain, p_lsh = at.pipelines(base)
-    out = [("cusparse", get_template("extern.cusparse"), []), ("csr.crc_cwm", crc, []),
-           ("aspt.tiled", at, p_plain), ("aspt.tiled +lsh", at, p_lsh)]
-    for H in (128,):
-        out.append((f"aspt.tiled H{H}", at, [{"name": "tile.aspt", "options": {"panel_height": H, "dense_threshold": 2}}]))
-    return out
+    opts = {"panel_height": 256, "dense_threshold": 2}
+    plain = [{"name": "tile.aspt", "options": dict(opts)}]
+    lsh = [{"name": "cluster.lsh", "options": {"panel_height": 256, "skip_dense_ratio": 1.0}},
+           {"name": "tile.aspt", "options": dict(opts)}]
+    h128 = [{"name": "tile.aspt", "options": {"panel_height": 128, "dense_threshold": 2}}]
+    return [("cusparse", get_template("extern.cusparse"), [], None), ("csr.crc_cwm", crc, [], None),
+            ("v3", at, plain, TASK_SEEDS), ("v3 +lsh", at, lsh, TASK_SEEDS),
+            ("v4", at, plain, PANEL_SEEDS), ("v4 +lsh", at, lsh, PANEL_SEEDS), ("v4 H128", at, h128, PANEL_SEEDS)]
 
 
 def run_bench(graphs, build_only, rows, save=lambda: None):
@@ -144,12 +156,13 @@ def run_bench(graphs, build_only, rows, save=lambda: None):
                 ref = torch.sparse.mm(Ad, X.double())
                 refn = torch.linalg.norm(ref)
                 out = torch.empty(A.shape[0], K, device="cuda")
-            for name, tpl, pipe in bench_variants(A, K):
+            for name, tpl, pipe, scheme in bench_variants(A, K):
                 t0 = time.perf_counter()
                 mod = _mod(A, K, "sum", pipe)
                 t_pass = time.perf_counter() - t0
                 best = None
-                for p in tpl.seed_params(mod):
+                seeds = [p for p in tpl.seed_params(mod) if scheme is None or p.get("scheme") == scheme]
+                for p in seeds:
                     try:
                         kern = tpl.build(mod, p)
                         if build_only:
@@ -180,7 +193,8 @@ def run_bench(graphs, build_only, rows, save=lambda: None):
                     # rows of X gathered from L2 per call, relative to CSR (one per nonzero)
                     row["gather_ratio"] = (fmt.rem_data.size + fmt.dense_cols.size) / max(A.nnz, 1)
                     if best:
-                        row["tasks"], row["tails"] = best[3].get("tasks"), best[3].get("tails")
+                        for k in ("tasks", "tails", "blocks", "steps", "split_panels", "chunk"):
+                            row[k] = best[3].get(k)
                 rows.append(row)
                 print(json.dumps(row, default=str), flush=True)
         save()
@@ -190,13 +204,14 @@ def write_markdown(rows, path, device):
     by = {}
     for r in rows:
         by.setdefault((r["graph"], r["K"]), {})[r["variant"]] = r
-    variants = ["cusparse", "csr.crc_cwm", "aspt.tiled", "aspt.tiled +lsh", "aspt.tiled H128"]
+    variants = ["cusparse", "csr.crc_cwm", "v3", "v3 +lsh", "v4", "v4 +lsh", "v4 H128"]
     L = [f"# aspt.tiled benchmark ({device})", "",
-         "SpMM sum, fp32; kernel time in microseconds (fastest correct seed configuration, CUDA-graph replay); "
-         "in brackets the speed-up over cuSPARSE.  aspt.tiled / +lsh = the offered pipelines (panel height 256); "
-         "H128 = tile.aspt with panel height 128.  dense = dense-tile ratio (plain / +lsh), "
-         "gather = X rows read from L2 per call relative to CSR (plain, H256).", "",
-         "| graph | K | nnz | " + " | ".join(variants) + " | aspt / crc | dense | gather |",
+         "SpMM sum, fp32; kernel time in microseconds (fastest correct seed configuration of the variant, "
+         "CUDA-graph replay); in brackets the speed-up over cuSPARSE.  v3 = scheme tasks, v4 = scheme panel "
+         "(tile.aspt H=256; +lsh: cluster.lsh always applied; H128: panel height 128).  v4 / crc = best v4 "
+         "variant vs csr.crc_cwm.  dense = dense-tile ratio (plain / +lsh), gather = X rows read from L2 per "
+         "call relative to CSR (plain, H256).", "",
+         "| graph | K | nnz | " + " | ".join(variants) + " | v4 / crc | dense | gather |",
          "|---|---|---|" + "---|" * len(variants) + "---|---|---|"]
     for (g, K), d in by.items():
         cu = d.get("cusparse", {}).get("time_us")
@@ -205,11 +220,11 @@ def write_markdown(rows, path, device):
             t = d.get(v, {}).get("time_us")
             cells.append("-" if t is None else (f"{t:.1f}" + (f" ({cu / t:.2f}x)" if cu and v != "cusparse" else "")))
         crc = d.get("csr.crc_cwm", {}).get("time_us")
-        ab = [d.get(v, {}).get("time_us") for v in variants[2:]]
+        ab = [d.get(v, {}).get("time_us") for v in ("v4", "v4 +lsh", "v4 H128")]
         ab = min([x for x in ab if x], default=None)
         rel = f"{crc / ab:.2f}x" if crc and ab else "-"
-        dr = [d.get(v, {}).get("dense_ratio") for v in ("aspt.tiled", "aspt.tiled +lsh")]
-        gr = d.get("aspt.tiled", {}).get("gather_ratio")
+        dr = [d.get(v, {}).get("dense_ratio") for v in ("v4", "v4 +lsh")]
+        gr = d.get("v4", {}).get("gather_ratio")
         nnz = next(iter(d.values()))["nnz"]
         L.append(f"| {g} | {K} | {nnz} | " + " | ".join(cells) + f" | {rel} | "
                  + " / ".join("-" if x is None else f"{x:.2f}" for x in dr) + f" | {'-' if gr is None else f'{gr:.2f}'} |")

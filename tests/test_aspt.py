@@ -1,10 +1,14 @@
-"""aspt.tiled (ASpT, restructured: dense tasks = panel x chunk of dense columns staged in shared
+"""aspt.tiled, two schemes: "panel" (v4: one block per row-panel part and K tile keeps the panel's
+rows in shared memory, gathers the remainder, stages dense-column chunks, writes Y once; split
+panels combined in slot order) and "tasks" (v3: dense tasks = panel x chunk staged in shared
 memory, entries split over warps, remainder rows with long rows split, atomic combine).
 
-CPU: the uploaded arrays, run through a numpy emulation of the two kernels (plain row stores into
-a NaN-filled output, then atomic combines), reproduce the float64 reference for sum / mean / max /
-min on matrices with empty rows, a long row, K = 1 and odd K, several panel heights, chunk sizes,
-max_seg values, with and without cluster.lsh; every kernel variant compiles for sm_90 and sm_80.
+CPU: the uploaded arrays of each scheme, run through a numpy emulation of its kernels (panel: per
+block accumulators, whole-panel stores / partials + ordered combine into a NaN-filled output;
+tasks: plain row stores, then atomic combines), reproduce the float64 reference for sum / mean /
+max / min on matrices with empty rows, a long row, a hub row, K = 1 and odd K, several panel
+heights, chunk sizes, step sizes, block splits, with and without cluster.lsh; every kernel
+variant of both schemes compiles for sm_90 and sm_80.
 GPU (``@pytest.mark.gpu``): every seed configuration against float64 on fresh inputs with
 NaN-poisoned outputs."""
 import subprocess
@@ -85,6 +89,55 @@ def test_emulation_matches_reference(name, pipe, reduce, chunk, max_seg, max_ent
     assert reference.rel_error(Y, _ref(A, X, reduce)) <= 1e-6
 
 
+PANEL_CFGS = [(96, 2048, 2, 1, 5), (3, 5, 64, 1, 1), (1, 1, 1, 3, 5), (8, 0, 200, 2, 7), (16, 7, 1000, 1, 1),
+              (8, 16, 0, 1, 5)]
+
+
+@pytest.mark.parametrize("name", sorted(MATRICES))
+@pytest.mark.parametrize("pipe", sorted(PIPES))
+@pytest.mark.parametrize("reduce", REDUCES)
+@pytest.mark.parametrize("chunk,max_ent,split,ktiles,K", PANEL_CFGS)
+def test_panel_emulation_matches_reference(name, pipe, reduce, chunk, max_ent, split, ktiles, K):
+    from spcompile.cuda_templates.aspt_tiled import aspt_panel_arrays, emulate_panel_spmm
+
+    A = MATRICES[name]()
+    mod = _mod(A, K, reduce, PIPES[pipe])
+    arrays = aspt_panel_arrays(mod, chunk, max_ent, split, ktiles)
+    X = np.random.default_rng(3).standard_normal((A.shape[1], K)).astype(np.float32)
+    Y = emulate_panel_spmm(arrays, {"m": A.shape[0], "H": mod.formats["aspt"].panel_height, "reduce": reduce}, X)
+    assert np.all(np.isfinite(Y)), "an output row was never written"
+    assert reference.rel_error(Y, _ref(A, X, reduce)) <= 1e-6
+
+
+def test_panel_structure():
+    """Steps: gather steps before staged ones inside a block, rows ascending inside a step, at most
+    max_ent entries and chunk staged columns; blocks ordered heaviest first; a hub panel is split
+    and its blocks form one group of consecutive slots; every panel has a block."""
+    from spcompile.cuda_templates.aspt_tiled import aspt_panel_arrays
+
+    A = MATRICES["hub"]()
+    H = 64
+    mod = _mod(A, 8, "sum", [("tile.aspt", {"panel_height": H})])
+    a = aspt_panel_arrays(mod, chunk=7, max_ent=9, split=16)
+    ep = a["st_eptr"].astype(np.int64)
+    assert np.all(np.diff(ep) <= 9) and np.all(np.diff(ep) >= 1) and np.all(a["st_nc"] <= 7)
+    es = np.repeat(np.arange(ep.size - 1), np.diff(ep))
+    r = a["ent_row"].astype(np.int64)
+    same = es[1:] == es[:-1]
+    assert np.all(np.diff(r)[same] >= 0)
+    for b in range(a["blk_s0"].size):
+        s0, sf, s1 = a["blk_s0"][b], a["blk_sf"][b], a["blk_s1"][b]
+        assert np.all(a["st_nc"][s0:sf] == 0) and np.all(a["st_nc"][sf:s1] > 0)
+    assert sorted(a["blk_row0"].tolist()) == sorted(set(a["blk_row0"].tolist()) | set(range(0, A.shape[0], H))) \
+        or set(range(0, A.shape[0], H)) <= set(a["blk_row0"].tolist())
+    assert a["grp_n"].size >= 1 and a["grp_n"].max() >= 2
+    slots = np.sort(a["blk_slot"][a["blk_slot"] >= 0])
+    assert np.array_equal(slots, np.arange(slots.size)) and slots.size == a["grp_n"].sum()
+    # heaviest first: the first block carries at least as many entries as the last
+    ne = [ep[a["blk_s1"][b]] - ep[a["blk_s0"][b]] if a["blk_s1"][b] > a["blk_s0"][b] else 0 for b in (0, -1)]
+    assert ne[0] >= ne[1]
+
+
 def test_task_structure():
     """Tasks hold at most `chunk` staged columns; each task's entries are ordered by row then slot
     and address only its own slots; tail segments hold at most max_seg entries."""
@@ -132,8 +185,10 @@ def test_compile_all_variants(tmp_path, arch):
     t = get_template("aspt.tiled")
     inst = sorted({i for r in ("sum", "max", "min") for v in (1, 2, 4) for cf in (1, 2, 4)
                    for i in t.instances(v, cf, 1, r)})
+    panel = sorted({i for r in ("sum", "max", "min") for v in (1, 2, 4) for nb in (1, 2)
+                    for i in t.instances(v, 1, 1, r, "panel", nb)})
     src = tmp_path / "aspt.cu"
-    src.write_text(t.render(inst))
+    src.write_text(t.render(inst + panel))
     out = tmp_path / "aspt.cubin"
     r = subprocess.run([rt.nvcc_path(), "-cubin", "-O3", "-std=c++17", f"-arch=sm_{arch}", "-o", str(out), str(src)],
                        capture_output=True, text=True)
@@ -141,6 +196,8 @@ def test_compile_all_variants(tmp_path, arch):
     data = out.read_bytes()
     for name, _ in inst:
         assert (name + "_rows").encode() in data and (name + "_tiles").encode() in data, name
+    for name, _ in panel:
+        assert (name + "_panels").encode() in data, name
 
 
 @pytest.mark.skipif(not rt.nvcc_available(), reason="nvcc not installed")
@@ -149,11 +206,20 @@ def test_build_without_gpu(tmp_path, monkeypatch):
     at = get_template("aspt.tiled")
     A = MATRICES["hub"]()
     mod = _mod(A, 19, "min", at.pipelines(_mod(A, 19))[0])
-    k = at.build(mod, {**at.default_params(mod), "chunk": 512, "cf": 4, "vec": 4})
+    k = at.build(mod, {**at.default_params(mod), "scheme": "tasks", "chunk": 512, "cf": 4, "vec": 4})
     assert k.meta["vec"] == 1 and k.meta["KT"] == 128 and k.meta["reduce"] == "min"
     assert k.meta["smem"] <= 112 * 1024 and k.files["kernel.fatbin"].startswith(str(tmp_path))
     with pytest.raises(ValueError):
         at.build(mod, {**at.default_params(mod), "cf": 3})
+    # panel scheme: the chunk shrinks to what fits next to the accumulator (sm_90: 227 KiB)
+    mod = _mod(A, 64, "max", at.pipelines(_mod(A, 64))[0])
+    k = at.build(mod, {**at.default_params(mod), "chunk": 512})
+    H = mod.formats["aspt"].panel_height
+    assert k.meta["scheme"] == "panel" and k.meta["vec"] == 4 and k.meta["KT"] == 128
+    assert k.meta["smem"] == (H + 2 * k.meta["chunk"]) * 128 * 4 <= 227 * 1024 and k.meta["chunk"] < 512
+    assert type(at.load(k.params, k.arrays, k.files, k.meta)).__name__ == "AsptPanelKernel"
+    with pytest.raises(ValueError):
+        at.build(_mod(A, 64, "sum", [("tile.aspt", {"panel_height": 1024})]), at.default_params(mod))
 
 
 # ------------------------------------------------------------------------------------------

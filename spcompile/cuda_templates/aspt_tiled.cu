@@ -258,9 +258,297 @@ __device__ __forceinline__ void aspt_tiles(
   if (cur >= 0) flush<R, VEC, CF>(Y, cur, K, k0, acc);
 }
 
+
+// ================================================================================================
+// scheme "panel" (v4): one launch, no global atomics, every output element written once.
+//
+// One thread block per (block descriptor b, K tile of KT = 32 * VEC columns).  Block b owns the
+// rows [blk_row0[b], blk_row0[b] + blk_nrows[b]) of one row panel and a contiguous range of the
+// panel's *steps* [blk_s0[b], blk_s1[b]): first gather steps (remainder entries, X rows read from
+// global / L2 like a CSR kernel), then staged steps (a chunk of the panel's dense columns: its X
+// rows are copied into shared memory with cp.async, the next chunk's copy in flight while the
+// current one is used when NBUF = 2).  The block's rows' results live in shared memory
+// (acc: H x KT floats, initialised to the reduction's identity); a step's entries (ordered by
+// row, then column) are split evenly over the warps, each warp accumulates a running row result
+// in registers (4 entries of one row in flight where the row does not change) and folds it into
+// acc when the row changes: a plain shared-memory read-modify-write when no other warp can hold
+// the row in this step (it is neither the first nor the last row of the warp's slice), else a
+// shared-memory atomic.  Steps are separated by barriers.  At the end the block writes its rows
+// once: into Y (rows with no entries at all get 0), or -- for a panel whose work was split over
+// several blocks (blk_slot >= 0) -- into the fp32 scratch `part`; the last of the panel's blocks
+// to finish (atomic counter per (group, K tile), reset afterwards) combines the partials in slot
+// order (deterministic) and writes Y.
+// ================================================================================================
+template <int VEC> __device__ __forceinline__ void cp_async(float* dst, const float* src) {
+  const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(d), "l"(src), "n"(VEC * 4));
+#else
+  float v[VEC];
+  ld<VEC>(src, v);
+  st<VEC>(dst, v);
+#endif
+}
+__device__ __forceinline__ void cp_async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+#endif
+}
+
+// stage X[dense_xrow[x0 + s], kt0 : kt0 + KT] for s < nc into xs (zero beyond K); one commit group
+template <int VEC>
+__device__ __forceinline__ void stage_chunk(float* xs, const int* __restrict__ dense_xrow, int x0, int nc,
+                                            const float* __restrict__ X, int K, int kt0) {
+  constexpr int KT = 32 * VEC, QV = 32;
+  for (int i = threadIdx.x; i < nc * QV; i += blockDim.x) {
+    const int s = i / QV, q = (i - s * QV) * VEC;
+    float* dst = xs + s * KT + q;
+    if (kt0 + q < K) {
+      cp_async<VEC>(dst, X + (size_t)dense_xrow[x0 + s] * K + kt0 + q);
+    } else {
+      float z[VEC];
+#pragma unroll
+      for (int u = 0; u < VEC; ++u) z[u] = 0.0f;
+      st<VEC>(dst, z);
+    }
+  }
+  cp_async_commit();
+}
+
+// shared-memory atomic combine (another warp may hold the same row in this step)
+template <int R> __device__ __forceinline__ void smem_red1(float* p, float v) {
+  if (R == 1) {
+    if (!signbit(v)) atomicMax(reinterpret_cast<int*>(p), __float_as_int(v));
+    else atomicMin(reinterpret_cast<unsigned int*>(p), __float_as_uint(v));
+  } else if (R == 2) {
+    if (!signbit(v)) atomicMin(reinterpret_cast<int*>(p), __float_as_int(v));
+    else atomicMax(reinterpret_cast<unsigned int*>(p), __float_as_uint(v));
+  } else {
+    atomicAdd(p, v);
+  }
+}
+
+template <int R, int VEC>
+__device__ __forceinline__ void fold(float* acc_row, bool shared_row, float (&a)[VEC]) {
+  if (shared_row) {
+#pragma unroll
+    for (int u = 0; u < VEC; ++u) smem_red1<R>(acc_row + u, a[u]);
+  } else {
+    float o[VEC];
+    lds<VEC>(acc_row, o);
+#pragma unroll
+    for (int u = 0; u < VEC; ++u) o[u] = red_op<R>(o[u], a[u]);
+    st<VEC>(acc_row, o);
+  }
+#pragma unroll
+  for (int u = 0; u < VEC; ++u) a[u] = red_init<R>();
+}
+
+// one warp: entries [lo, hi) (ordered by row), X rows from `src` (global X: GLOBAL, row stride K,
+// lane offset k0, loads only where k0 < K; staged chunk: row stride KT; `stride`), folded into acc
+template <int R, int VEC, bool GLOBAL>
+__device__ __forceinline__ void panel_slice(const int* __restrict__ ent_row, const int* __restrict__ ent_col,
+                                            const float* __restrict__ ent_val, int lo, int hi,
+                                            const float* src, int stride, int off, bool active, float* acc, int lane) {
+  constexpr int KT = 32 * VEC;
+  if (lo >= hi) return;                                   // uniform per warp
+  const int rfirst = ent_row[lo], rlast = ent_row[hi - 1];
+  float a[VEC];
+#pragma unroll
+  for (int u = 0; u < VEC; ++u) a[u] = red_init<R>();
+  int cur = -1;
+  for (int base = lo; base < hi; base += 32) {
+    const int n = min(32, hi - base);
+    int mo = -1, mc = 0;
+    float mv = 0.0f;
+    if (lane < n) { mo = ent_row[base + lane]; mc = ent_col[base + lane]; mv = ent_val[base + lane]; }
+    const int prev = __shfl_up_sync(0xffffffffu, mo, 1);
+    const unsigned starts = __ballot_sync(0xffffffffu, lane < n && (lane == 0 ? mo != cur : mo != prev));
+    int e = 0;
+    while (e < n) {                                       // uniform per warp
+      if (e + 4 <= n && ((starts >> e) & 0xFu) == 0u) {   // 4 entries of the current row
+        float a4[4], v4[4][VEC];
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const int c_ = __shfl_sync(0xffffffffu, mc, e + q);
+          a4[q] = __shfl_sync(0xffffffffu, mv, e + q);
+          if (GLOBAL) {
+            if (active) ld<VEC>(src + (size_t)c_ * stride + off, v4[q]);
+            else {
+#pragma unroll
+              for (int u = 0; u < VEC; ++u) v4[q][u] = 0.0f;
+            }
+          } else {
+            lds<VEC>(src + c_ * stride + off, v4[q]);
+          }
+        }
+#pragma unroll
+        for (int q = 0; q < 4; ++q)
+#pragma unroll
+          for (int u = 0; u < VEC; ++u) a[u] = red_op<R>(a[u], a4[q] * v4[q][u]);
+        e += 4;
+        continue;
+      }
+      const int o = __shfl_sync(0xffffffffu, mo, e);
+      const int c_ = __shfl_sync(0xffffffffu, mc, e);
+      const float w = __shfl_sync(0xffffffffu, mv, e);
+      if (o != cur) {                                     // uniform per warp
+        if (cur >= 0) fold<R, VEC>(acc + cur * KT + lane * VEC, cur == rfirst || cur == rlast, a);
+        cur = o;
+      }
+      float v[VEC];
+      if (GLOBAL) {
+        if (active) ld<VEC>(src + (size_t)c_ * stride + off, v);
+        else {
+#pragma unroll
+          for (int u = 0; u < VEC; ++u) v[u] = 0.0f;
+        }
+      } else {
+        lds<VEC>(src + c_ * stride + off, v);
+      }
+#pragma unroll
+      for (int u = 0; u < VEC; ++u) a[u] = red_op<R>(a[u], w * v[u]);
+      ++e;
+    }
+  }
+  fold<R, VEC>(acc + cur * KT + lane * VEC, cur == rfirst || cur == rlast, a);
+}
+
+template <int VEC> __device__ __forceinline__ void ldcg(const float* p, float* v) {
+  if (VEC == 4) { float4 t = __ldcg(reinterpret_cast<const float4*>(p)); v[0] = t.x; v[1] = t.y; v[2] = t.z; v[3] = t.w; }
+  else if (VEC == 2) { float2 t = __ldcg(reinterpret_cast<const float2*>(p)); v[0] = t.x; v[1] = t.y; }
+  else v[0] = __ldcg(p);
+}
+
+template <int R, int VEC, int NBUF>
+__device__ __forceinline__ void aspt_panels(
+    const int* __restrict__ blk_row0, const int* __restrict__ blk_nrows, const int* __restrict__ blk_s0,
+    const int* __restrict__ blk_sf, const int* __restrict__ blk_s1, const int* __restrict__ blk_slot,
+    const int* __restrict__ blk_grp, const int* __restrict__ st_x0, const int* __restrict__ st_nc,
+    const int* __restrict__ st_eptr, const int* __restrict__ dense_xrow, const int* __restrict__ ent_row,
+    const int* __restrict__ ent_col, const float* __restrict__ ent_val, const int* __restrict__ row_len,
+    const int* __restrict__ row_ids, const int* __restrict__ grp_first, const int* __restrict__ grp_n,
+    const float* __restrict__ X, float* __restrict__ Y, float* part, int* counters, int K, int H, int chunk) {
+  extern __shared__ __align__(16) float sm[];
+  __shared__ int s_last;
+  constexpr int KT = 32 * VEC, QV = 32;
+  float* acc = sm;                                         // H x KT
+  float* xs = sm + H * KT;                                 // NBUF x chunk x KT
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int nw = blockDim.x >> 5;
+  const int b = blockIdx.x;
+  const int kt0 = blockIdx.y * KT;
+  const int k0 = kt0 + lane * VEC;
+  const int row0 = blk_row0[b], nrows = blk_nrows[b];
+  const int s0 = blk_s0[b], sf = blk_sf[b], s1 = blk_s1[b];
+  {
+    float z[VEC];
+#pragma unroll
+    for (int u = 0; u < VEC; ++u) z[u] = red_init<R>();
+    for (int i = threadIdx.x; i < nrows * QV; i += blockDim.x) st<VEC>(acc + i * VEC, z);
+  }
+  if (sf < s1) stage_chunk<VEC>(xs, dense_xrow, st_x0[sf], st_nc[sf], X, K, kt0);   // in flight during gathers
+  int buf = 0;
+  for (int s = s0; s < s1; ++s) {
+    __syncthreads();                                       // previous step done (buffers, acc rows)
+    const int e0 = st_eptr[s], ne = st_eptr[s + 1] - e0;
+    const int lo = e0 + (int)(((long long)ne * warp) / nw);
+    const int hi = e0 + (int)(((long long)ne * (warp + 1)) / nw);
+    if (s < sf) {                                          // gather step (remainder entries)
+      panel_slice<R, VEC, true>(ent_row, ent_col, ent_val, lo, hi, X, K, k0, k0 < K, acc, lane);
+      continue;
+    }
+    if (NBUF == 1) {
+      if (s > sf) stage_chunk<VEC>(xs, dense_xrow, st_x0[s], st_nc[s], X, K, kt0);
+      cp_async_wait<0>();
+    } else {
+      if (s + 1 < s1) {
+        stage_chunk<VEC>(xs + (buf ^ 1) * chunk * KT, dense_xrow, st_x0[s + 1], st_nc[s + 1], X, K, kt0);
+        cp_async_wait<1>();
+      } else {
+        cp_async_wait<0>();
+      }
+    }
+    __syncthreads();                                       // the chunk is in shared memory
+    panel_slice<R, VEC, false>(ent_row, ent_col, ent_val, lo, hi, xs + buf * chunk * KT, KT, lane * VEC, true,
+                               acc, lane);
+    if (NBUF == 2) buf ^= 1;
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+
+  const int slot = blk_slot[b];
+  if (slot < 0) {                                          // the whole panel's rows: write Y once
+    for (int i = threadIdx.x; i < nrows * QV; i += blockDim.x) {
+      const int r = i / QV, q = (i - r * QV) * VEC;
+      if (kt0 + q < K) {
+        float o[VEC];
+        lds<VEC>(acc + r * KT + q, o);
+        if (row_len[row0 + r] == 0) {
+#pragma unroll
+          for (int u = 0; u < VEC; ++u) o[u] = 0.0f;
+        }
+        st<VEC>(Y + (size_t)row_ids[row0 + r] * K + kt0 + q, o);
+      }
+    }
+    return;
+  }
+  // split panel: partial to the scratch, the last block of the group combines in slot order
+  float* pp = part + (size_t)slot * H * K;
+  for (int i = threadIdx.x; i < nrows * QV; i += blockDim.x) {
+    const int r = i / QV, q = (i - r * QV) * VEC;
+    if (kt0 + q < K) {
+      float o[VEC];
+      lds<VEC>(acc + r * KT + q, o);
+      st<VEC>(pp + (size_t)r * K + kt0 + q, o);
+    }
+  }
+  __threadfence();
+  __syncthreads();
+  const int g = blk_grp[b];
+  const int cidx = g * gridDim.y + blockIdx.y;
+  const int first = grp_first[g], ns = grp_n[g];
+  if (threadIdx.x == 0) s_last = atomicAdd(counters + cidx, 1) == ns - 1;
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence();
+  for (int i = threadIdx.x; i < nrows * QV; i += blockDim.x) {
+    const int r = i / QV, q = (i - r * QV) * VEC;
+    if (kt0 + q < K) {
+      float o[VEC];
+#pragma unroll
+      for (int u = 0; u < VEC; ++u) o[u] = red_init<R>();
+      const float* pr = part + (size_t)first * H * K + (size_t)r * K + kt0 + q;
+      for (int j0 = 0; j0 < ns; j0 += 4) {                 // 4 partials in flight, slot order
+        float t[4][VEC];
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+          if (j0 + j < ns) ldcg<VEC>(pr + (size_t)(j0 + j) * H * K, t[j]);
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+          if (j0 + j < ns) {
+#pragma unroll
+            for (int u = 0; u < VEC; ++u) o[u] = red_op<R>(o[u], t[j][u]);
+          }
+      }
+      if (row_len[row0 + r] == 0) {
+#pragma unroll
+        for (int u = 0; u < VEC; ++u) o[u] = 0.0f;
+      }
+      st<VEC>(Y + (size_t)row_ids[row0 + r] * K + kt0 + q, o);
+    }
+  }
+  if (threadIdx.x == 0) counters[cidx] = 0;                // ready for the next call (stream order)
+}
+
 }  // namespace spc_aspt
 
-#define SPC_ASPT_SPMM_INSTANCE(NAME, R, VEC, CF)                                                     \
+#define SPC_ASPT_INST_0(NAME, R, VEC, CF)                                                     \
   extern "C" __global__ void __launch_bounds__(1024) NAME##_rows(                                   \
       const int* rem_ptr, const int* rem_end1, const int* row_len, const int* rem_col,              \
       const float* rem_val, const int* row_ids, const float* X, float* Y, int m, int K, int rpw) {  \
@@ -276,3 +564,22 @@ __device__ __forceinline__ void aspt_tiles(
                                      tail_lo, tail_hi, tail_out, rem_col, rem_val, X, Y, ntail,     \
                                      ntail_blocks, K);                                              \
   }
+
+#define SPC_ASPT_INST_1(NAME, R, VEC, NBUF)                                                        \
+  extern "C" __global__ void __launch_bounds__(1024) NAME##_panels(                                 \
+      const int* blk_row0, const int* blk_nrows, const int* blk_s0, const int* blk_sf,              \
+      const int* blk_s1, const int* blk_slot, const int* blk_grp, const int* st_x0,                 \
+      const int* st_nc, const int* st_eptr, const int* dense_xrow, const int* ent_row,              \
+      const int* ent_col, const float* ent_val, const int* row_len, const int* row_ids,             \
+      const int* grp_first, const int* grp_n, const float* X, float* Y, float* part,                \
+      int* counters, int K, int H, int chunk) {                                                     \
+    spc_aspt::aspt_panels<R, VEC, NBUF>(blk_row0, blk_nrows, blk_s0, blk_sf, blk_s1, blk_slot,      \
+                                        blk_grp, st_x0, st_nc, st_eptr, dense_xrow, ent_row,        \
+                                        ent_col, ent_val, row_len, row_ids, grp_first, grp_n, X, Y, \
+                                        part, counters, K, H, chunk);                               \
+  }
+
+// S = 0: scheme "tasks" (v3: <NAME>_rows + <NAME>_tiles, A = CF); S = 1: scheme "panel" (v4:
+// <NAME>_panels, A = NBUF shared-memory chunk buffers)
+#define SPC_ASPT_CAT(a, b) a##b
+#define SPC_ASPT_SPMM_INSTANCE(NAME, S, R, VEC, A) SPC_ASPT_CAT(SPC_ASPT_INST_, S)(NAME, R, VEC, A)

@@ -180,13 +180,291 @@ def emulate_aspt_spmm(arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any],
     return Y
 
 
+#: SM count the panel scheme's block split aims at (the H100 SXM; only a balance target)
+_NSM = 132
+#: relative cost of a staged (shared-memory) entry vs a gathered (L2) entry, a staged X row and a
+#: step (barrier), for the panel scheme's work balance
+_W_DENSE, _W_STAGE, _W_STEP = 0.3, 1.0, 24.0
+
+
+def smem_cap(arch: int) -> int:
+    """Dynamic shared memory a block may use (opt-in maximum of the arch, minus static/slack)."""
+    arch = int(arch)
+    return (232448 if arch >= 90 else 166912 if arch == 80 or arch == 87 else 101376) - 1024
+
+
+def panel_chunk(H: int, vec: int, nbuf: int, chunk: int, arch: int) -> int:
+    """Chunk (staged dense columns per step) of the panel scheme that fits next to the H x KT
+    accumulator in shared memory; 0 when even 8 rows do not fit."""
+    KT = 32 * int(vec)
+    room = smem_cap(arch) - int(H) * KT * 4
+    c = min(int(chunk), room // (int(nbuf) * KT * 4)) if room > 0 else 0
+    return c if c >= 8 else 0
+
+
+def aspt_panel_arrays(mod: SparseModule, chunk: int = 96, max_ent: int = 2048, split: int = 2,
+                      ktiles: int = 1) -> dict[str, np.ndarray]:
+    """Kernel arrays of the panel scheme (v4) from ``mod.formats["aspt"]``, permutations folded in.
+
+    Entries, in *step* order: per row panel p (rows ``p*H .. p*H + H``), its remainder entries
+    (ordered by row; ``ent_col`` = X row, gathered from global memory), then its dense entries
+    chunk by chunk (``chunk`` dense columns per chunk; ordered by row, then slot; ``ent_col`` =
+    slot inside the chunk); ``ent_row`` = row inside the panel.  A step is a run of at most
+    ``max_ent`` entries of one such unit (0: no limit): ``st_eptr`` (S + 1), ``st_nc`` (staged X
+    rows, 0 for a gather step), ``st_x0`` (first of them in ``dense_xrow``).
+    Blocks: with target ``t = total work / (split * 132 / ktiles)``, a panel of work W is cut into
+    ``max(1, round(W / t))`` blocks of equal work at step boundaries (``split = 0``: never cut);
+    ``blk_s0 .. blk_s1``, gather steps first, ``blk_sf`` = first staged step; blocks are ordered
+    heaviest first.  A panel cut into several blocks is a *group*: each of its blocks writes a
+    partial into scratch slot ``blk_slot`` and the last one combines ``grp_first .. + grp_n`` in
+    slot order (``blk_slot`` = -1, ``blk_grp`` = 0 for a whole panel).  ``row_len`` / ``row_ids``
+    per module row; ``mean`` values pre-scaled by 1 / row length.  ``meta``: block / step counts."""
+    chunk = int(chunk)
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    fmt = mod.formats["aspt"]
+    m = fmt.shape[0]
+    H = int(fmt.panel_height)
+    ka = csr_kernel_arrays(mod, np.int32)
+    row_ids = np.asarray(ka["row_ids"], dtype=np.int64)
+    cp = None if mod.col_perm is None else np.asarray(mod.col_perm, dtype=np.int64)
+    mapc = (lambda c: np.asarray(c, dtype=np.int64)) if cp is None else (lambda c: cp[np.asarray(c, dtype=np.int64)])
+    lens = np.diff(np.asarray(mod.A.indptr, dtype=np.int64))
+    inv_len = 1.0 / np.maximum(lens, 1).astype(np.float64)
+    mean = mod.op.reduce == "mean"
+    dp = np.asarray(fmt.dense_ptr, dtype=np.int64)
+    npan = dp.size - 1
+
+    # ---- remainder entries, by module row (hence by panel)
+    rem_rows = np.asarray(fmt.rem_rows, dtype=np.int64)
+    rem_len = np.diff(np.asarray(fmt.rem_indptr, dtype=np.int64))
+    g_row = np.repeat(rem_rows, rem_len)
+    rorder = np.argsort(g_row, kind="stable")
+    g_row = g_row[rorder]
+    g_col = mapc(np.asarray(fmt.rem_indices)[rorder])
+    g_val = np.asarray(fmt.rem_data, dtype=np.float64)[rorder]
+    if mean:
+        g_val = g_val * inv_len[g_row]
+    g_cnt = np.bincount(g_row // H, minlength=npan).astype(np.int64) if npan else np.zeros(0, np.int64)
+
+    # ---- dense entries, by (panel, chunk), inside a chunk by (row, slot)
+    nch = -(-np.diff(dp) // chunk)
+    tfirst = np.cumsum(nch) - nch
+    T = int(nch.sum())
+    t_pan = np.repeat(np.arange(npan, dtype=np.int64), nch)
+    t_x0 = dp[t_pan] + (np.arange(T, dtype=np.int64) - tfirst[t_pan]) * chunk
+    t_nc = np.minimum(dp[t_pan + 1] - t_x0, chunk)
+    tp = np.asarray(fmt.tile_indptr, dtype=np.int64)
+    d_row = np.repeat(np.arange(m, dtype=np.int64), np.diff(tp))
+    slot = np.asarray(fmt.tile_slots, dtype=np.int64)
+    d_task = tfirst[d_row // H] + slot // chunk if d_row.size else np.zeros(0, dtype=np.int64)
+    dorder = np.argsort(d_task, kind="stable")
+    d_row, d_task = d_row[dorder], d_task[dorder]
+    d_slot = (slot % chunk)[dorder]
+    d_val = np.asarray(fmt.tile_data, dtype=np.float64)[dorder]
+    if mean:
+        d_val = d_val * inv_len[d_row]
+    d_cnt = np.bincount(d_task, minlength=T).astype(np.int64)
+
+    # ---- units in step order: per panel its gather unit (if any), then its chunks
+    u_pan = np.concatenate([np.arange(npan, dtype=np.int64), t_pan])
+    u_key = np.concatenate([tfirst + np.arange(npan), t_pan + 1 + np.arange(T)])     # panel's gather unit first
+    u_cnt = np.concatenate([g_cnt, d_cnt])
+    u_x0 = np.concatenate([np.zeros(npan, dtype=np.int64), t_x0])
+    u_nc = np.concatenate([np.zeros(npan, dtype=np.int64), t_nc])
+    uo = np.argsort(u_key, kind="stable")
+    uo = uo[u_cnt[uo] > 0]
+    U = uo.size
+    upos = np.empty(npan + T, dtype=np.int64)
+    upos[uo] = np.arange(U)
+    u_start = np.cumsum(u_cnt[uo]) - u_cnt[uo]
+    nent = int(u_cnt.sum())
+    # destination of every entry
+    g_first = np.cumsum(g_cnt) - g_cnt
+    g_pan = g_row // H
+    g_dst = u_start[upos[g_pan]] + np.arange(g_row.size, dtype=np.int64) - g_first[g_pan]
+    d_first = np.cumsum(d_cnt) - d_cnt
+    d_dst = u_start[upos[npan + d_task]] + np.arange(d_row.size, dtype=np.int64) - d_first[d_task]
+    ent_row = np.empty(nent, dtype=np.int64)
+    ent_col = np.empty(nent, dtype=np.int64)
+    ent_val = np.empty(nent, dtype=np.float64)
+    ent_row[g_dst], ent_col[g_dst], ent_val[g_dst] = g_row - g_pan * H, g_col, g_val
+    ent_row[d_dst], ent_col[d_dst], ent_val[d_dst] = d_row - (d_row // H) * H, d_slot, d_val
+
+    # ---- steps: units cut into balanced runs of at most max_ent entries
+    cnt = u_cnt[uo]
+    nsub = np.ones(U, dtype=np.int64) if max_ent <= 0 else np.maximum(1, -(-cnt // int(max_ent)))
+    S = int(nsub.sum())
+    s_unit = np.repeat(np.arange(U, dtype=np.int64), nsub)
+    s_i = np.arange(S, dtype=np.int64) - np.repeat(np.cumsum(nsub) - nsub, nsub)
+    st_eptr = np.append(u_start[s_unit] + (s_i * cnt[s_unit]) // nsub[s_unit], nent)
+    s_pan = u_pan[uo][s_unit]
+    st_nc = u_nc[uo][s_unit]
+    st_x0 = u_x0[uo][s_unit]
+    s_ne = np.diff(st_eptr)
+    s_work = np.where(st_nc > 0, _W_DENSE, 1.0) * s_ne + _W_STAGE * st_nc + _W_STEP
+
+    # ---- blocks: each panel's steps cut at multiples of the target work
+    ktiles = max(1, int(ktiles))
+    split = int(split)
+    cw = np.cumsum(s_work) - s_work
+    p_first = np.searchsorted(s_pan, np.arange(npan), side="left") if S else np.zeros(npan, dtype=np.int64)
+    p_base = np.append(cw, 0.0)[p_first]
+    p_work = np.bincount(s_pan, weights=s_work, minlength=npan) if S else np.zeros(npan)
+    if split > 0:
+        # a panel of work W becomes round(W / target) blocks of equal work (1 when W < 1.5 target)
+        target_blocks = max(1, (split * _NSM) // ktiles)
+        tgt = max(float(s_work.sum()) / target_blocks, 1e-9)
+        pieces = np.maximum(1, np.rint(p_work / tgt)).astype(np.int64)
+    else:                                                    # never split a panel
+        pieces = np.ones(npan, dtype=np.int64)
+    tgt_p = np.maximum(p_work / pieces, 1e-9)
+    sub = (np.minimum(np.floor((cw - p_base[s_pan] + 0.5 * s_work) / tgt_p[s_pan]), pieces[s_pan] - 1).astype(np.int64)
+           if S else np.zeros(0, np.int64))
+    new = np.ones(S, dtype=bool)
+    if S > 1:
+        new[1:] = (s_pan[1:] != s_pan[:-1]) | (sub[1:] != sub[:-1])
+    b_s0 = np.flatnonzero(new)
+    B = b_s0.size
+    b_s1 = np.append(b_s0[1:], S)
+    b_pan = s_pan[b_s0] if B else np.zeros(0, dtype=np.int64)
+    is_g = st_nc == 0
+    # first staged step of each block (gather steps come first inside a panel)
+    ng = np.add.reduceat(is_g.astype(np.int64), b_s0) if B else np.zeros(0, dtype=np.int64)
+    b_sf = b_s0 + ng
+    b_work = np.add.reduceat(s_work, b_s0) if B else np.zeros(0)
+    nb_pan = np.bincount(b_pan, minlength=npan)
+    # panels without any entry still get a (step-less) block: it writes their rows (0)
+    ep = np.flatnonzero(nb_pan == 0)
+    if ep.size:
+        b_pan = np.concatenate([b_pan, ep])
+        b_s0 = np.concatenate([b_s0, np.full(ep.size, S, dtype=np.int64)])
+        b_s1 = np.concatenate([b_s1, np.full(ep.size, S, dtype=np.int64)])
+        b_sf = np.concatenate([b_sf, np.full(ep.size, S, dtype=np.int64)])
+        b_work = np.concatenate([b_work, np.zeros(ep.size)])
+        nb_pan[ep] = 1
+        B = b_pan.size
+    split_b = nb_pan[b_pan] > 1
+    b_slot = np.full(B, -1, dtype=np.int64)
+    b_slot[split_b] = np.arange(int(split_b.sum()))
+    gp = np.flatnonzero(nb_pan > 1)
+    gidx = np.zeros(npan, dtype=np.int64)
+    gidx[gp] = np.arange(gp.size)
+    b_grp = np.where(split_b, gidx[b_pan], 0)
+    grp_n = nb_pan[gp]
+    grp_first = np.cumsum(grp_n) - grp_n
+    row0 = b_pan * H
+    nrows = np.minimum(row0 + H, m) - row0
+    bo = np.argsort(-b_work, kind="stable")                  # heaviest first
+    return {"blk_row0": _i32(row0[bo]), "blk_nrows": _i32(nrows[bo]), "blk_s0": _i32(b_s0[bo]),
+            "blk_sf": _i32(b_sf[bo]), "blk_s1": _i32(b_s1[bo]), "blk_slot": _i32(b_slot[bo]),
+            "blk_grp": _i32(b_grp[bo]), "st_x0": _i32(st_x0), "st_nc": _i32(st_nc), "st_eptr": _i32(st_eptr),
+            "dense_xrow": _i32(mapc(fmt.dense_cols)), "ent_row": _i32(ent_row), "ent_col": _i32(ent_col),
+            "ent_val": np.ascontiguousarray(ent_val, dtype=np.float32), "row_len": _i32(lens),
+            "row_ids": _i32(row_ids), "grp_first": _i32(grp_first), "grp_n": _i32(grp_n)}
+
+
+def emulate_panel_spmm(arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any], X: np.ndarray) -> np.ndarray:
+    """What the panel kernel computes from the uploaded ``arrays``, in float64 (for tests): every
+    block reduces its steps' entries into its own accumulator (gather steps read X directly,
+    staged steps through the step's chunk of ``dense_xrow``), whole panels write their rows into
+    a NaN-filled output, split panels write partials that are combined in slot order."""
+    m, H = int(meta["m"]), int(meta["H"])
+    R = _REDUCE[meta.get("reduce", "sum")]
+    X = np.asarray(X, dtype=np.float64)
+    K = X.shape[1]
+    ufunc = (np.add, np.maximum, np.minimum)[R]
+    ident = (0.0, -np.inf, np.inf)[R]
+    a = {k: np.asarray(v).astype(np.int64) if np.asarray(v).dtype.kind == "i" else np.asarray(v)
+         for k, v in arrays.items()}
+    B = a["blk_s0"].size
+    S = a["st_nc"].size
+    ep = a["st_eptr"]
+    assert ep[0] == 0 and np.all(np.diff(ep) >= 1), "empty or unordered steps"
+    assert np.all(a["blk_s0"] <= a["blk_s1"]) and np.all(a["blk_s0"] <= a["blk_sf"]) and np.all(a["blk_sf"] <= a["blk_s1"])
+    s_blk = np.full(S, -1, dtype=np.int64)
+    s_blk[_segments(a["blk_s1"] - a["blk_s0"], a["blk_s0"])] = np.repeat(np.arange(B), a["blk_s1"] - a["blk_s0"])
+    assert np.all(s_blk >= 0), "a step belongs to no block"
+    s_gather = np.arange(S) < a["blk_sf"][s_blk]
+    assert np.all(s_gather == (a["st_nc"] == 0)), "gather / staged steps out of order"
+    e_step = np.repeat(np.arange(S), np.diff(ep))
+    e_blk = s_blk[e_step]
+    lr = a["ent_row"]
+    assert np.all(lr >= 0) and np.all(lr < a["blk_nrows"][e_blk]), "entry outside its block's rows"
+    g = s_gather[e_step]
+    xrow = a["ent_col"].copy()
+    assert np.all(xrow[~g] < a["st_nc"][e_step[~g]]), "entry outside its step's staged chunk"
+    xrow[~g] = a["dense_xrow"][a["st_x0"][e_step[~g]] + xrow[~g]]
+    acc = np.full((B * H, K), ident)
+    ufunc.at(acc, e_blk * H + lr, a["ent_val"].astype(np.float64)[:, None] * X[xrow])
+    acc = acc.reshape(B, H, K)
+    Y = np.full((m, K), np.nan)
+    empty = a["row_len"] == 0
+    whole = a["blk_slot"] < 0
+    for b in np.flatnonzero(whole):          # per block (tests only): rows of one panel
+        r0, nr = a["blk_row0"][b], a["blk_nrows"][b]
+        o = acc[b, :nr].copy()
+        o[empty[r0:r0 + nr]] = 0.0
+        Y[a["row_ids"][r0:r0 + nr]] = o
+    part = {int(a["blk_slot"][b]): (b, int(a["blk_grp"][b])) for b in np.flatnonzero(~whole)}
+    for gi in range(a["grp_n"].size):
+        slots = range(a["grp_first"][gi], a["grp_first"][gi] + a["grp_n"][gi])
+        bs = [part[s][0] for s in slots]
+        assert all(part[s][1] == gi for s in slots)
+        r0, nr = a["blk_row0"][bs[0]], a["blk_nrows"][bs[0]]
+        assert all(a["blk_row0"][b] == r0 for b in bs)
+        o = np.full((nr, K), ident)
+        for b in bs:
+            o = ufunc(o, acc[b, :nr])
+        o[empty[r0:r0 + nr]] = 0.0
+        Y[a["row_ids"][r0:r0 + nr]] = o
+    return Y
+
+
 class AsptKernel(_NvccKernel):
+    """scheme "tasks" (v3): row kernel + tile kernel, atomics combine."""
+
     _ROWS = ("rem_ptr", "rem_end1", "row_len", "rem_col", "rem_val", "row_ids")
     _TILES = ("task_x0", "task_nc", "task_eptr", "dense_xrow", "ent_out", "ent_slot", "ent_val", "tail_lo", "tail_hi",
               "tail_out", "rem_col", "rem_val")
 
-    def _module(self):
-        """The fatbin's module on the current device (rebuilt here for another GPU generation)."""
+    def prepare(self):
+        fns = self._load_functions()                          # [main instance, VEC = 1 instance]
+        meta = self.meta
+        K, m, W = int(meta["K"]), int(meta["m"]), int(meta["warps"])
+        rpw = int(self.params["rows_per_warp"])
+        names = list(dict.fromkeys(self._ROWS + self._TILES))   # each array uploaded once
+        ptr = dict(zip(names, self._upload(names)))
+        rows = tuple(ptr[k] for k in self._ROWS)
+        tiles = tuple(ptr[k] for k in self._TILES)
+        ntask = int(self.arrays["task_eptr"].size) - 1
+        ntail = int(self.arrays["tail_lo"].size)
+        ntb = -(-ntail // W)
+        block = (32 * W, 1, 1)
+        gx_rows = max(1, -(-m // (W * rpw)))
+        kt = (int(meta["KT"]), int(meta["KT1"]))
+        smem = (int(meta["smem"]), int(meta["smem1"]))
+        self._has_tiles = ntb + ntask > 0
+        self._launches = []
+        for fn_pair, x, s in zip((fns[0], fns[-1]), kt, smem):
+            f_rows, f_tiles = fn_pair
+            lr = rt.Launch(f_rows, (gx_rows, -(-K // x), 1), block,
+                           rows + (None, None, np.int32(m), np.int32(K), np.int32(rpw)))
+            lt = None
+            if self._has_tiles:
+                rt.ensure_dynamic_smem(f_tiles, s)
+                lt = rt.Launch(f_tiles, (ntb + ntask, -(-K // x), 1), block,
+                               tiles + (None, None, np.int32(ntail), np.int32(ntb), np.int32(K)), s)
+            self._launches.append((lr, lt))
+        self._amask = 4 * int(meta["vec"]) - 1
+        self._empty = m == 0 or K == 0
+        self._ready = True
+
+    def _load_functions(self):
+        mod = self._load_module()
+        return [(mod.get_function(n + "_rows"), mod.get_function(n + "_tiles")) for n, _ in self.meta["instances"]]
+
+    def _load_module(self):
         import cupy
 
         self.device_id = cupy.cuda.runtime.getDevice()
@@ -200,57 +478,73 @@ class AsptKernel(_NvccKernel):
             self.meta = {**self.meta, "arch": arch}
         return rt.load_module(self.files["kernel.fatbin"])
 
-    def prepare(self):
-        mod = self._module()
-        names = [n for n, _ in self.meta["instances"]]
-        self._rows = [mod.get_function(n + "_rows") for n in (names[0], names[-1])]
-        self._tiles = [mod.get_function(n + "_tiles") for n in (names[0], names[-1])]
-        meta = self.meta
-        K, m, W = int(meta["K"]), int(meta["m"]), int(meta["warps"])
-        rpw = int(self.params["rows_per_warp"])
-        names = list(dict.fromkeys(self._ROWS + self._TILES))   # each array uploaded once
-        ptr = dict(zip(names, self._upload(names)))
-        rows = tuple(ptr[k] for k in self._ROWS)
-        tiles = tuple(ptr[k] for k in self._TILES)
-        ntask = int(self.arrays["task_eptr"].size) - 1
-        ntail = int(self.arrays["tail_lo"].size)
-        ntb = -(-ntail // W)
-        self._rows_pre, self._rows_post = rows, (np.int32(m), np.int32(K), np.int32(rpw))
-        self._tiles_pre, self._tiles_post = tiles, (np.int32(ntail), np.int32(ntb), np.int32(K))
-        self._block = (32 * W, 1, 1)
-        gx_rows = max(1, -(-m // (W * rpw)))
-        kt = (int(meta["KT"]), int(meta["KT1"]))
-        self._grid_rows = [(gx_rows, -(-K // x), 1) for x in kt]
-        self._grid_tiles = [(ntb + ntask, -(-K // x), 1) for x in kt]
-        self._smem = [int(meta["smem"]), int(meta["smem1"])]
-        for f, s in zip(self._tiles, self._smem):
-            rt.ensure_dynamic_smem(f, s)
-        self._has_tiles = ntb + ntask > 0
-        self._amask = 4 * int(meta["vec"]) - 1
-        self._empty = m == 0 or K == 0
-        self._ready = True
-
     def launch(self, in_ptrs, out_ptr, stream):
         if self._empty:
             return
         x = in_ptrs[0]
-        i = 1 if (x | out_ptr) & self._amask else 0
-        st = rt._stream(stream)
-        self._rows[i](self._grid_rows[i], self._block, self._rows_pre + (x, out_ptr) + self._rows_post, stream=st)
-        if self._has_tiles:
-            self._tiles[i](self._grid_tiles[i], self._block, self._tiles_pre + (x, out_ptr) + self._tiles_post,
-                           shared_mem=self._smem[i], stream=st)
+        lr, lt = self._launches[1 if (x | out_ptr) & self._amask else 0]
+        lr((x, out_ptr), stream)
+        if lt is not None:
+            lt((x, out_ptr), stream)
+
+
+class AsptPanelKernel(AsptKernel):
+    """scheme "panel" (v4): one launch, block per (panel part, K tile), no global atomics."""
+
+    _ARGS = ("blk_row0", "blk_nrows", "blk_s0", "blk_sf", "blk_s1", "blk_slot", "blk_grp", "st_x0", "st_nc",
+             "st_eptr", "dense_xrow", "ent_row", "ent_col", "ent_val", "row_len", "row_ids", "grp_first", "grp_n")
+
+    def _load_functions(self):
+        mod = self._load_module()
+        return [mod.get_function(n + "_panels") for n, _ in self.meta["instances"]]
+
+    def prepare(self):
+        import cupy
+
+        fns = self._load_functions()
+        meta = self.meta
+        K, m, W, H = int(meta["K"]), int(meta["m"]), int(meta["warps"]), int(meta["H"])
+        B = int(self.arrays["blk_s0"].size)
+        ptrs = self._upload(self._ARGS)
+        nslot = int((self.arrays["blk_slot"] >= 0).sum())
+        ngrp = int(self.arrays["grp_n"].size)
+        kt = (int(meta["KT"]), int(meta["KT1"]))
+        self._part = cupy.empty(max(1, nslot * H * K), dtype=cupy.float32)
+        self._counters = cupy.zeros(max(1, ngrp * -(-K // min(kt))), dtype=cupy.int32)
+        self._launches = []
+        for fn, x, s in zip((fns[0], fns[-1]), kt, (int(meta["smem"]), int(meta["smem1"]))):
+            rt.ensure_dynamic_smem(fn, s)
+            args = ptrs + (None, None, int(self._part.data.ptr), int(self._counters.data.ptr), np.int32(K),
+                           np.int32(H), np.int32(meta["chunk"]))
+            self._launches.append((rt.Launch(fn, (max(B, 1), -(-K // x), 1), (32 * W, 1, 1), args, s), None))
+        self._amask = 4 * int(meta["vec"]) - 1
+        self._empty = m == 0 or K == 0 or B == 0
+        self._ready = True
+
+
+#: cluster.lsh round 1 in the offered pipeline is skipped when the dense-tile ratio (panel height
+#: PANEL_HEIGHT) is already above this: LSH only pays where the dense part is small (measured on
+#: the H100, docs/aspt_benchmark.md), and the skip keeps the pass cheap on large graphs whose
+#: panels are dense anyway (tu_collab, 24.5M entries: dense ratio 0.999, the ratio costs ~2 s, the
+#: clustering ~20 s)
+LSH_SKIP_DENSE_RATIO = 0.8
 
 
 @register_template
 class AsptTiled(_NvccTemplate):
-    """ASpT (PPoPP'19/'20) tiled SpMM: dense tasks (panel x chunk of dense columns) with their X rows
-    staged in shared memory and entries split evenly over warps, remainder rows GE-SpMM style with
-    long rows split; atomics combine.  sum / mean / max / min.  Tunable: chunk, max_seg, vector
-    width, CF, warps per block, rows per warp.  Pipelines: tile.aspt, cluster.lsh -> tile.aspt."""
+    """ASpT (PPoPP'19/'20) tiled SpMM, two schemes (param ``scheme``):
+
+    * ``"panel"`` (v4): one block per (row panel part, K tile) keeps the panel's output rows in
+      shared memory, gathers the remainder entries, stages the dense-column chunks (cp.async,
+      double-buffered), and writes every output element once (no global atomics, one launch;
+      panels with far more work than the mean are split and combined deterministically).
+    * ``"tasks"`` (v3): dense tasks (panel x chunk) combined into Y with atomics after a row kernel.
+
+    sum / mean / max / min.  Tunable: scheme, chunk, max_ent, vec, warps; panel: nbuf, split;
+    tasks: max_seg, cf, rows_per_warp.  Pipelines: tile.aspt, cluster.lsh -> tile.aspt."""
 
     name = "aspt.tiled"
-    version = "3"
+    version = "4"
     priority = 10
     ops = (("spmm", "sum"), ("spmm", "mean"), ("spmm", "max"), ("spmm", "min"))
     format = "aspt"
@@ -263,7 +557,8 @@ class AsptTiled(_NvccTemplate):
     def pipelines(self, mod):
         opts = {"panel_height": PANEL_HEIGHT, "dense_threshold": 2}
         return [[{"name": "tile.aspt", "options": dict(opts)}],
-                [{"name": "cluster.lsh", "options": {"panel_height": PANEL_HEIGHT, "skip_dense_ratio": 1.0}},
+                [{"name": "cluster.lsh", "options": {"panel_height": PANEL_HEIGHT,
+                                                     "skip_dense_ratio": LSH_SKIP_DENSE_RATIO}},
                  {"name": "tile.aspt", "options": dict(opts)}]]
 
     def supports(self, mod):
@@ -274,61 +569,90 @@ class AsptTiled(_NvccTemplate):
     def space(self, mod):
         from optuna.distributions import CategoricalDistribution as C
 
-        return {"chunk": C([32, 64, 128, 256, 512]), "max_seg": C([0, 64, 256, 1024]),
-                "max_ent": C([0, 256, 1024, 4096]), "vec": C([1, 2, 4]),
-                "cf": C([1, 2, 4]), "warps": C([4, 8, 16]), "rows_per_warp": C([1, 2, 4])}
+        return {"scheme": C(["panel", "tasks"]), "chunk": C([32, 64, 96, 128, 192, 256, 512]),
+                "max_seg": C([0, 64, 256, 1024]), "max_ent": C([0, 256, 1024, 2048, 4096]), "vec": C([1, 2, 4]),
+                "cf": C([1, 2, 4]), "warps": C([4, 8, 16, 32]), "rows_per_warp": C([1, 2, 4]),
+                "nbuf": C([1, 2]), "split": C([0, 1, 2, 4, 8])}
 
     def default_params(self, mod):
-        return {"chunk": 128, "max_seg": 256, "max_ent": 1024, "vec": _largest_vec(mod.op.K, 4), "cf": 1, "warps": 8,
-                "rows_per_warp": 1}
+        return {"scheme": "panel", "chunk": 96, "max_seg": 256, "max_ent": 2048, "vec": _largest_vec(mod.op.K, 4),
+                "cf": 1, "warps": 16, "rows_per_warp": 1, "nbuf": 2, "split": 2}
 
     def seed_params(self, mod):
         d = self.default_params(mod)
         K = mod.op.K
-        seeds = [d, {**d, "chunk": 256, "warps": 16}, {**d, "chunk": 64}, {**d, "max_ent": 256},
-                 {**d, "max_ent": 4096, "warps": 16}, {**d, "vec": _largest_vec(K, 2), "chunk": 256},
-                 {**d, "max_seg": 64}, {**d, "max_seg": 1024, "max_ent": 0}]
+        v2 = _largest_vec(K, 2)
+        panel = [d, {**d, "split": 4}, {**d, "split": 1, "warps": 32}, {**d, "vec": v2, "chunk": 256},
+                 {**d, "vec": v2, "chunk": 256, "split": 0}, {**d, "vec": v2, "chunk": 256, "split": 4, "max_ent": 1024},
+                 {**d, "nbuf": 1, "chunk": 192, "warps": 32}, {**d, "chunk": 32, "split": 8, "warps": 8}]
+        t = {**d, "scheme": "tasks", "chunk": 128, "max_ent": 1024, "warps": 8, "nbuf": 2, "split": 2}
+        tasks = [t, {**t, "chunk": 256, "warps": 16}, {**t, "max_ent": 4096, "warps": 16}]
         if K >= 256:
-            seeds.append({**d, "cf": 2})
-        return unique_params(seeds)
+            tasks.append({**t, "cf": 2})
+        return unique_params(panel + tasks)
 
     @staticmethod
-    def instance_name(R, VEC, CF) -> str:
+    def instance_name(R, VEC, CF, scheme: str = "tasks") -> str:
+        if scheme == "panel":
+            return f"aspt_panel_r{R}_v{VEC}_b{CF}"
         return f"aspt_spmm_r{R}_v{VEC}_cf{CF}"
 
-    def instances(self, vec: int, cf: int, rows_per_warp: int = 1, reduce: str = "sum") -> list:
-        """Instances for a parameter set: the VEC-wide one and the VEC = 1 alignment fallback.  Each
-        instance holds two kernels, ``<name>_rows`` and ``<name>_tiles``.  ``rows_per_warp`` is a
-        launch argument (it does not change the binary; accepted for callers that pass it)."""
+    def instances(self, vec: int, cf: int, rows_per_warp: int = 1, reduce: str = "sum", scheme: str = "tasks",
+                  nbuf: int = 2) -> list:
+        """Instances for a parameter set: the VEC-wide one and the VEC = 1 alignment fallback.
+        scheme "tasks": each holds ``<name>_rows`` and ``<name>_tiles`` (``rows_per_warp`` is a
+        launch argument); scheme "panel": ``<name>_panels`` with ``nbuf`` chunk buffers."""
         R = _REDUCE[reduce]
-        inst = [(self.instance_name(R, vec, cf), (R, vec, cf))]
+        S, A = (1, int(nbuf)) if scheme == "panel" else (0, int(cf))
+        inst = [(self.instance_name(R, vec, A, scheme), (S, R, vec, A))]
         if vec > 1:
-            inst.append((self.instance_name(R, 1, cf), (R, 1, cf)))
+            inst.append((self.instance_name(R, 1, A, scheme), (S, R, 1, A)))
         return inst
 
     def build(self, mod: SparseModule, params: Mapping[str, Any]):
         params = self.check_params(mod, params)
         if not self.supports(mod):
             raise ValueError("aspt.tiled needs an ASpT format (run tile.aspt first)")
+        scheme = params.get("scheme", "tasks")
         cf, chunk, W = int(params["cf"]), int(params["chunk"]), int(params["warps"])
         max_seg, rpw, max_ent = int(params["max_seg"]), int(params["rows_per_warp"]), int(params["max_ent"])
-        if cf not in (1, 2, 4) or int(params["vec"]) not in (1, 2, 4) or chunk < 1 or W not in (1, 2, 4, 8, 16, 32) \
-                or max_seg < 0 or rpw < 1 or max_ent < 0:
+        nbuf, split = int(params.get("nbuf", 2)), int(params.get("split", 2))
+        if scheme not in ("panel", "tasks") or cf not in (1, 2, 4) or int(params["vec"]) not in (1, 2, 4) \
+                or chunk < 1 or W not in (1, 2, 4, 8, 16, 32) or max_seg < 0 or rpw < 1 or max_ent < 0 \
+                or nbuf not in (1, 2) or split < 0:
             raise ValueError(f"invalid aspt.tiled parameters {params}")
         K = mod.op.K
         vec = _largest_vec(K, int(params["vec"]))
-        KT, KT1 = 32 * vec * cf, 32 * cf
-        chunk = max(1, min(chunk, _SMEM_CAP // (KT * 4)))
-        arrays = aspt_arrays(mod, chunk, max_seg, max_ent)
-        inst = self.instances(vec, cf, rpw, mod.op.reduce)
-        arch = rt.device_arch()
-        path = self.compile(inst, arch=arch, name=inst[0][0])
         fmt = mod.formats["aspt"]
-        meta = {"K": K, "m": mod.A.shape[0], "H": int(fmt.panel_height), "warps": W, "vec": vec, "KT": KT,
-                "KT1": KT1, "chunk": chunk, "reduce": mod.op.reduce, "smem": chunk * KT * 4, "smem1": chunk * KT1 * 4,
-                "arch": arch, "dense_ratio": float(fmt.dense_ratio), "tasks": int(arrays["task_eptr"].size) - 1,
-                "tails": int(arrays["tail_lo"].size), "instances": [[n, list(a)] for n, a in inst]}
-        return AsptKernel(self.name, params, arrays, {"kernel.fatbin": path}, meta, self)
+        H = int(fmt.panel_height)
+        arch = rt.device_arch()
+        meta = {"K": K, "m": mod.A.shape[0], "H": H, "warps": W, "vec": vec, "reduce": mod.op.reduce, "arch": arch,
+                "dense_ratio": float(fmt.dense_ratio), "scheme": scheme}
+        if scheme == "panel":
+            KT, KT1 = 32 * vec, 32
+            chunk = panel_chunk(H, vec, nbuf, chunk, arch)
+            if chunk == 0:
+                raise ValueError(f"aspt.tiled panel: a {H}-row accumulator of {KT} columns leaves no room for "
+                                 f"staged columns in shared memory (use a smaller vec or panel height)")
+            arrays = aspt_panel_arrays(mod, chunk, max_ent, split, -(-K // KT))
+            inst = self.instances(vec, 1, 1, mod.op.reduce, "panel", nbuf)
+            meta.update({"KT": KT, "KT1": KT1, "chunk": chunk, "nbuf": nbuf,
+                         "smem": (H + nbuf * chunk) * KT * 4, "smem1": (H + nbuf * chunk) * KT1 * 4,
+                         "blocks": int(arrays["blk_s0"].size), "steps": int(arrays["st_nc"].size),
+                         "split_panels": int(arrays["grp_n"].size)})
+            cls = AsptPanelKernel
+        else:
+            KT, KT1 = 32 * vec * cf, 32 * cf
+            chunk = max(1, min(chunk, _SMEM_CAP // (KT * 4)))
+            arrays = aspt_arrays(mod, chunk, max_seg, max_ent)
+            inst = self.instances(vec, cf, rpw, mod.op.reduce, "tasks")
+            meta.update({"KT": KT, "KT1": KT1, "chunk": chunk, "smem": chunk * KT * 4, "smem1": chunk * KT1 * 4,
+                         "tasks": int(arrays["task_eptr"].size) - 1, "tails": int(arrays["tail_lo"].size)})
+            cls = AsptKernel
+        path = self.compile(inst, arch=arch, name=inst[0][0])
+        meta["instances"] = [[n, list(a)] for n, a in inst]
+        return cls(self.name, params, arrays, {"kernel.fatbin": path}, meta, self)
 
     def load(self, params, arrays, files, meta):
-        return AsptKernel(self.name, params, arrays, files, meta, self)
+        cls = AsptPanelKernel if meta.get("scheme") == "panel" else AsptKernel
+        return cls(self.name, params, arrays, files, meta, self)
