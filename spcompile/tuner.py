@@ -54,12 +54,19 @@ INTERRUPTED = "interrupted"
 PRECISIONS = ("fp32", "tf32", "fp16", "bf16")
 
 
-def allowed_precisions(policy: str | None) -> tuple[str, ...]:
+#: a 16-bit workload's own precision: its inputs already are in it, so a kernel computing with
+#: operands of that precision (fp32 accumulation) is admitted under every policy
+NATIVE_PRECISION = {"float16": "fp16", "bfloat16": "bf16"}
+
+
+def allowed_precisions(policy: str | None, dtype: str | None = None) -> tuple[str, ...]:
     policy = "fp32" if policy is None else str(policy)
     if policy not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS} (the lowest precision the module may compute "
                          f"in; 'fp32' admits only exact fp32 kernels), got {policy!r}")
-    return PRECISIONS[: PRECISIONS.index(policy) + 1]
+    out = PRECISIONS[: PRECISIONS.index(policy) + 1]
+    native = NATIVE_PRECISION.get(dtype or "")
+    return out + (native,) if native and native not in out else out
 
 
 def config_precision(cfg: Config) -> str:
@@ -257,7 +264,7 @@ class Tuner:
         self.storage_url = self.db.url
         self.runner = runner if runner is not None else make_runner(target)
         self.precision = precision
-        self.allowed = allowed_precisions(precision)
+        self.allowed = allowed_precisions(precision, op.dtype)
         self.objective = objective_name(objective, expected_calls, precision)
         self.expected_calls = expected_calls
         self.seed = seed
@@ -669,7 +676,7 @@ def choose_config(sop: SparseOp, target: str, storage: str | None = None, tune: 
             if storage is not None:
                 raise
             rec, db_error = None, str(e)
-        if rec is not None and config_precision(rec.config) in allowed_precisions(precision):
+        if rec is not None and config_precision(rec.config) in allowed_precisions(precision, sop.dtype):
             return rec.config, {"source": "database", "storage": _safe_url(url), "objective": obj,
                                 "kernel_ms": rec.kernel_ms, "preprocess_ms": rec.preprocess_ms,
                                 "baseline_ms": rec.baseline_ms, "baseline_name": rec.baseline_name,

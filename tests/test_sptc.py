@@ -29,8 +29,8 @@ PIPES = {"vnm": VNM, "none": FMT, "rcm": RCM}
 TOL = {"fp16": 1e-2, "bf16": 2e-2}
 
 
-def _mod(A, K, reduce="sum", pipeline=VNM):
-    return Pipeline(list(pipeline))(SparseModule.from_op(make_op(A, "spmm", K, reduce)))
+def _mod(A, K, reduce="sum", pipeline=VNM, dtype="float32"):
+    return Pipeline(list(pipeline))(SparseModule.from_op(make_op(A, "spmm", K, reduce, dtype=dtype)))
 
 
 def _fp16_exact(A):
@@ -162,11 +162,15 @@ def _check_items(arr, m, split):
     nwin = wp.size - 1
     cnt = np.bincount(it[:, 0], minlength=nwin)
     assert np.all(cnt >= 1)
-    assert np.array_equal(it[:, 3] == 1, cnt[it[:, 0]] > 1)
-    zw = np.unique(it[it[:, 3] == 1, 0])
+    assert np.array_equal(it[:, 3] != 0, cnt[it[:, 0]] > 1)
+    zw = np.unique(it[it[:, 3] != 0, 0])
+    # split windows numbered 1, 2, ... in window order; zero_rows lists their rows in that order
+    # (the fp32 scratch row (number - 1) * 16 + r of a 16-bit build belongs to zero_rows[that])
+    num = dict(zip(zw.tolist(), range(1, zw.size + 1)))
+    assert all(num[w] == a for w, _, _, a in it if a)
     zr = (zw[:, None] * 16 + np.arange(16)).ravel()
     zr = zr[zr < m]
-    assert np.array_equal(np.sort(arr["zero_rows"]), np.sort(arr["row_ids"][zr]))
+    assert np.array_equal(arr["zero_rows"], arr["row_ids"][zr])
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -228,11 +232,15 @@ def test_dense24_has_no_remainder():
 @pytest.mark.skipif(not rt.nvcc_available(), reason="nvcc not installed")
 @pytest.mark.parametrize("arch", [90, 80])
 def test_cu_compiles(arch):
-    """Every variant (precision x slabs per warp) and the helper kernels, in one nvcc call per arch."""
+    """Every variant (precision x slabs per warp x X/Y dtype) and the helper kernels, in one nvcc
+    call per arch."""
     t = get_template("sptc.vnm")
-    inst = [i for prec in sv.PRECISIONS for nt in (1, 2, 4, 8) for i in t.instances(prec, nt)]
+    inst = [i for dt in sv.ELEMS for prec in sv.precisions_for(dt) for nt in (1, 2, 4, 8)
+            for i in t.instances(prec, nt, dt)]
+    assert len(inst) == 16
+    aux = [i for i in t.all_instances("fp16", 1) if not i[1]]
     try:
-        t.compile(inst + [("sptc_zero_rows", ()), ("sptc_remainder_kernel", ())], arch=arch, name="sptc_all")
+        t.compile(inst + aux, arch=arch, name="sptc_all")
     except rt.CompileError as e:  # pragma: no cover - the failure message is the point
         pytest.fail(str(e))
 
@@ -251,6 +259,28 @@ def test_sass_has_sparse_hmma():
     assert "HMMA.SP" in sass or "HMMA.16832.F32.SP" in sass or ".SP" in sass
 
 
+def test_16bit_workloads_use_their_own_precision():
+    """fp16 / bf16 X is used as loaded: the space, defaults and seeds offer only the input's own
+    precision, a mismatch is refused with a clear error, the tuner's default policy admits it."""
+    from spcompile.tuner import allowed_precisions
+
+    t = get_template("sptc.vnm")
+    A = MATRICES["violating"]()
+    for dt, prec in (("float16", "fp16"), ("bfloat16", "bf16")):
+        mod = _mod(A, 64, pipeline=RCM, dtype=dt)
+        assert t.supports(mod)
+        assert list(t.space(mod)["precision"].choices) == [prec]
+        assert {p["precision"] for p in t.seed_params(mod)} == {prec}
+        assert any(p["slabs_per_warp"] == 8 for p in t.seed_params(mod))
+        other = "bf16" if prec == "fp16" else "fp16"
+        with pytest.raises(ValueError, match="precision"):
+            t.build(mod, {**t.default_params(mod), "precision": other})
+        with pytest.raises(ValueError, match="need precision"):
+            t.instances(other, 4, dt)
+        assert prec in allowed_precisions("fp32", dt) and prec not in allowed_precisions("fp32")
+    assert list(t.space(_mod(A, 64))["precision"].choices) == ["fp16", "bf16"]
+
+
 def test_build_without_gpu():
     t = get_template("sptc.vnm")
     if not rt.nvcc_available():
@@ -260,6 +290,9 @@ def test_build_without_gpu():
         k = t.build(mod, p)
         assert k.meta["remainder_nnz"] == k.arrays["rem_vals"].size and k.meta["tiles"] > 0
         assert (k.meta["remainder_nnz"] == 0) == (p["pack"] == "condensed" or mod.formats["vnm"]["conforms"])
+    mod = _mod(MATRICES["violating"](), 40, dtype="float16")
+    k = t.build(mod, t.default_params(mod))
+    assert k.meta["dtype"] == "float16" and k.meta["instances"][0][1] == [1, t.default_params(mod)["slabs_per_warp"], 1]
 
 
 # ------------------------------------------------------------------------------------------
@@ -312,6 +345,70 @@ def test_gpu_matches_reference(name, K):
             assert not np.isnan(out).any(), (name, K, p)
             err = reference.rel_error(out, reference.run("spmm", reduce, as_csr(A), X))
             assert err < TOL[p["precision"]], (name, K, reduce, pipe, p, err)
+
+
+def _run16(kern, X, m, K, dtype, off=0):
+    """Run on a torch tensor of ``dtype`` (optionally a view offset by ``off`` elements: the scalar
+    path); NaN-poisoned output; returns float64 numpy."""
+    import torch
+
+    tdt = getattr(torch, dtype)
+    xb = torch.zeros(X.size + 8, dtype=tdt, device="cuda")
+    xb[off:off + X.size] = torch.from_numpy(X.ravel()).to("cuda", tdt)
+    ob = torch.full((m * K + 8,), float("nan"), dtype=tdt, device="cuda")
+    xv = xb[off:off + X.size].view(X.shape)
+    ov = ob[off:off + m * K].view(m, K)
+    rt.call(kern, "torch", [xv], ov, ov.shape, dtype)
+    torch.cuda.synchronize()
+    return ov.double().cpu().numpy()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not cuda_available(), reason="no CUDA device")
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("name", sorted(MATRICES))
+@pytest.mark.parametrize("K", [1, 13, 64, 128, 256])
+def test_gpu_16bit_inputs(dtype, name, K):
+    """fp16 / bf16 X and Y: every seed configuration and pipeline, against float64 on the rounded X;
+    split windows go through the fp32 scratch, block packing through the 16-bit remainder."""
+    pytest.importorskip("torch")
+    t = get_template("sptc.vnm")
+    A = MATRICES[name]()
+    rng = np.random.default_rng(K + 7)
+    for reduce, pipe in (("sum", "vnm"), ("mean", "rcm"), ("sum", "none")):
+        mod = _mod(A, K, reduce, PIPES[pipe], dtype=dtype)
+        for p in t.seed_params(mod):
+            kern = t.build(mod, p)
+            X = rng.standard_normal((A.shape[1], K)).astype(np.float32)
+            out = _run16(kern, X, A.shape[0], K, dtype)
+            assert not np.isnan(out).any(), (name, K, p)
+            import torch
+            Xr = torch.from_numpy(X).to(getattr(torch, dtype)).double().numpy()
+            err = reference.rel_error(out, reference.run("spmm", reduce, as_csr(A), Xr))
+            assert err < TOL[p["precision"]], (name, K, reduce, pipe, p, err)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not cuda_available(), reason="no CUDA device")
+@pytest.mark.parametrize("K", [5, 64, 130])
+def test_gpu_every_variant_16bit(K):
+    """fp16 X / Y: every (slabs per warp, warps per block, split) with aligned and misaligned views."""
+    pytest.importorskip("torch")
+    t = get_template("sptc.vnm")
+    A = MATRICES["longrow"]()
+    rng = np.random.default_rng(K + 3)
+    mod = _mod(A, K, "sum", RCM, dtype="float16")
+    for nt in (1, 2, 4, 8):
+        for W in (1, 4):
+            for split in (0, 1, 3):
+                kern = t.build(mod, {"pack": "condensed", "warps_per_block": W, "slabs_per_warp": nt,
+                                     "split": split, "precision": "fp16"})
+                for off in (0, 1):
+                    X = rng.standard_normal((A.shape[1], K)).astype(np.float16).astype(np.float32)
+                    out = _run16(kern, X, A.shape[0], K, "float16", off)
+                    assert not np.isnan(out).any(), (K, nt, W, split, off)
+                    err = reference.rel_error(out, reference.run("spmm", "sum", as_csr(A), X))
+                    assert err < TOL["fp16"], (K, nt, W, split, off, err)
 
 
 @pytest.mark.gpu

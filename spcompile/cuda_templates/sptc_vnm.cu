@@ -18,8 +18,9 @@
 // Work items (sptc_spmm2 below) split long windows; split windows accumulate with atomics into rows
 // zeroed by sptc_zero_rows.  Launch order on one stream: zero rows, tiles, remainder.
 //
-// Compile-time parameters: P (1 fp16, 2 bf16), NT (8-column slabs per warp).  K, warps per block
-// and the item count are launch arguments.  ORDERED selects mma.sp::ordered_metadata (PTX 8.5+).
+// Compile-time parameters: P (1 fp16, 2 bf16), NT (8-column slabs per warp), E (X / Y element type:
+// 0 float, converted to P in registers; 1 half / 2 bfloat16 = P, loaded as is, half the gather bytes).
+// K, warps per block and the item count are launch arguments.  ORDERED selects mma.sp::ordered_metadata (PTX 8.5+).
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
@@ -43,6 +44,26 @@ template <> struct prec<2> {
     __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
     return *reinterpret_cast<uint32_t*>(&h);
   }
+};
+
+// X / Y element type: E = 0 float, 1 half, 2 bfloat16 (16-bit X must match the operand precision P).
+template <int E> struct elem;
+template <> struct elem<0> {
+  typedef float T;
+  static __device__ __forceinline__ float to_f(T v) { return v; }
+  static __device__ __forceinline__ T from_f(float v) { return v; }
+};
+template <> struct elem<1> {
+  typedef __half T;
+  static __device__ __forceinline__ float to_f(T v) { return __half2float(v); }
+  static __device__ __forceinline__ T from_f(float v) { return __float2half_rn(v); }
+  static __device__ __forceinline__ uint32_t pack2(float lo, float hi) { return prec<1>::pack(lo, hi); }
+};
+template <> struct elem<2> {
+  typedef __nv_bfloat16 T;
+  static __device__ __forceinline__ float to_f(T v) { return __bfloat162float(v); }
+  static __device__ __forceinline__ T from_f(float v) { return __float2bfloat16_rn(v); }
+  static __device__ __forceinline__ uint32_t pack2(float lo, float hi) { return prec<2>::pack(lo, hi); }
 };
 
 template <int P>
@@ -147,19 +168,83 @@ __device__ __forceinline__ void tile_mma(float (&acc)[NT][4], const TileRegs& r,
   }
 }
 
+// 16-bit X (fp16 / bf16, already the operand type): NT consecutive values of X row c from column x0
+// as (NT + 1) / 2 words, two columns per word (low half first; NT = 1: the value in the low half);
+// zeros for c < 0 or past K.  No conversion: the B fragments are byte permutations of these words.
+template <int NT>
+__device__ __forceinline__ void load_x16(uint32_t (&w)[(NT + 1) / 2], const uint16_t* __restrict__ X, int c,
+                                         int x0, int K, bool vec) {
+  constexpr int NW = (NT + 1) / 2;
+  if (c < 0) {
+#pragma unroll
+    for (int j = 0; j < NW; ++j) w[j] = 0u;
+    return;
+  }
+  const uint16_t* p = X + (size_t)c * K + x0;
+  if (vec) {
+    if constexpr (NT == 8) {
+      const uint4 f = __ldg(reinterpret_cast<const uint4*>(p));
+      w[0] = f.x; w[1] = f.y; w[2] = f.z; w[3] = f.w;
+    } else if constexpr (NT == 4) {
+      const uint2 f = __ldg(reinterpret_cast<const uint2*>(p));
+      w[0] = f.x; w[1] = f.y;
+    } else if constexpr (NT == 2) {
+      w[0] = __ldg(reinterpret_cast<const unsigned int*>(p));
+    } else {
+      w[0] = __ldg(reinterpret_cast<const unsigned short*>(p));
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < NW; ++j) {
+      const uint32_t lo = (x0 + 2 * j < K) ? (uint32_t)__ldg(reinterpret_cast<const unsigned short*>(p) + 2 * j) : 0u;
+      const uint32_t hi = (NT > 1 && x0 + 2 * j + 1 < K)
+                              ? (uint32_t)__ldg(reinterpret_cast<const unsigned short*>(p) + 2 * j + 1) : 0u;
+      w[j] = lo | (hi << 16);
+    }
+  }
+}
+
 template <int P, int NT>
+__device__ __forceinline__ void tile_mma16(float (&acc)[NT][4], const TileRegs& r, const uint16_t* __restrict__ X,
+                                           int x0, int K, bool vec) {
+  constexpr int NW = (NT + 1) / 2;
+  uint32_t w[8][NW];
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    load_x16<NT>(w[2 * q], X, r.c[q].x, x0, K, vec);
+    load_x16<NT>(w[2 * q + 1], X, r.c[q].y, x0, K, vec);
+  }
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+    uint32_t bf[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q)   // low half: tile row 2q's value of column j, high half: row 2q + 1's
+      bf[q] = __byte_perm(w[2 * q][j >> 1], w[2 * q + 1][j >> 1], (j & 1) ? 0x7632 : 0x5410);
+    mma_sp<P>(acc[j], r.a, bf, r.e);
+  }
+}
+
+// E = 0: X / Y float.  E = 1 / 2: X / Y half / bfloat16 (P must equal E); the items of split windows
+// (items[i].w = split-window index + 1) add into the fp32 scratch S (row (w - 1) * 16 + window row,
+// zeroed first), which sptc_finish converts into Y; fp32 builds add into Y directly.
+template <int P, int NT, int E>
 __device__ __forceinline__ void sptc_spmm2(const int4* __restrict__ items, const uint4* __restrict__ frag,
                                            const uint32_t* __restrict__ meta, const int* __restrict__ ccol,
                                            const int* __restrict__ row_ids, const float* __restrict__ row_scale,
-                                           const float* __restrict__ X, float* __restrict__ Y, int m, int K) {
+                                           const void* __restrict__ Xv, void* __restrict__ Yv, float* __restrict__ S,
+                                           int m, int K) {
+  static_assert(E == 0 || E == P, "16-bit X must be in the operand precision");
+  typedef typename elem<E>::T T;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
   const int n0 = (blockIdx.y * (blockDim.x >> 5) + warp) * 8 * NT;
   if (n0 >= K) return;
   const int4 it = __ldg(items + blockIdx.x);
-  constexpr int VW = NT >= 4 ? 4 : NT;
+  // vector width (elements) of the Y stores; the X loads are NT elements at a multiple of NT
+  constexpr int VW = E == 0 ? (NT >= 4 ? 4 : NT) : (2 * NT < 8 ? 2 * NT : 8);
+  constexpr int EB = E == 0 ? 4 : 2;
   const bool vec = (n0 + 8 * NT <= K) && (K % VW == 0) &&
-                   (((reinterpret_cast<uintptr_t>(X) | reinterpret_cast<uintptr_t>(Y)) & (4 * VW - 1)) == 0);
+                   (((reinterpret_cast<uintptr_t>(Xv) | reinterpret_cast<uintptr_t>(Yv)) & (EB * VW - 1)) == 0);
   const int x0 = n0 + g * NT;
   float acc[NT][4];
 #pragma unroll
@@ -172,8 +257,15 @@ __device__ __forceinline__ void sptc_spmm2(const int4* __restrict__ items, const
     TileRegs n0r, n1r;                                      // next pair (prefetch)
     load_tile(n0r, b + 2, b + 2 < end, frag, meta, ccol, lane, g, t);
     load_tile(n1r, b + 3, b + 3 < end, frag, meta, ccol, lane, g, t);
-    tile_mma<P, NT>(acc, r0, X, x0, K, vec);
-    if (b + 1 < end) tile_mma<P, NT>(acc, r1, X, x0, K, vec);
+    if constexpr (E == 0) {
+      const float* X = static_cast<const float*>(Xv);
+      tile_mma<P, NT>(acc, r0, X, x0, K, vec);
+      if (b + 1 < end) tile_mma<P, NT>(acc, r1, X, x0, K, vec);
+    } else {
+      const uint16_t* X = static_cast<const uint16_t*>(Xv);
+      tile_mma16<P, NT>(acc, r0, X, x0, K, vec);
+      if (b + 1 < end) tile_mma16<P, NT>(acc, r1, X, x0, K, vec);
+    }
     r0 = n0r;
     r1 = n1r;
   }
@@ -184,7 +276,7 @@ __device__ __forceinline__ void sptc_spmm2(const int4* __restrict__ items, const
   for (int h = 0; h < 2; ++h) {                              // h = 0: row g, h = 1: row g + 8
     const int row = h ? rb : ra;
     if (row >= m) continue;
-    float* y = Y + (size_t)__ldg(row_ids + row) * K;
+    T* y = static_cast<T*>(Yv) + (size_t)__ldg(row_ids + row) * K;
     const float s = __ldg(row_scale + row);
     float o[2 * NT];                                        // columns n0 + 2t*NT + [0, 2NT)
 #pragma unroll
@@ -194,28 +286,46 @@ __device__ __forceinline__ void sptc_spmm2(const int4* __restrict__ items, const
     }
     const int xs = n0 + 2 * t * NT;
     if (it.w) {
+      float* ya = E == 0 ? reinterpret_cast<float*>(y) : S + ((size_t)(it.w - 1) * 16 + g + 8 * h) * K;
 #pragma unroll
       for (int j = 0; j < 2 * NT; ++j)
-        if (xs + j < K) atomicAdd(y + xs + j, o[j]);
+        if (xs + j < K) atomicAdd(ya + xs + j, o[j]);
     } else if (vec) {
-      if (NT >= 2) {
+      if constexpr (E == 0) {
+        float* yf = reinterpret_cast<float*>(y);
+        if (NT >= 2) {
 #pragma unroll
-        for (int q = 0; q < (2 * NT) / VW; ++q) {
-          if (VW == 4) {
-            reinterpret_cast<float4*>(y + xs)[q] = make_float4(o[4 * q], o[4 * q + 1], o[(4 * q + 2) % (2 * NT)],
-                                                               o[(4 * q + 3) % (2 * NT)]);
-          } else {
-            reinterpret_cast<float2*>(y + xs)[q] = make_float2(o[2 * q], o[2 * q + 1]);
+          for (int q = 0; q < (2 * NT) / VW; ++q) {
+            if (VW == 4) {
+              reinterpret_cast<float4*>(yf + xs)[q] = make_float4(o[4 * q], o[4 * q + 1], o[(4 * q + 2) % (2 * NT)],
+                                                                  o[(4 * q + 3) % (2 * NT)]);
+            } else {
+              reinterpret_cast<float2*>(yf + xs)[q] = make_float2(o[2 * q], o[2 * q + 1]);
+            }
           }
+        } else {
+          yf[xs] = o[0];
+          yf[xs + 1] = o[1];
         }
       } else {
-        y[xs] = o[0];
-        y[xs + 1] = o[1];
+        uint32_t wd[NT];                                    // 2 NT values -> NT words
+#pragma unroll
+        for (int k = 0; k < NT; ++k) wd[k] = elem<E>::pack2(o[2 * k], o[2 * k + 1]);
+        if constexpr (NT == 8) {
+          reinterpret_cast<uint4*>(y + xs)[0] = make_uint4(wd[0], wd[1], wd[2], wd[3]);
+          reinterpret_cast<uint4*>(y + xs)[1] = make_uint4(wd[4], wd[5], wd[6], wd[7]);
+        } else if constexpr (NT == 4) {
+          reinterpret_cast<uint4*>(y + xs)[0] = make_uint4(wd[0], wd[1], wd[2], wd[3]);
+        } else if constexpr (NT == 2) {
+          reinterpret_cast<uint2*>(y + xs)[0] = make_uint2(wd[0], wd[1]);
+        } else {
+          reinterpret_cast<uint32_t*>(y + xs)[0] = wd[0];
+        }
       }
     } else {
 #pragma unroll
       for (int j = 0; j < 2 * NT; ++j)
-        if (xs + j < K) y[xs + j] = o[j];
+        if (xs + j < K) y[xs + j] = elem<E>::from_f(o[j]);
     }
   }
 }
@@ -227,38 +337,72 @@ __device__ __forceinline__ void sptc_zero(const int* __restrict__ rows, int nrow
     Y[(size_t)__ldg(rows + i / K) * K + i % K] = 0.f;
 }
 
+// 16-bit builds: the split windows' fp32 scratch rows -> Y (one rounding).
+template <int E>
+__device__ __forceinline__ void sptc_finish(const int* __restrict__ rows, int nrows, const float* __restrict__ S,
+                                            typename elem<E>::T* __restrict__ Y, int K) {
+  const size_t total = (size_t)nrows * K;
+  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (size_t)gridDim.x * blockDim.x)
+    Y[(size_t)__ldg(rows + i / K) * K + i % K] = elem<E>::from_f(S[i]);
+}
+
 // CSR remainder on CUDA cores: one warp per remainder row (distinct output rows), lanes over K;
-// launched after sptc_spmm on the same stream, adds into Y.
+// launched after sptc_spmm on the same stream, adds into Y (16-bit Y: read, add in fp32, round).
+template <int E>
 __device__ __forceinline__ void sptc_remainder(const int* __restrict__ rem_ptr, const int* __restrict__ rem_rows,
                                                const int* __restrict__ rem_cols, const float* __restrict__ rem_vals,
-                                               const float* __restrict__ X, float* __restrict__ Y, int nrows, int K) {
+                                               const typename elem<E>::T* __restrict__ X,
+                                               typename elem<E>::T* __restrict__ Y, int nrows, int K) {
   const int wid = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
   if (wid >= nrows) return;
   const int beg = rem_ptr[wid], end = rem_ptr[wid + 1];
-  float* y = Y + (size_t)rem_rows[wid] * K;
+  typename elem<E>::T* y = Y + (size_t)rem_rows[wid] * K;
   for (int x = blockIdx.y * 128 + lane; x < K && x < (blockIdx.y + 1) * 128; x += 32) {
     float s = 0.f;
-    for (int p = beg; p < end; ++p) s += __ldg(rem_vals + p) * __ldg(X + (size_t)__ldg(rem_cols + p) * K + x);
-    y[x] += s;
+    for (int p = beg; p < end; ++p)
+      s += __ldg(rem_vals + p) * elem<E>::to_f(X[(size_t)__ldg(rem_cols + p) * K + x]);
+    y[x] = elem<E>::from_f(elem<E>::to_f(y[x]) + s);
   }
 }
 
 }  // namespace spc_sptc
 
-extern "C" __global__ void sptc_remainder_kernel(const int* __restrict__ rem_ptr, const int* __restrict__ rem_rows,
-                                                 const int* __restrict__ rem_cols, const float* __restrict__ rem_vals,
-                                                 const float* __restrict__ X, float* __restrict__ Y, int nrows, int K) {
-  spc_sptc::sptc_remainder(rem_ptr, rem_rows, rem_cols, rem_vals, X, Y, nrows, K);
+#define SPC_SPTC_AUX(SUFFIX, E)                                                                             \
+  extern "C" __global__ void sptc_remainder##SUFFIX(                                                        \
+      const int* __restrict__ rem_ptr, const int* __restrict__ rem_rows, const int* __restrict__ rem_cols,  \
+      const float* __restrict__ rem_vals, const spc_sptc::elem<E>::T* __restrict__ X,                       \
+      spc_sptc::elem<E>::T* __restrict__ Y, int nrows, int K) {                                             \
+    spc_sptc::sptc_remainder<E>(rem_ptr, rem_rows, rem_cols, rem_vals, X, Y, nrows, K);                     \
+  }
+SPC_SPTC_AUX(_kernel, 0)
+SPC_SPTC_AUX(_h, 1)
+SPC_SPTC_AUX(_b, 2)
+
+extern "C" __global__ void sptc_finish_h(const int* __restrict__ rows, int nrows, const float* __restrict__ S,
+                                         __half* __restrict__ Y, int K) {
+  spc_sptc::sptc_finish<1>(rows, nrows, S, Y, K);
+}
+extern "C" __global__ void sptc_finish_b(const int* __restrict__ rows, int nrows, const float* __restrict__ S,
+                                         __nv_bfloat16* __restrict__ Y, int K) {
+  spc_sptc::sptc_finish<2>(rows, nrows, S, Y, K);
 }
 
 extern "C" __global__ void sptc_zero_rows(const int* __restrict__ rows, int nrows, float* __restrict__ Y, int K) {
   spc_sptc::sptc_zero(rows, nrows, Y, K);
 }
 
-#define SPC_SPTC_INSTANCE(NAME, P, NT)                                                                      \
+// (nrows x K) contiguous fp32 scratch -> 0 (the split windows' rows of a 16-bit build)
+extern "C" __global__ void sptc_zero_scratch(float* __restrict__ S, int nrows, int K) {
+  const size_t total = (size_t)nrows * K;
+  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (size_t)gridDim.x * blockDim.x)
+    S[i] = 0.f;
+}
+
+#define SPC_SPTC_INSTANCE(NAME, P, NT, E)                                                                   \
   extern "C" __global__ void NAME(const int4* __restrict__ items, const uint4* __restrict__ frag,           \
                                   const uint32_t* __restrict__ meta, const int* __restrict__ ccol,         \
                                   const int* __restrict__ row_ids, const float* __restrict__ row_scale,   \
-                                  const float* __restrict__ X, float* __restrict__ Y, int m, int K) {     \
-    spc_sptc::sptc_spmm2<P, NT>(items, frag, meta, ccol, row_ids, row_scale, X, Y, m, K);                 \
+                                  const void* __restrict__ X, void* __restrict__ Y, float* __restrict__ S, \
+                                  int m, int K) {                                                          \
+    spc_sptc::sptc_spmm2<P, NT, E>(items, frag, meta, ccol, row_ids, row_scale, X, Y, S, m, K);           \
   }

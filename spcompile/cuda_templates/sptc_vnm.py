@@ -47,6 +47,15 @@ __all__ = ["SptcVnm", "sptc_arrays", "pack_arrays", "condense_windows", "PACKS",
 
 #: precision name -> (kernel code, reference.tolerance name)
 PRECISIONS = {"fp16": (1, "float16"), "bf16": (2, "bfloat16")}
+#: X / Y element type -> kernel code E; a 16-bit workload computes in its own precision only
+ELEMS = {"float32": 0, "float16": 1, "bfloat16": 2}
+NATIVE_PRECISION = {"float16": "fp16", "bfloat16": "bf16"}
+
+
+def precisions_for(dtype: str) -> list[str]:
+    """Operand precisions a ``dtype`` workload may use: fp32 X is converted to either in registers;
+    16-bit X is used as loaded, so only its own precision."""
+    return [NATIVE_PRECISION[dtype]] if dtype in NATIVE_PRECISION else list(PRECISIONS)
 META_LAYOUT = "split16"
 
 
@@ -248,8 +257,11 @@ def condense_windows(rows: np.ndarray, cols: np.ndarray, m: int):
 
 
 def _items(win_ptr: np.ndarray, split: int, m: int, row_ids: np.ndarray):
-    """Work items ``(window, first tile, end tile, atomic)`` (int32 x 4, heaviest first) and the
-    original rows of the windows split into several items (zeroed before the atomics)."""
+    """Work items ``(window, first tile, end tile, split)`` (int32 x 4, heaviest first; split = 0 for
+    a window done by one item, else the window's number among the split windows, from 1) and the
+    original rows of the split windows, in that numbering (16 per window, past-the-end rows of
+    the last window dropped): zeroed before the atomics, or (16-bit builds) the rows that fp32
+    scratch row ``(split - 1) * 16 + r`` is finally written to."""
     wp = np.asarray(win_ptr, np.int64)
     nwin = wp.size - 1
     nt = np.diff(wp)
@@ -261,7 +273,8 @@ def _items(win_ptr: np.ndarray, split: int, m: int, row_ids: np.ndarray):
         end = np.minimum(beg + split, wp[iw + 1])
     else:
         beg, end = wp[iw], wp[iw + 1]
-    at = (nch[iw] > 1).astype(np.int64)
+    sidx = np.cumsum(nch > 1)                      # split windows numbered from 1 in window order
+    at = np.where(nch[iw] > 1, sidx[iw], 0).astype(np.int64)
     items = np.stack([iw, beg, end, at], axis=1)
     items = items[np.argsort(-(end - beg), kind="stable")]
     sw = np.flatnonzero(nch > 1)
@@ -401,7 +414,7 @@ def emulate_sptc_spmm(arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any],
     rid = np.asarray(arrays["row_ids"], np.int64)
     sc = np.asarray(arrays["row_scale"], np.float64)
     for atomic in (0, 1):                           # stores first: an atomic item must find zeros
-        sel = items[items[:, 3] == atomic]
+        sel = items[(items[:, 3] != 0) == bool(atomic)]
         part = (cum[sel[:, 2]] - cum[sel[:, 1]])    # (items, 16, K)
         r = sel[:, 0:1] * 16 + np.arange(16)[None, :]
         ok = r < m
@@ -431,13 +444,29 @@ class SptcKernel(_NvccKernel):
         nitems = int(self.arrays["items"].size) // 4
         nrem = int(self.arrays["rem_rows"].size)
         nz = int(self.arrays["zero_rows"].size)
+        E = ELEMS[meta.get("dtype", "float32")]
+        sfx = {0: "_kernel", 1: "_h", 2: "_b"}[E]
+        scratch = 0
+        if E and nz:   # 16-bit: split windows add into an fp32 scratch, converted into Y once
+            import cupy
+
+            self._scratch = cupy.empty(nz * K, dtype=cupy.float32)
+            scratch = int(self._scratch.data.ptr)
+        zgrid = (max(1, min(1024, -(-nz * K // 256))), 1, 1)
         self._main = rt.Launch(byname[meta["instances"][0][0]], (max(nitems, 1), -(-K // (8 * NT * W)), 1),
                                (32 * W, 1, 1), (dev["items"], dev["frag"], dev["meta"], dev["ccol"],
-                                                dev["row_ids"], dev["row_scale"], None, None,
+                                                dev["row_ids"], dev["row_scale"], None, None, scratch,
                                                 np.int32(m), np.int32(K)))
-        self._zero = rt.Launch(byname["sptc_zero_rows"], (max(1, min(1024, -(-nz * K // 256))), 1, 1), (256, 1, 1),
-                               (dev["zero_rows"], np.int32(nz), None, np.int32(K))) if nz else None
-        self._rem = rt.Launch(byname["sptc_remainder_kernel"], (-(-nrem // 8), -(-K // 128), 1), (256, 1, 1),
+        self._zero = self._finish = None
+        if nz and E == 0:
+            self._zero = rt.Launch(byname["sptc_zero_rows"], zgrid, (256, 1, 1),
+                                   (dev["zero_rows"], np.int32(nz), None, np.int32(K)))
+        elif nz:
+            self._zero = rt.Launch(byname["sptc_zero_scratch"], zgrid, (256, 1, 1),
+                                   (scratch, np.int32(nz), np.int32(K)))
+            self._finish = rt.Launch(byname["sptc_finish" + sfx], zgrid, (256, 1, 1),
+                                     (dev["zero_rows"], np.int32(nz), scratch, None, np.int32(K)))
+        self._rem = rt.Launch(byname["sptc_remainder" + sfx], (-(-nrem // 8), -(-K // 128), 1), (256, 1, 1),
                               (dev["rem_ptr"], dev["rem_rows"], dev["rem_cols"], dev["rem_vals"], None, None,
                                np.int32(nrem), np.int32(K))) if nrem else None
         self._empty = m == 0 or K == 0 or nitems == 0
@@ -448,8 +477,10 @@ class SptcKernel(_NvccKernel):
             return
         x = in_ptrs[0]
         if self._zero is not None:
-            self._zero((out_ptr,), stream)
+            self._zero(() if self._finish is not None else (out_ptr,), stream)
         self._main((x, out_ptr), stream)
+        if self._finish is not None:
+            self._finish((out_ptr,), stream)
         if self._rem is not None:
             self._rem((x, out_ptr), stream)
 
@@ -464,9 +495,12 @@ class SptcVnm(_NvccTemplate):
     precision."""
 
     name = "sptc.vnm"
-    version = "2"
+    version = "3"
     priority = 9
     ops = (("spmm", "sum"), ("spmm", "mean"))
+    #: X / Y: fp32 (converted to the operand precision in registers) or fp16 / bf16 (used as loaded:
+    #: half the gather bytes; the operand precision is then the input's), fp32 accumulation
+    dtypes = ("float32", "float16", "bfloat16")
     format = "vnm"
     source_file = "sptc_vnm.cu"
     instance_macro = "SPC_SPTC_INSTANCE"
@@ -475,7 +509,13 @@ class SptcVnm(_NvccTemplate):
         return ("vnm",)
 
     def pipelines(self, mod):
+        # rcm -> lsh: 16-row LSH clusters put rows with common neighbours into one window (the X rows
+        # a window gathers are shared by more of its rows: reuse +15-35 % over RCM alone on the
+        # shared graphs, docs/sptc_benchmark.md)
         return [[{"name": "reorder.rcm"}, {"name": "format.vnm"}],
+                [{"name": "reorder.rcm"}, {"name": "cluster.lsh", "options": {"threshold_size": 16, "skip": False,
+                                                                               "round": 1}},
+                 {"name": "format.vnm"}],
                 [{"name": "reorder.vnm", "options": {"V": 1, "N": 2, "M": 4}}],
                 [{"name": "format.vnm"}]]
 
@@ -483,7 +523,7 @@ class SptcVnm(_NvccTemplate):
         from optuna.distributions import CategoricalDistribution as C
 
         return {"pack": C(list(PACKS)), "warps_per_block": C([1, 2, 4, 8]), "slabs_per_warp": C([1, 2, 4, 8]),
-                "split": C([0, 2, 4, 8, 32]), "precision": C(["fp16", "bf16"])}
+                "split": C([0, 2, 4, 8, 32]), "precision": C(precisions_for(mod.op.dtype))}
 
     def default_params(self, mod):
         K = mod.op.K
@@ -492,7 +532,7 @@ class SptcVnm(_NvccTemplate):
         W = max(1, min(8, -(-slabs // NT)))
         W = 1 << (W - 1).bit_length()
         return {"pack": "condensed", "warps_per_block": min(W, 8), "slabs_per_warp": NT, "split": 8,
-                "precision": "fp16"}
+                "precision": precisions_for(mod.op.dtype)[0]}
 
     def seed_params(self, mod):
         d = self.default_params(mod)
@@ -501,20 +541,29 @@ class SptcVnm(_NvccTemplate):
         seeds = [d, {**d, "split": 32}, {**d, "split": 0}, {**d, "slabs_per_warp": 8,
                                                             "warps_per_block": max(1, d["warps_per_block"] // 2)},
                  {**d, "slabs_per_warp": 2, "warps_per_block": min(8, 2 * d["warps_per_block"])},
-                 {**d, "pack": "block"}, {**d, "precision": "bf16"}]
+                 {**d, "pack": "block"}, {**d, "precision": precisions_for(mod.op.dtype)[-1]}]
+        if mod.op.dtype != "float32" and mod.op.K >= 64:   # 16-bit X: NT = 8 gives 16-byte loads
+            seeds.insert(1, {**d, "slabs_per_warp": 8, "warps_per_block": max(1, d["warps_per_block"] // 2)})
+            seeds.insert(2, {**d, "slabs_per_warp": 8, "warps_per_block": max(1, d["warps_per_block"] // 2),
+                             "split": 32})
         return unique_params(seeds)
 
     @staticmethod
-    def instance_name(P, NT) -> str:
-        return f"sptc2_spmm_p{P}_nt{NT}"
+    def instance_name(P, NT, E=0) -> str:
+        return f"sptc3_spmm_p{P}_nt{NT}_e{E}"
 
-    def instances(self, precision: str, NT: int) -> list:
-        P = PRECISIONS[precision][0]
-        return [(self.instance_name(P, NT), (P, NT))]
+    def instances(self, precision: str, NT: int, dtype: str = "float32") -> list:
+        P, E = PRECISIONS[precision][0], ELEMS[dtype]
+        if E and E != P:
+            raise ValueError(f"sptc.vnm: {dtype} inputs need precision {NATIVE_PRECISION[dtype]!r}, "
+                             f"got {precision!r}")
+        return [(self.instance_name(P, NT, E), (P, NT, E))]
 
-    def all_instances(self, precision: str, NT: int) -> list:
+    def all_instances(self, precision: str, NT: int, dtype: str = "float32") -> list:
         """The main kernel plus the helper kernels (plain extern "C" functions, listed without args)."""
-        return self.instances(precision, NT) + [("sptc_zero_rows", ()), ("sptc_remainder_kernel", ())]
+        aux = ["sptc_zero_rows", "sptc_zero_scratch", "sptc_remainder_kernel", "sptc_remainder_h",
+               "sptc_remainder_b", "sptc_finish_h", "sptc_finish_b"]
+        return self.instances(precision, NT, dtype) + [(n, ()) for n in aux]
 
     def render(self, instances):
         return super().render([(n, a) for n, a in instances if len(a)])
@@ -528,15 +577,22 @@ class SptcVnm(_NvccTemplate):
         if prec not in PRECISIONS or pack not in PACKS or W not in (1, 2, 4, 8, 16) or NT not in (1, 2, 4, 8) \
                 or split < 0:
             raise ValueError(f"invalid sptc.vnm parameters {params}")
+        dtype = mod.op.dtype
+        if dtype not in self.dtypes:
+            raise ValueError(f"sptc.vnm supports dtypes {list(self.dtypes)}, not {dtype!r}")
+        if prec not in precisions_for(dtype):
+            raise ValueError(f"sptc.vnm: {dtype} inputs are used as loaded, so the precision must be "
+                             f"{precisions_for(dtype)[0]!r}, got {prec!r}")
         arch = rt.device_arch()
         if arch < 80:
             raise ValueError("sptc.vnm needs sm_80 or newer (mma.sp)")
         arrays = sptc_arrays(mod, prec, pack=pack, split=split)
-        inst = self.all_instances(prec, NT)
+        inst = self.all_instances(prec, NT, dtype)
         path = self.compile(inst, arch=arch, name=inst[0][0])
         ntiles = int(arrays["ccol"].size) // 32
         kept = mod.A.nnz - int(arrays["rem_vals"].size)
         meta = {"K": mod.op.K, "m": mod.A.shape[0], "precision": prec, "layout": META_LAYOUT, "pack": pack,
+                "dtype": dtype,
                 "tolerance_dtype": PRECISIONS[prec][1], "arch": arch, "tiles": ntiles,
                 "items": int(arrays["items"].size) // 4, "remainder_nnz": int(arrays["rem_vals"].size),
                 "nnz_per_tile": float(kept / max(1, ntiles)),
