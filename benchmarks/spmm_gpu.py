@@ -231,8 +231,16 @@ def geomean(xs):
     return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else float("nan")
 
 
-def run_bench(op: str, templates, ks, graphs, out_dir, tag, max_seeds=None, prior=None):
+def run_bench(op: str, templates, ks, graphs, out_dir, tag, max_seeds=None, prior=None, dtype="float32"):
+    """``dtype``: the workload's X / Y dtype.  For a 16-bit workload the cuSPARSE candidate runs in
+    that dtype too (fp16 CSR); cuSPARSE fp32 on the same (rounded) X is measured as well for SpMM
+    (``cusparse_fp32_kernel_s``), and "exact" means the workload's own precision or better."""
     import torch
+    from spcompile.tuner import allowed_precisions
+
+    tdt = getattr(torch, dtype)
+    esz = 4 if dtype == "float32" else 2
+    exact_prec = allowed_precisions("fp32", dtype)
 
     bw = copy_bandwidth(torch)
     print(f"device: {torch.cuda.get_device_name()}  copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
@@ -246,19 +254,19 @@ def run_bench(op: str, templates, ks, graphs, out_dir, tag, max_seeds=None, prio
         for K in ks:
             if any(r["graph"] == gname and r["K"] == K for r in rows):
                 continue  # measured in an earlier run (--merge)
-            sop = make_op(A, op, K, "sum" if op == "spmm" else None)
+            sop = make_op(A, op, K, "sum" if op == "spmm" else None, dtype=dtype)
             torch.manual_seed(K)
             if op == "spmm":
-                ins = [torch.randn(n, K, device="cuda")]
+                ins = [torch.randn(n, K, device="cuda").to(tdt)]
                 if Ad is None:
                     Ad = torch.sparse_csr_tensor(torch.from_numpy(A.indptr.astype(np.int64)),
                                                  torch.from_numpy(A.indices.astype(np.int64)),
                                                  torch.from_numpy(A.data.astype(np.float64)), A.shape).cuda()
                 ref = torch.sparse.mm(Ad, ins[0].double())
-                out = torch.empty(m, K, device="cuda")
-                floor_bytes = (m + 1) * 4 + A.nnz * 8 + n * K * 4 + m * K * 4
+                out = torch.empty(m, K, device="cuda", dtype=tdt)
+                floor_bytes = (m + 1) * 4 + A.nnz * 8 + n * K * esz + m * K * esz
             else:
-                ins = [torch.randn(m, K, device="cuda"), torch.randn(n, K, device="cuda")]
+                ins = [torch.randn(m, K, device="cuda").to(tdt), torch.randn(n, K, device="cuda").to(tdt)]
                 rows_ = torch.from_numpy(np.repeat(np.arange(m), np.diff(A.indptr))).cuda()
                 cols_ = torch.from_numpy(A.indices.astype(np.int64)).cuda()
                 dat = torch.from_numpy(A.data.astype(np.float64)).cuda()
@@ -268,8 +276,8 @@ def run_bench(op: str, templates, ks, graphs, out_dir, tag, max_seeds=None, prio
                     sl = slice(c0, c0 + step)
                     ref[sl] = dat[sl] * (ins[0].double()[rows_[sl]] * ins[1].double()[cols_[sl]]).sum(1)
                 del rows_, cols_
-                out = torch.empty(A.nnz, device="cuda")
-                floor_bytes = (m + 1) * 4 + A.nnz * 8 + (m + n) * K * 4 + A.nnz * 4
+                out = torch.empty(A.nnz, device="cuda", dtype=tdt)
+                floor_bytes = (m + 1) * 4 + A.nnz * 8 + (m + n) * K * esz + A.nnz * esz
             refn = torch.linalg.norm(ref).item() or 1.0
             floor = floor_bytes / bw
             measured, mods = [], {}
@@ -283,7 +291,8 @@ def run_bench(op: str, templates, ks, graphs, out_dir, tag, max_seeds=None, prio
                     cm(*ins, out=out)
                     err = (torch.linalg.norm(out.double() - ref).item() / refn)
                     tdt = cm.kernel.meta.get("tolerance_dtype", "float32") if isinstance(cm.kernel.meta, dict) else "float32"
-                    tol = 1e-4 if tdt == "float32" else reference.tolerance(tdt)
+                    tol = max(1e-4 if tdt == "float32" else reference.tolerance(tdt),
+                              1e-4 if dtype == "float32" else reference.tolerance(dtype))
                     if not (err <= tol):
                         rec["error"] = f"wrong result rel_err={err:.3g} (tolerance {tol:g}, {tdt})"
                     else:
@@ -308,7 +317,10 @@ def run_bench(op: str, templates, ks, graphs, out_dir, tag, max_seeds=None, prio
             if "extern.cusparse" not in per_tpl:
                 print(f"  {gname} K={K}: no cuSPARSE result", flush=True)
                 continue
-            exact = [r for r in ok if r["precision"] == "fp32"]
+            exact = [r for r in ok if r["precision"] in exact_prec]
+            if not exact:
+                print(f"  {gname} K={K}: no exact result", flush=True)
+                continue
             tuned = min(exact, key=lambda r: r["kernel_s"])      # what build() picks by default (fp32)
             tuned_any = min(ok, key=lambda r: r["kernel_s"])     # precision="bf16": anything goes
             finals = {id(r): r for r in [*per_tpl.values(), tuned, tuned_any]}
@@ -323,7 +335,7 @@ def run_bench(op: str, templates, ks, graphs, out_dir, tag, max_seeds=None, prio
                     print(f"  {gname} K={K} {rec['template']} {rec['params']}: {rec['error']}", flush=True)
                     rec.pop("kernel_s", None)
             ok = [r for r in ok if "kernel_s" in r]
-            exact = [r for r in ok if r["precision"] == "fp32"]
+            exact = [r for r in ok if r["precision"] in exact_prec]
             per_tpl = {t: r for t, r in per_tpl.items() if "kernel_s" in r}
             if "extern.cusparse" not in per_tpl or not exact:
                 continue
@@ -345,6 +357,14 @@ def run_bench(op: str, templates, ks, graphs, out_dir, tag, max_seeds=None, prio
             row["speedup_latency"] = cus["latency_s"] / row["tuned_latency_s"]
             row["speedup_kernel_any"] = cus["kernel_s"] / row["tuned_any_kernel_s"]
             row["floor_fraction"] = floor / row["tuned_kernel_s"]
+            if dtype != "float32" and op == "spmm":   # the fp32 library path on the same values
+                Ad32 = Ad.to(torch.float32)
+                X32 = ins[0].float()
+                row["dtype"] = dtype
+                row["cusparse_fp32_kernel_s"] = kernel_time(torch, lambda: torch.sparse.mm(Ad32, X32))
+                row["speedup_kernel_vs_fp32"] = row["cusparse_fp32_kernel_s"] / row["tuned_kernel_s"]
+                row["speedup_kernel_any_vs_fp32"] = row["cusparse_fp32_kernel_s"] / row["tuned_any_kernel_s"]
+                del Ad32, X32
             rows.append(row)
             print(f"{gname:28s} K={K:3d} nnz={A.nnz:8d} cusp {cus['kernel_s']*1e6:8.1f}us "
                   f"tuned {tuned['template']} {'+'.join(tuned['pipeline'])} {tuned['kernel_s']*1e6:8.1f}us "
@@ -382,6 +402,10 @@ def summarize(rows, templates):
              "worst_kernel": min(((r["speedup_kernel"], r["graph"]) for r in rk), default=None),
              "geomean_kernel_any": geomean([r.get("speedup_kernel_any", r["speedup_kernel"]) for r in rk]),
              "geomean_kernel_any_over200k": geomean([r.get("speedup_kernel_any", r["speedup_kernel"]) for r in big])}
+        if any("speedup_kernel_vs_fp32" in r for r in rk):
+            d["geomean_kernel_vs_fp32"] = geomean([r.get("speedup_kernel_vs_fp32") for r in rk])
+            d["geomean_kernel_any_vs_fp32"] = geomean([r.get("speedup_kernel_any_vs_fp32") for r in rk])
+            d["pairs_vs_fp32_ge2"] = sum(1 for r in rk if (r.get("speedup_kernel_vs_fp32") or 0) >= 2)
         for t in templates:
             if t == "extern.cusparse":
                 continue
@@ -416,6 +440,13 @@ def markdown(rows, summary, templates, bw, dev, tag):
          "| worst tuned x | " + " | ".join(f"{t} alone: geomean / wins / worst" for t in own) + " |",
          "|---|---|---|---|---|---|---|---|" + "---|" * len(own)]
     for K, d in summary.items():
+        if "geomean_kernel_vs_fp32" in d:
+            L.insert(2, f"16-bit workload, K={K}: the tuned module (fp16/bf16 X / Y) is "
+                        f"{d['geomean_kernel_vs_fp32']:.2f}x (geomean; any precision "
+                        f"{d['geomean_kernel_any_vs_fp32']:.2f}x) over cuSPARSE **fp32** on the same values, "
+                        f"{d['pairs_vs_fp32_ge2']} of {d['graphs']} graphs >= 2x; the table's cuSPARSE column "
+                        f"and x columns are cuSPARSE in the workload's dtype.\n")
+    for K, d in summary.items():
         w = d["worst_kernel"]
         cells = []
         for t in own:
@@ -445,13 +476,13 @@ def markdown(rows, summary, templates, bw, dev, tag):
 
 def _build_job(job):
     """Build (compile, cache) every first-stage candidate of one graph at the given widths."""
-    op, templates, gname, path, ks, max_seeds = job
+    op, templates, gname, path, ks, max_seeds, dtype = job
     A = sp.load_npz(path).tocsr().astype(np.float32)
     A.sum_duplicates()
     A.sort_indices()
     cands, n, fails = Candidates(max_seeds=max_seeds), 0, 0
     for K in ks:
-        sop = make_op(A, op, K, "sum" if op == "spmm" else None)
+        sop = make_op(A, op, K, "sum" if op == "spmm" else None, dtype=dtype)
         for tname, spec, p in cands.first(templates, gname, sop):
             n += 1
             try:
@@ -462,12 +493,12 @@ def _build_job(job):
     return gname, n, fails, {k[1]: round(v, 2) for k, v in cands.pass_s.items()}
 
 
-def build_only(op, templates, ks, names, jobs, max_seeds=None):
+def build_only(op, templates, ks, names, jobs, max_seeds=None, dtype="float32"):
     """Compile every candidate's kernels into the kernel cache (no GPU needed), ``jobs`` graphs at a time."""
     import concurrent.futures as cf
 
     gdir = os.environ.get("SPCOMPILE_GRAPHS", "")
-    todo = [(op, templates, os.path.basename(p)[:-4], p, ks, max_seeds) for p in sorted(glob.glob(os.path.join(gdir, "*.npz")),
+    todo = [(op, templates, os.path.basename(p)[:-4], p, ks, max_seeds, dtype) for p in sorted(glob.glob(os.path.join(gdir, "*.npz")),
                                                                          key=os.path.getsize)
             if names is None or os.path.basename(p)[:-4] in names]
     t0 = time.time()
@@ -495,6 +526,8 @@ def main(argv=None, op="spmm", default_templates=("extern.cusparse", "csr.crc_cw
     ap.add_argument("--max-seeds", type=int, default=None,
                     help="at most this many seed configurations per pipeline of the templates that "
                          "have pass pipelines of their own (tensor-core, ASpT); CSR templates get all")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
+                    help="X / Y dtype of the workload (16-bit: cuSPARSE fp32 measured as well, SpMM)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="processes for --build-only")
     a = ap.parse_args(argv)
     if a.all_templates:
@@ -507,7 +540,7 @@ def main(argv=None, op="spmm", default_templates=("extern.cusparse", "csr.crc_cw
         if a.skip:
             names = (names or {os.path.basename(p)[:-4] for p in glob.glob(os.path.join(
                 os.environ.get("SPCOMPILE_GRAPHS", ""), "*.npz"))}) - set(a.skip)
-        return build_only(op, a.templates, a.K, names, a.jobs, a.max_seeds)
+        return build_only(op, a.templates, a.K, names, a.jobs, a.max_seeds, a.dtype)
     graphs = [g for g in load_graphs(a.graphs, a.max_nnz) if g[0] not in a.skip]
     prior = []
     for path in a.merge:
@@ -515,7 +548,8 @@ def main(argv=None, op="spmm", default_templates=("extern.cusparse", "csr.crc_cw
             prior += [r for r in json.load(f)["rows"] if r["K"] in a.K]
     done = {(r["graph"], r["K"]) for r in prior}
     graphs = [g for g in graphs if any((g[0], K) not in done for K in a.K)]
-    run_bench(op, a.templates, a.K, graphs, a.out, a.tag or f"{op}_gpu", a.max_seeds, prior)
+    tag = a.tag or (f"{op}_gpu" if a.dtype == "float32" else f"{op}_gpu_{a.dtype}")
+    run_bench(op, a.templates, a.K, graphs, a.out, tag, a.max_seeds, prior, a.dtype)
     return 0
 
 

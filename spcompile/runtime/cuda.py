@@ -183,7 +183,21 @@ def _stream(handle: int):
     if s is None:
         import cupy
 
-        s = _STREAMS[handle] = cupy.cuda.ExternalStream(handle)
+        s = None
+        ctor = getattr(cupy.cuda.Stream, "from_external", None)   # CuPy >= 14
+        if ctor is not None:
+            try:
+                s = ctor(handle)
+            except Exception:   # another signature: fall back to the old class
+                s = None
+        if s is None:
+            import warnings
+
+            with warnings.catch_warnings():   # deprecated in CuPy 14, the only way before it
+                warnings.simplefilter("ignore", DeprecationWarning)
+                warnings.simplefilter("ignore", FutureWarning)
+                s = cupy.cuda.ExternalStream(handle)
+        _STREAMS[handle] = s
     return s
 
 
