@@ -47,10 +47,11 @@ GRAPHS = ["cora", "citeseer", "pubmed", "coauthor_cs", "amazon_computers", "blog
           "tu_dd", "snap_email_enron", "wiki_squirrel", "twitch_de", "musae_facebook", "snap_sx_askubuntu"]
 KS = (128, 256)
 TOL = {"tf32": 2e-3, "fp16": 1e-2, "bf16": 2e-2, "fp32": 1e-5}
+TOL16 = 1e-2      # 16-bit inputs / outputs against float64 on the 16-bit input values
 
 
-def _mod(A, K, reduce, pipe):
-    op = make_op(A, "sddmm", K) if reduce is None else make_op(A, "spmm", K, reduce)
+def _mod(A, K, reduce, pipe, dtype="float32"):
+    op = make_op(A, "sddmm", K, None, dtype) if reduce is None else make_op(A, "spmm", K, reduce, dtype)
     return Pipeline(list(pipe))(SparseModule.from_op(op))
 
 
@@ -60,7 +61,7 @@ def _label(pipe):
 
 # ------------------------------------------------------------------------------------------
 def check_cases():
-    """(label, A, K, reduce, template name, pipeline, params, tol) of the correctness check:
+    """(label, A, K, reduce, template name, pipeline, params, tol, dtype) of the correctness check:
     exactly the GPU cases of the unit tests."""
     from test_tc_templates import gpu_cases
 
@@ -68,24 +69,28 @@ def check_cases():
 
 
 def sanitize_cases():
-    """Small cases of every variant family (both impls, split windows, all precisions, SDDMM)."""
+    """Small cases of every variant family (both impls, split windows, all precisions, SDDMM;
+    fp32 inputs and 16-bit inputs with aligned (K = 64) and scalar (K = 13 / 19) loads)."""
     from conftest import random_matrix
 
     tc, ts = get_template("tc.wmma_sgt"), get_template("tc.wmma_sgt_sddmm")
     A = random_matrix(200, 300, density=0.02, seed=11)
     out = []
-    for K in (19, 64):
-        for pipe in tc.pipelines(_mod(A, K, "sum", ())):
-            mod = _mod(A, K, "sum", pipe)
-            d, dw = tc._defaults(mod)
-            ps = [d, {**d, "max_blocks": 2}, {**d, "max_blocks": 2, "col_groups": 2, "unroll": 1},
-                  {**d, "max_blocks": 2, "unroll": 4, "col_groups": 1}, dw, {**dw, "dense_a": 0}]
-            ps += [{**d, "precision": q, "max_blocks": 2, "unroll": 1} for q in tc._precisions(mod)]
-            for p in ps:
-                out.append((f"san/K{K}/tc/{p}", A, K, "sum", "tc.wmma_sgt", pipe, p, TOL[p["precision"]]))
-        for pipe in ts.pipelines(_mod(A, K, None, ())):
-            for p in ts.seed_params(_mod(A, K, None, pipe)):
-                out.append((f"san/K{K}/sddmm/{p}", A, K, None, "tc.wmma_sgt_sddmm", pipe, p, TOL[p["precision"]]))
+    for dtype, Ks in (("float32", (19, 64)), ("float16", (13, 64)), ("bfloat16", (13, 64))):
+        for K in Ks:
+            for pipe in tc.pipelines(_mod(A, K, "sum", (), dtype))[:2]:
+                mod = _mod(A, K, "sum", pipe, dtype)
+                d, dw = tc._defaults(mod)
+                ps = [d, {**d, "max_blocks": 2}, {**d, "max_blocks": 2, "col_groups": 2, "unroll": 1},
+                      {**d, "max_blocks": 2, "unroll": 4, "col_groups": 1}, dw, {**dw, "dense_a": 0}]
+                ps += [{**d, "precision": q, "max_blocks": 2, "unroll": 1} for q in tc._precisions(mod)]
+                for p in ps:
+                    tol = TOL[p["precision"]] if dtype == "float32" else TOL16
+                    out.append((f"san/K{K}/{dtype}/tc/{p}", A, K, "sum", "tc.wmma_sgt", pipe, p, tol, dtype))
+            for pipe in ts.pipelines(_mod(A, K, None, (), dtype))[:2]:
+                for p in ts.seed_params(_mod(A, K, None, pipe, dtype)):
+                    tol = TOL[p["precision"]] if dtype == "float32" else TOL16
+                    out.append((f"san/K{K}/{dtype}/sddmm/{p}", A, K, None, "tc.wmma_sgt_sddmm", pipe, p, tol, dtype))
     return out
 
 
@@ -94,12 +99,12 @@ def run_checks(cases, build_only, log):
 
     fails = 0
     rng = np.random.default_rng(123)
-    for label, A, K, reduce, tname, pipe, params, tol in cases:
+    for label, A, K, reduce, tname, pipe, params, tol, dtype in cases:
         try:
             if build_only:
-                get_template(tname).build(_mod(A, K, reduce, pipe), params)
+                get_template(tname).build(_mod(A, K, reduce, pipe, dtype), params)
                 continue
-            err = run_gpu_case(A, K, reduce, tname, pipe, params, rng)
+            err = run_gpu_case(A, K, reduce, tname, pipe, params, rng, dtype)
             ok = bool(err <= tol)
         except Exception as e:  # failures are data
             err, ok = repr(e)[:300], False
@@ -111,105 +116,133 @@ def run_checks(cases, build_only, log):
 
 
 # ------------------------------------------------------------------------------------------
-SPMM_VARIANTS = ["cusparse", "csr.crc_cwm", "tc mma tf32 16x8", "tc mma tf32 16x16", "tc mma fp16", "tc mma bf16",
-                 "tc wmma (v1) tf32 16x8", "tc wmma (v1) fp16"]
-SDDMM_VARIANTS = ["cusparse", "csr.sddmm", "tc sddmm tf32 16x16", "tc sddmm tf32 16x8", "tc sddmm fp16",
-                  "tc sddmm bf16"]
+# benchmark: fp32 and 16-bit inputs, with and without the window-reuse pipeline
+# ------------------------------------------------------------------------------------------
+def _pipes():
+    from spcompile.cuda_templates.tc_wmma_sgt import WINDOW_REUSE
+
+    sgt = lambda shape: [{"name": "tile.sgt", "options": {"shape": shape}}]  # noqa: E731
+    return {"sgt16x8": sgt("tf32"), "sgt16x16": sgt("fp16"), "reuse16x16": [*WINDOW_REUSE, *sgt("fp16")]}
 
 
-def bench_candidates(A, K, op):
-    """(name, template, pipeline, params list | callable(mod) -> params list) per variant."""
-    if op == "sddmm":
-        ts, cs = get_template("tc.wmma_sgt_sddmm"), get_template("csr.sddmm")
-        base = _mod(A, K, None, ())
-        p16, p8 = ts.pipelines(base)
-
-        def sd(prec, full):
-            def f(mod):
-                d = {**ts.default_params(mod), "precision": prec}
-                return [d, {**d, "k_unroll": 3 - d["k_unroll"]}, {**d, "warps_per_block": 8}] if full else [d]
-            return f
-        return [("cusparse", get_template("extern.cusparse"), [], [{}]),
-                ("csr.sddmm", cs, [], cs.seed_params(base)[:4]),
-                ("tc sddmm tf32 16x16", ts, p16, sd("tf32", True)), ("tc sddmm tf32 16x8", ts, p8, sd("tf32", True)),
-                ("tc sddmm fp16", ts, p16, sd("fp16", False)), ("tc sddmm bf16", ts, p16, sd("bf16", False))]
-    tc, crc = get_template("tc.wmma_sgt"), get_template("csr.crc_cwm")
-    base = _mod(A, K, "sum", ())
-    p_tf, p_h = tc.pipelines(base)
-
-    def mma(prec, full):
-        def f(mod):
-            d = {**tc._defaults(mod)[0], "precision": prec}
-            seeds = [d, {**d, "max_blocks": 8}, {**d, "max_blocks": 128}, {**d, "unroll": 1}]
-            if full:
-                seeds += [{**d, "max_blocks": 0}, {**d, "unroll": 2}]
-                cg2 = 2 if d["col_groups"] == 1 else 1
-                seeds.append({**d, "col_groups": cg2, "unroll": 1 if cg2 == 2 else 4,
-                              "warps_per_block": max(1, min(8, -(-K // (32 * cg2))))})
-            return [s for s in seeds if tc.mma_ok(prec, mod.formats["sgt"].BLK_W, s["col_groups"], s["unroll"])]
-        return f
-
-    def wmma(prec):
-        return lambda mod: [{**tc._defaults(mod)[1], "precision": prec}]
-    return [("cusparse", get_template("extern.cusparse"), [], [{}]),
-            ("csr.crc_cwm", crc, [], crc.seed_params(base)[:4]),
-            ("tc mma tf32 16x8", tc, p_tf, mma("tf32", True)), ("tc mma tf32 16x16", tc, p_h, mma("tf32", False)),
-            ("tc mma fp16", tc, p_h, mma("fp16", False)), ("tc mma bf16", tc, p_h, mma("bf16", False)),
-            ("tc wmma (v1) tf32 16x8", tc, p_tf, wmma("tf32")), ("tc wmma (v1) fp16", tc, p_h, wmma("fp16"))]
+#: (column name, template, dtype, pipeline key, precision or None); pipeline None: no passes
+SPMM_VARIANTS = [
+    ("cusparse", "extern.cusparse", "float32", None, None),
+    ("cusparse fp16", "extern.cusparse", "float16", None, None),
+    ("csr.crc_cwm", "csr.crc_cwm", "float32", None, None),
+    ("csr.crc_cwm fp16", "csr.crc_cwm", "float16", None, None),
+    ("tc tf32 16x8", "tc.wmma_sgt", "float32", "sgt16x8", "tf32"),
+    ("tc tf32 +reuse", "tc.wmma_sgt", "float32", "reuse16x16", "tf32"),
+    ("tc fp16-op fp32-X", "tc.wmma_sgt", "float32", "sgt16x16", "fp16"),
+    ("tc fp16-op fp32-X +reuse", "tc.wmma_sgt", "float32", "reuse16x16", "fp16"),
+    ("tc fp16", "tc.wmma_sgt", "float16", "sgt16x16", "fp16"),
+    ("tc bf16", "tc.wmma_sgt", "bfloat16", "sgt16x16", "bf16"),
+    ("tc fp16 +reuse", "tc.wmma_sgt", "float16", "reuse16x16", "fp16"),
+    ("tc bf16 +reuse", "tc.wmma_sgt", "bfloat16", "reuse16x16", "bf16"),
+]
+SDDMM_VARIANTS = [
+    ("cusparse", "extern.cusparse", "float32", None, None),
+    ("csr.sddmm", "csr.sddmm", "float32", None, None),
+    ("csr.sddmm fp16", "csr.sddmm", "float16", None, None),
+    ("tc sddmm tf32", "tc.wmma_sgt_sddmm", "float32", "sgt16x16", "tf32"),
+    ("tc sddmm tf32 +reuse", "tc.wmma_sgt_sddmm", "float32", "reuse16x16", "tf32"),
+    ("tc sddmm fp16", "tc.wmma_sgt_sddmm", "float16", "sgt16x16", "fp16"),
+    ("tc sddmm bf16", "tc.wmma_sgt_sddmm", "bfloat16", "sgt16x16", "bf16"),
+    ("tc sddmm fp16 +reuse", "tc.wmma_sgt_sddmm", "float16", "reuse16x16", "fp16"),
+    ("tc sddmm bf16 +reuse", "tc.wmma_sgt_sddmm", "bfloat16", "reuse16x16", "bf16"),
+]
 
 
-def run_bench(graphs, build_only, log_rows):
+def _params(tpl, mod, prec):
+    """The configurations timed per variant (best correct one reported)."""
+    if tpl.name == "extern.cusparse":
+        return [{}]
+    if tpl.name in ("csr.crc_cwm", "csr.sddmm"):
+        return tpl.seed_params(mod)[:4]
+    d = {**tpl.default_params(mod), "precision": prec}
+    if tpl.name == "tc.wmma_sgt_sddmm":
+        return [d, {**d, "k_unroll": 3 - d["k_unroll"]}, {**d, "warps_per_block": 8}]
+    ti = int(mod.op.dtype != "float32")
+    bw = mod.formats["sgt"].BLK_W
+    seeds = [d, {**d, "max_blocks": 8}, {**d, "max_blocks": 128}, {**d, "unroll": 1}]
+    groups = -(-mod.op.K // tpl._span(mod.op.dtype))
+    if groups >= 2:
+        cg2 = 2 if d["col_groups"] == 1 else 1
+        seeds.append({**d, "col_groups": cg2, "unroll": 1 if cg2 == 2 else 4,
+                      "warps_per_block": max(1, min(8, -(-groups // cg2)))})
+    return [s for s in seeds if tpl.mma_ok(prec, bw, s["col_groups"], s["unroll"], ti)]
+
+
+def _with_op(mod, op, K, dtype):
+    """A pipeline output re-used for another op / K / dtype (the passes depend on A alone)."""
+    import dataclasses
+
+    return mod.replace(op=dataclasses.replace(mod.op, op=op, reduce="sum" if op == "spmm" else None, K=K,
+                                              dtype=dtype))
+
+
+def run_bench(graphs, build_only, log_rows, out_dir=None):
     from conftest import load_graph
 
     if not build_only:
         import torch
         from spmm_gpu import kernel_time
+    pipes = _pipes()
     for gname in graphs:
         A = sp.csr_matrix(load_graph(gname)).astype(np.float32)
         A.sum_duplicates()
         A.sort_indices()
+        base = SparseModule.from_op(make_op(A, "spmm", 128, "sum"))
+        mods, pass_s = {}, {}
+        for key, pipe in pipes.items():                    # each pipeline once per graph
+            t0 = time.perf_counter()
+            mods[key] = Pipeline(list(pipe))(base)
+            pass_s[key] = time.perf_counter() - t0
+        mods[None], pass_s[None] = base, 0.0
+        sgt = {k: dict(mods[k].metrics["tile.sgt"]) for k in pipes}
         for K in KS:
-            for op in ("spmm", "sddmm"):
-                reduce = "sum" if op == "spmm" else None
+            for op, variants in (("spmm", SPMM_VARIANTS), ("sddmm", SDDMM_VARIANTS)):
                 if not build_only:
                     torch.manual_seed(K)
-                    X = torch.randn(A.shape[0 if op == "sddmm" else 1], K, device="cuda")
-                    ins = [X]
-                    if op == "spmm":
-                        Ad = torch.sparse_csr_tensor(torch.from_numpy(A.indptr.astype(np.int64)),
-                                                     torch.from_numpy(A.indices.astype(np.int64)),
-                                                     torch.from_numpy(A.data.astype(np.float64)), A.shape).cuda()
-                        ref = torch.sparse.mm(Ad, X.double())
-                        out = torch.empty(A.shape[0], K, device="cuda")
-                    else:
-                        Yd = torch.randn(A.shape[1], K, device="cuda")
-                        ins = [X, Yd]
-                        rows = torch.from_numpy(np.repeat(np.arange(A.shape[0]), np.diff(A.indptr))).cuda()
-                        cols = torch.from_numpy(A.indices.astype(np.int64)).cuda()
-                        vals = torch.from_numpy(A.data.astype(np.float64)).cuda()
-                        ref = vals * (X.double()[rows] * Yd.double()[cols]).sum(1)
-                        out = torch.empty(A.nnz, device="cuda")
-                for name, tpl, pipe, plist in bench_candidates(A, K, op):
-                    t0 = time.perf_counter()
-                    mod = _mod(A, K, reduce, pipe)
-                    t_pass = time.perf_counter() - t0
-                    if callable(plist):
-                        plist = plist(mod)
+                    X32 = torch.randn(A.shape[0 if op == "sddmm" else 1], K, device="cuda")
+                    Y32 = torch.randn(A.shape[1], K, device="cuda") if op == "sddmm" else None
+                    refs = {}
+                for name, tname, dtype, pkey, prec in variants:
+                    tpl = get_template(tname)
+                    mod = _with_op(mods[pkey], op, K, dtype)
                     best = None
-                    for p in plist:
+                    if not build_only:
+                        tdt = getattr(torch, dtype)
+                        ins = [X32.to(tdt)] + ([Y32.to(tdt)] if op == "sddmm" else [])
+                        if dtype not in refs:              # float64 reference on the values the kernel gets
+                            Xd = ins[0].double()
+                            if op == "spmm":
+                                Ad = torch.sparse_csr_tensor(torch.from_numpy(A.indptr.astype(np.int64)),
+                                                             torch.from_numpy(A.indices.astype(np.int64)),
+                                                             torch.from_numpy(A.data.astype(np.float64)),
+                                                             A.shape).cuda()
+                                refs[dtype] = torch.sparse.mm(Ad, Xd)
+                            else:
+                                rows = torch.from_numpy(np.repeat(np.arange(A.shape[0]), np.diff(A.indptr))).cuda()
+                                cols = torch.from_numpy(A.indices.astype(np.int64)).cuda()
+                                vals = torch.from_numpy(A.data.astype(np.float64)).cuda()
+                                refs[dtype] = vals * (Xd[rows] * ins[1].double()[cols]).sum(1)
+                        ref = refs[dtype]
+                        out = torch.empty(tuple(ref.shape), dtype=tdt, device="cuda")
+                    for p in _params(tpl, mod, prec):
                         try:
                             kern = tpl.build(mod, p)
                             if build_only:
                                 continue
-                            prec = p.get("precision", "fp32")
                             out.fill_(float("nan"))
-                            rt.call(kern, "torch", ins, out, out.shape)
+                            rt.call(kern, "torch", ins, out, out.shape, dtype)
                             torch.cuda.synchronize()
                             err = float((torch.linalg.norm(out.double() - ref) / torch.linalg.norm(ref)).item())
-                            if not err <= TOL[prec]:
+                            tol = TOL16 if dtype != "float32" else TOL[p.get("precision", "fp32")]
+                            if not err <= tol:
                                 print("WRONG", gname, K, op, name, p, err, flush=True)
                                 continue
-                            t = kernel_time(torch, lambda: rt.call(kern, "torch", ins, out, out.shape))
+                            t = kernel_time(torch, lambda: rt.call(kern, "torch", ins, out, out.shape, dtype))
                         except Exception as e:
                             print("ERROR", gname, K, op, name, p, repr(e)[:300], flush=True)
                             continue
@@ -218,23 +251,24 @@ def run_bench(graphs, build_only, log_rows):
                     if build_only:
                         continue
                     row = {"graph": gname, "m": A.shape[0], "nnz": int(A.nnz), "K": K, "op": op, "variant": name,
-                           "pipeline": _label(pipe), "pass_s": t_pass,
-                           "time_us": best[0] * 1e6 if best else None, "params": best[1] if best else None,
-                           "rel_err": best[2] if best else None}
-                    if tpl.name.startswith("tc."):
-                        met = mod.metrics.get("tile.sgt", {})
-                        row["sgt_density"] = met.get("density_after")
-                        row["sgt_blocks"] = met.get("blocks_after")
-                        fmt = mod.formats["sgt"]
-                        row["max_win_blocks"] = int(np.max(fmt.win_partition, initial=0))
-                        row["BW"] = fmt.BLK_W
+                           "dtype": dtype, "pipeline": _label(pipes[pkey]) if pkey else "none",
+                           "pass_s": pass_s[pkey], "time_us": best[0] * 1e6 if best else None,
+                           "params": best[1] if best else None, "rel_err": best[2] if best else None}
+                    if pkey:
+                        row.update(sgt_blocks=sgt[pkey]["blocks_after"], sgt_nnz_per_block=sgt[pkey]["nnz_per_block"],
+                                   sgt_reuse=sgt[pkey]["reuse"],
+                                   max_win_blocks=int(np.max(mods[pkey].formats["sgt"].win_partition, initial=0)))
                     log_rows.append(row)
                     print(json.dumps(row), flush=True)
+        if out_dir and not build_only:                    # partial results survive a time-out
+            with open(os.path.join(out_dir, "tc_bench_partial.json"), "w") as f:
+                json.dump(log_rows, f, default=str)
 
 
 def write_markdown(rows, path, device):
     lines = [f"# tc.wmma_sgt / tc.wmma_sgt_sddmm benchmark ({device})", ""]
     for op, variants in (("spmm", SPMM_VARIANTS), ("sddmm", SDDMM_VARIANTS)):
+        names = [v[0] for v in variants]
         by = {}
         for r in rows:
             if r.get("op", "spmm") == op:
@@ -242,21 +276,24 @@ def write_markdown(rows, path, device):
         if not by:
             continue
         lines += [f"## {op.upper()}", "",
-                  "| graph | K | nnz | " + " | ".join(variants) + " | SGT density 16x%d | max blocks/window |"
-                  % (8 if op == "spmm" else 16),
-                  "|---|---|---|" + "---|" * len(variants) + "---|---|"]
-        first_tc = variants[2]
+                  "| graph | K | nnz | " + " | ".join(names) + " | SGT 16x16 blocks / nnz per block / reuse | "
+                  "+reuse: blocks / nnz per block / reuse |",
+                  "|---|---|---|" + "---|" * len(names) + "---|---|"]
+        plain = next(n for n, _, _, pk, _ in variants if pk == "sgt16x16")
+        reuse = next(n for n, _, _, pk, _ in variants if pk == "reuse16x16")
         for (g, K), d in by.items():
             cu = d.get("cusparse", {}).get("time_us")
             cells = []
-            for v in variants:
+            for v in names:
                 t = d.get(v, {}).get("time_us")
                 cells.append("-" if t is None else (f"{t:.1f}" + (f" ({cu / t:.2f}x)" if cu and v != "cusparse" else "")))
-            sg = d.get(first_tc, {}).get("sgt_density")
-            mw = d.get(first_tc, {}).get("max_win_blocks")
+            sg = []
+            for v in (plain, reuse):
+                r = d.get(v, {})
+                sg.append("-" if r.get("sgt_blocks") is None else
+                          f"{r['sgt_blocks']} / {r['sgt_nnz_per_block']:.1f} / {r['sgt_reuse']:.2f}")
             nnz = next(iter(d.values()))["nnz"]
-            lines.append(f"| {g} | {K} | {nnz} | " + " | ".join(cells) +
-                         f" | {'-' if sg is None else f'{sg:.3f}'} | {'-' if mw is None else mw} |")
+            lines.append(f"| {g} | {K} | {nnz} | " + " | ".join(cells) + f" | {sg[0]} | {sg[1]} |")
         lines.append("")
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
@@ -286,7 +323,7 @@ def main(argv=None):
         fails += run_checks(check_cases(), a.build_only, res["checks"])
         print(f"check cases: {len(res['checks'])}, failures {fails}, {time.time() - t0:.0f}s", flush=True)
     if a.bench:
-        run_bench([g for g in a.graphs.split(",") if g], a.build_only, res["bench"])
+        run_bench([g for g in a.graphs.split(",") if g], a.build_only, res["bench"], a.out)
     if not a.build_only:
         with open(os.path.join(a.out, "tc_gpu.json"), "w") as f:
             json.dump(res, f, indent=1, default=str)

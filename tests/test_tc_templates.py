@@ -19,8 +19,8 @@ from spcompile.schedules import get_template
 from conftest import random_matrix
 
 
-def _mod(A, K, reduce="sum", pipeline=()):
-    return Pipeline(list(pipeline))(SparseModule.from_op(make_op(A, "spmm", K, reduce)))
+def _mod(A, K, reduce="sum", pipeline=(), dtype="float32"):
+    return Pipeline(list(pipeline))(SparseModule.from_op(make_op(A, "spmm", K, reduce, dtype)))
 
 
 def _ref(A, X, reduce="sum"):
@@ -47,7 +47,8 @@ def test_registered_with_pipelines():
     mod = _mod(A, 32)
     assert tc.requires(mod) == ("sgt",) and aspt.requires(mod) == ("aspt",)
     assert not tc.supports(mod) and not aspt.supports(mod)   # formats missing before passes
-    assert [p[-1]["name"] for p in tc.pipelines(mod)] == ["tile.sgt", "tile.sgt"]
+    assert [p[-1]["name"] for p in tc.pipelines(mod)] == ["tile.sgt", "tile.sgt", "tile.sgt"]
+    assert ["reorder.rcm", "cluster.lsh", "tile.sgt"] in [[x["name"] for x in p] for p in tc.pipelines(mod)]
     assert ["cluster.lsh", "tile.aspt"] in [[x["name"] for x in p] for p in aspt.pipelines(mod)]
     for pipe in tc.pipelines(mod):
         assert tc.supports(_mod(A, 32, pipeline=pipe))
@@ -152,6 +153,131 @@ def test_split_windows_balanced():
     assert split_windows(wbp, 0)["items"].shape == (5, 4)
 
 
+# ------------------------------------------------------------------------------------------
+# CPU: 16-bit inputs (float16 / bfloat16 X, Y and output; fp32 accumulation)
+# ------------------------------------------------------------------------------------------
+DT16 = [("float16", "fp16"), ("bfloat16", "bf16")]
+
+
+def _ref64(A, X, reduce="sum"):
+    """float64 reference on the given (already 16-bit-rounded) X."""
+    return _ref(A, np.asarray(X, dtype=np.float64), reduce)
+
+
+@pytest.mark.parametrize("name", sorted(MATRICES))
+@pytest.mark.parametrize("dtype,prec", DT16)
+@pytest.mark.parametrize("max_blocks", [0, 3])
+@pytest.mark.parametrize("K,pipe", [(1, ()), (13, ("reorder.rcm",)), (72, ()), (64, "reuse")])
+def test_mma_packing_emulation_16bit(name, dtype, prec, max_blocks, K, pipe):
+    """impl "mma" with 16-bit X: the 8-values-per-lane column mapping (64 columns per group), the
+    byte-permuted B pairs, the C layout, fp32 partials and one rounding of Y reproduce A @ X."""
+    from spcompile.cuda_templates.tc_wmma_sgt import WINDOW_REUSE, emulate_mma_spmm, mma_arrays, round_to
+
+    A = MATRICES[name]()
+    pre = list(WINDOW_REUSE) if pipe == "reuse" else list(pipe)
+    mod = _mod(A, K, pipeline=pre + [("tile.sgt", {"shape": "fp16"})], dtype=dtype)
+    arrays = mma_arrays(mod, prec, max_blocks)
+    X = round_to(np.random.default_rng(4).standard_normal((A.shape[1], K)), dtype)
+    meta = {"m": A.shape[0], "BW": 16, "precision": prec, "dtype": dtype}
+    Y = emulate_mma_spmm(arrays, meta, X, col_groups=2)
+    assert np.all(np.isfinite(Y))
+    assert np.array_equal(Y, round_to(Y, dtype))                     # output in the input dtype
+    assert reference.rel_error(Y, _ref64(A, X)) <= 1e-2
+
+
+@pytest.mark.parametrize("dtype,prec", DT16)
+@pytest.mark.parametrize("dense_a", [0, 1])
+def test_tc_packing_emulation_16bit(dtype, prec, dense_a):
+    """impl "wmma" with 16-bit X (staged as loaded): the uploaded tiles reproduce A @ X."""
+    from spcompile.cuda_templates.tc_wmma_sgt import emulate_tc_spmm, round_to, tc_arrays
+
+    A = MATRICES["random"]()
+    mod = _mod(A, 24, "mean", pipeline=[("tile.sgt", {"shape": "fp16"})], dtype=dtype)
+    X = round_to(np.random.default_rng(5).standard_normal((A.shape[1], 24)), dtype)
+    Y = round_to(emulate_tc_spmm(tc_arrays(mod, prec, bool(dense_a)), {"m": A.shape[0], "BW": 16,
+                                                                       "precision": prec}, X), dtype)
+    assert reference.rel_error(Y, _ref64(A, X, "mean")) <= 1e-2
+
+
+@pytest.mark.parametrize("name", sorted(MATRICES))
+@pytest.mark.parametrize("dtype,prec", DT16)
+@pytest.mark.parametrize("K", [1, 13, 64, 100])
+def test_sddmm_packing_emulation_16bit(name, dtype, prec, K):
+    """tc.wmma_sgt_sddmm with 16-bit X / Y: 64-feature chunks, words of the loaded vectors used as
+    MMA operands, one rounding of each output, in the caller's nonzero order (after reordering)."""
+    from spcompile.cuda_templates.tc_wmma_sgt import WINDOW_REUSE, emulate_tc_sddmm, round_to, sddmm_arrays
+    from spcompile.formats import as_csr
+
+    A = MATRICES[name]()
+    pre = list(WINDOW_REUSE) if K == 64 else []
+    mod = Pipeline(pre + [("tile.sgt", {"shape": "sddmm"})])(SparseModule.from_op(make_op(A, "sddmm", K, None, dtype)))
+    arrays = sddmm_arrays(mod)
+    rng = np.random.default_rng(6)
+    X, Y = round_to(rng.standard_normal((A.shape[0], K)), dtype), round_to(rng.standard_normal((A.shape[1], K)), dtype)
+    meta = {"m": A.shape[0], "BW": 16, "precision": prec, "nnz": A.nnz, "dtype": dtype}
+    out = emulate_tc_sddmm(arrays, meta, X, Y)
+    assert np.all(np.isfinite(out)) and np.array_equal(out, round_to(out, dtype))
+    assert reference.rel_error(out, reference.sddmm(as_csr(A), X, Y)) <= 1e-2
+
+
+@pytest.mark.parametrize("dtype,prec", DT16)
+def test_16bit_precision_policy(dtype, prec):
+    """A 16-bit workload is offered (space, defaults, seeds) only its own precision and only 16-wide
+    SGT pipelines; build() refuses another precision with a clear error."""
+    from spcompile.cuda_templates.tc_wmma_sgt import input_type
+
+    A = MATRICES["clustered"]()
+    for tname, op in (("tc.wmma_sgt", "spmm"), ("tc.wmma_sgt_sddmm", "sddmm")):
+        t = get_template(tname)
+        assert dtype in t.dtypes
+        base = SparseModule.from_op(make_op(A, op, 32, "sum" if op == "spmm" else None, dtype))
+        assert list(t.space(base)["precision"].choices) == [prec]
+        assert t.default_params(base)["precision"] == prec
+        pipes = t.pipelines(base)
+        assert len(pipes) == 2 and all(p[-1]["options"]["shape"] in ("fp16", "sddmm") for p in pipes)
+        for pipe in pipes:
+            mod = Pipeline(list(pipe))(base)
+            assert t.supports(mod)
+            assert {p["precision"] for p in t.seed_params(mod)} == {prec}
+            t.check_params(mod, t.default_params(mod))
+            with pytest.raises(ValueError, match="does not match"):
+                t.check_params(mod, {"precision": "tf32"})
+        narrow = Pipeline([("tile.sgt", {"shape": "tf32"})])(base)
+        assert not t.supports(narrow)                              # 8-wide blocks: no 16-bit MMA
+        for other in ("tf32", "fp16", "bf16"):
+            if other != prec:
+                with pytest.raises(ValueError, match="does not match"):
+                    input_type(dtype, other)
+    with pytest.raises(ValueError, match="does not match"):
+        input_type(dtype, "tf32")
+    assert input_type("float32", "fp16") == 0 and input_type(dtype, prec) == 1
+
+
+def test_window_reuse_pipeline():
+    """rcm -> cluster.lsh(16-row clusters) -> tile.sgt builds for both templates, keeps A @ X exact
+    (emulated) and does not add SGT blocks on clustered input."""
+    from spcompile.cuda_templates.tc_wmma_sgt import WINDOW_REUSE, emulate_mma_spmm, mma_arrays
+
+    A = MATRICES["clustered"]()
+    rng = np.random.default_rng(8)
+    perm = rng.permutation(A.shape[0])
+    A = sp.csr_matrix(A[perm][:, perm])                              # hide the clusters
+    A.sort_indices()
+    plain = _mod(A, 16, pipeline=[("tile.sgt", {"shape": "fp16"})])
+    reuse = _mod(A, 16, pipeline=list(WINDOW_REUSE) + [("tile.sgt", {"shape": "fp16"})])
+    assert reuse.formats["sgt"].num_blocks < plain.formats["sgt"].num_blocks
+    met = reuse.metrics["tile.sgt"]
+    assert met["reuse"] > plain.metrics["tile.sgt"]["reuse"] >= 1.0
+    X = rng.standard_normal((A.shape[1], 16)).astype(np.float32)
+    Y = emulate_mma_spmm(mma_arrays(reuse, "tf32", 4), {"m": A.shape[0], "BW": 16, "precision": "tf32"}, X)
+    assert reference.rel_error(Y, _ref(A, X)) <= 1e-3
+    for tname, op in (("tc.wmma_sgt", "spmm"), ("tc.wmma_sgt_sddmm", "sddmm")):
+        t = get_template(tname)
+        base = SparseModule.from_op(make_op(A, op, 16, "sum" if op == "spmm" else None))
+        assert [x["name"] for x in t.pipelines(base)[-1]] == ["reorder.rcm", "cluster.lsh", "tile.sgt"]
+        assert t.supports(Pipeline(t.pipelines(base)[-1])(base))
+
+
 @pytest.mark.parametrize("name", sorted(MATRICES))
 @pytest.mark.parametrize("prec,shape", [("tf32", "sddmm"), ("tf32", "tf32"), ("fp16", "sddmm"), ("bf16", "sddmm")])
 @pytest.mark.parametrize("K,reorder", [(1, None), (19, "reorder.rcm"), (40, "reorder.degree")])
@@ -203,6 +329,8 @@ def _all_instances(which):
                 for tpw in (1, 2, 4):
                     for d in (0, 1):
                         inst.update(t.instances(prec, bw, tpw, d, 4))
+                        if prec != "tf32":                        # 16-bit X / Y
+                            inst.update(t.instances(prec, bw, tpw, d, 8, 1))
     elif which == "mma":
         t = get_template("tc.wmma_sgt")
         for prec, bws in (("tf32", (8, 16)), ("fp16", (16,)), ("bf16", (16,))):
@@ -211,12 +339,16 @@ def _all_instances(which):
                     for u in (1, 2, 4):
                         if t.mma_ok(prec, bw, cg, u):
                             inst.update(t.mma_instances(prec, bw, cg, u, 4))
+                        if prec != "tf32" and t.mma_ok(prec, bw, cg, u, 1):
+                            inst.update(t.mma_instances(prec, bw, cg, u, 8, 1))
     elif which == "sddmm":
         t = get_template("tc.wmma_sgt_sddmm")
         for prec, bws in (("tf32", (8, 16)), ("fp16", (16,)), ("bf16", (16,))):
             for bw in bws:
                 for ku in (1, 2):
                     inst.update(t.instances(prec, bw, ku, 4))
+                    if prec != "tf32":
+                        inst.update(t.instances(prec, bw, ku, 8, 1))
     else:
         t = get_template("aspt.tiled")
         for vec in (1, 2, 4):
@@ -244,7 +376,7 @@ def test_compile_all_variants(tmp_path, arch, which):
 
 @pytest.mark.skipif(not rt.nvcc_available(), reason="nvcc not installed")
 def test_compile_all_mma_variants(tmp_path):
-    """impl "mma" of tc.wmma_sgt: all 52 variants for sm_90 and sm_80, the two archs compiled in
+    """impl "mma" of tc.wmma_sgt: all 52 fp32-input and 40 16-bit-input variants for sm_90 and sm_80, the two archs compiled in
     parallel (ptxas -O1 keeps this CI check fast; the kernel cache builds with full -O3)."""
     t, inst = _all_instances("mma")
     src = tmp_path / "mma.cu"
@@ -286,10 +418,36 @@ def test_build_without_gpu(tmp_path, monkeypatch):
     assert k.meta["warps"] == 8 and k.meta["KT"] == 128
 
 
+@pytest.mark.skipif(not rt.nvcc_available(), reason="nvcc not installed")
+@pytest.mark.parametrize("dtype,prec", DT16)
+def test_build_16bit_without_gpu(tmp_path, monkeypatch, dtype, prec):
+    """16-bit builds: meta["dtype"] (the runtime allocates the output in it), the 16-bit-input
+    instances, 8-element vectors when K % 8 == 0, and a clear refusal of another precision."""
+    monkeypatch.setenv("SPCOMPILE_KERNEL_CACHE", str(tmp_path / "cache"))
+    A = MATRICES["random"]()
+    tc = get_template("tc.wmma_sgt")
+    for K, vec in ((64, 8), (13, 1)):
+        mod = _mod(A, K, pipeline=tc.pipelines(_mod(A, K, dtype=dtype))[0], dtype=dtype)
+        k = tc.build(mod, tc.default_params(mod))
+        assert k.meta["dtype"] == dtype and k.meta["precision"] == prec and k.meta["vec"] == vec
+        assert k.meta["span"] == 64 and all(n.endswith("_x16") for n, _ in k.meta["instances"])
+        with pytest.raises(ValueError, match="does not match"):
+            tc.build(mod, {**tc.default_params(mod), "precision": "tf32"})
+        kw = tc.build(mod, {**tc.default_params(mod), "impl": "wmma"})
+        assert kw.meta["dtype"] == dtype and kw.meta["instances"][0][1][-1] == 1
+    ts = get_template("tc.wmma_sgt_sddmm")
+    base = SparseModule.from_op(make_op(A, "sddmm", 64, None, dtype))
+    ks = ts.build(Pipeline(ts.pipelines(base)[0])(base), ts.default_params(base))
+    assert ks.meta["dtype"] == dtype and ks.meta["vec"] == 8 and ks.meta["instances"][0][0].endswith("_x16")
+    with pytest.raises(ValueError, match="does not match"):
+        ts.build(Pipeline(ts.pipelines(base)[0])(base), {**ts.default_params(base), "precision": "tf32"})
+
+
 # ------------------------------------------------------------------------------------------
 # GPU: correctness against float64, NaN-poisoned outputs
 # ------------------------------------------------------------------------------------------
 TOL = {"tf32": 2e-3, "fp16": 1e-2, "bf16": 2e-2, "fp32": 1e-5}
+TOL16 = 1e-2          # 16-bit inputs and output (A's values in 16 bit, output rounded once)
 
 
 def gpu_matrices():
@@ -297,48 +455,78 @@ def gpu_matrices():
             "clustered": MATRICES["clustered"](), "tiny": MATRICES["tiny"]()}
 
 
-def gpu_cases(Ks=(1, 19, 64, 128, 256)):
-    """(label, matrix, K, reduce, template, pipeline, params, tolerance) for the GPU checks
-    (reduce None: SDDMM)."""
+def _seeds_for(tpl, mod, pipe):
+    """Every seed on the plain SGT pipelines; the default (and one split setting for SpMM) on the
+    longer window-reuse pipeline (same kernels, other input order)."""
+    seeds = tpl.seed_params(mod)
+    if len(pipe) > 1:
+        d = tpl.default_params(mod)
+        seeds = [d] + ([{**d, "max_blocks": 8}] if "max_blocks" in d else [])
+    return seeds
+
+
+def _plabel(pipe):
+    return "+".join(x["name"].split(".")[-1] for x in pipe[:-1]) + pipe[-1]["options"]["shape"]
+
+
+def gpu_cases(Ks=(1, 13, 64, 128, 256), dtypes=("float32", "float16", "bfloat16")):
+    """(label, matrix, K, reduce, template, pipeline, params, tolerance, dtype) for the GPU checks
+    (reduce None: SDDMM); 16-bit workloads: tolerance 1e-2 against float64 on the 16-bit inputs."""
     out = []
     tc, at, ts = get_template("tc.wmma_sgt"), get_template("aspt.tiled"), get_template("tc.wmma_sgt_sddmm")
     for mname, A in gpu_matrices().items():
         for K in Ks:
+            for dtype in dtypes:
+                for reduce in ("sum", "mean"):
+                    base = _mod(A, K, reduce, dtype=dtype)
+                    for pipe in tc.pipelines(base):
+                        mod = _mod(A, K, reduce, pipe, dtype=dtype)
+                        for p in _seeds_for(tc, mod, pipe):
+                            tol = TOL[p["precision"]] if dtype == "float32" else TOL16
+                            out.append((f"{mname}/K{K}/{dtype}/{reduce}/tc/{_plabel(pipe)}/{p}", A, K, reduce,
+                                        "tc.wmma_sgt", pipe, p, tol, dtype))
+                base = SparseModule.from_op(make_op(A, "sddmm", K, None, dtype))
+                for pipe in ts.pipelines(base):
+                    mod = Pipeline(list(pipe))(base)
+                    for p in _seeds_for(ts, mod, pipe):
+                        tol = TOL[p["precision"]] if dtype == "float32" else TOL16
+                        out.append((f"{mname}/K{K}/{dtype}/sddmm/{_plabel(pipe)}/{p}", A, K, None,
+                                    "tc.wmma_sgt_sddmm", pipe, p, tol, dtype))
             for reduce in ("sum", "mean"):
                 base = _mod(A, K, reduce)
-                for pipe in tc.pipelines(base):
-                    mod = _mod(A, K, reduce, pipe)
-                    for p in tc.seed_params(mod):
-                        out.append((f"{mname}/K{K}/{reduce}/tc/{pipe[0]['options']['shape']}/{p}", A, K, reduce,
-                                    "tc.wmma_sgt", pipe, p, TOL[p["precision"]]))
                 for pipe in at.pipelines(base):
                     mod = _mod(A, K, reduce, pipe)
                     for p in at.seed_params(mod):
                         out.append((f"{mname}/K{K}/{reduce}/aspt/{len(pipe)}/{p}", A, K, reduce, "aspt.tiled",
-                                    pipe, p, TOL["fp32"]))
-            base = SparseModule.from_op(make_op(A, "sddmm", K))
-            for pipe in ts.pipelines(base):
-                mod = Pipeline(list(pipe))(base)
-                for p in ts.seed_params(mod):
-                    out.append((f"{mname}/K{K}/sddmm/{pipe[0]['options']['shape']}/{p}", A, K, None,
-                                "tc.wmma_sgt_sddmm", pipe, p, TOL[p["precision"]]))
+                                    pipe, p, TOL["fp32"], "float32"))
     return out
 
 
-def run_gpu_case(A, K, reduce, template, pipe, params, rng):
-    """Build, run on fresh inputs with a NaN-poisoned output; returns the relative error."""
-    import cupy
+def _dev_array(a, dtype):
+    """A torch CUDA tensor of ``dtype`` holding ``a`` (float16 / bfloat16: rounded once), and the
+    float64 numpy copy of exactly the values the kernel sees."""
+    import torch
+
+    t = torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)).cuda().to(getattr(torch, dtype))
+    return t, t.double().cpu().numpy()
+
+
+def run_gpu_case(A, K, reduce, template, pipe, params, rng, dtype="float32"):
+    """Build, run on fresh inputs (in ``dtype``) with a NaN-poisoned output; returns the relative
+    error against float64 on the values the kernel received."""
+    import torch
     from spcompile.formats import as_csr
 
     tpl = get_template(template)
+    tdt = getattr(torch, dtype)
     if reduce is None:                                   # SDDMM
-        mod = Pipeline(list(pipe))(SparseModule.from_op(make_op(A, "sddmm", K)))
+        mod = Pipeline(list(pipe))(SparseModule.from_op(make_op(A, "sddmm", K, None, dtype)))
         kern = tpl.build(mod, params)
-        X = rng.standard_normal((A.shape[0], K)).astype(np.float32)
-        Y = rng.standard_normal((A.shape[1], K)).astype(np.float32)
-        out = cupy.full((A.nnz,), np.nan, dtype=cupy.float32)
-        rt.call(kern, "cupy", [cupy.asarray(X), cupy.asarray(Y)], out, out.shape)
-        y, ref = cupy.asnumpy(out), reference.sddmm(as_csr(A), X, Y)
+        Xt, X = _dev_array(rng.standard_normal((A.shape[0], K)), dtype)
+        Yt, Y = _dev_array(rng.standard_normal((A.shape[1], K)), dtype)
+        out = torch.full((A.nnz,), float("nan"), dtype=tdt, device="cuda")
+        rt.call(kern, "torch", [Xt, Yt], out, out.shape, dtype)
+        y, ref = out.double().cpu().numpy(), reference.sddmm(as_csr(A), X, Y)
         err = reference.rel_error(y, ref)
         if np.all(np.isfinite(y)):                       # bound relative to |A| |X| |Y| per entry
             Ac = as_csr(A)
@@ -346,12 +534,12 @@ def run_gpu_case(A, K, reduce, template, pipe, params, rng):
                                                 np.abs(Y[Ac.indices]).astype(np.float64))
             err = min(err, float(np.linalg.norm(y - ref) / max(np.linalg.norm(scale), 1e-300)))
         return err
-    mod = _mod(A, K, reduce, pipe)
+    mod = _mod(A, K, reduce, pipe, dtype=dtype)
     kern = tpl.build(mod, params)
-    X = rng.standard_normal((A.shape[1], K)).astype(np.float32)
-    out = cupy.full((A.shape[0], K), np.nan, dtype=cupy.float32)
-    rt.call(kern, "cupy", [cupy.asarray(X)], out, out.shape)
-    y, ref = cupy.asnumpy(out), _ref(A, X, reduce)
+    Xt, X = _dev_array(rng.standard_normal((A.shape[1], K)), dtype)
+    out = torch.full((A.shape[0], K), float("nan"), dtype=tdt, device="cuda")
+    rt.call(kern, "torch", [Xt], out, out.shape, dtype)
+    y, ref = out.double().cpu().numpy(), _ref64(A, X, reduce)
     err = reference.rel_error(y, ref)
     if kern.meta.get("precision", "fp32") != "fp32" and np.all(np.isfinite(y)):
         # reduced precision with cancellation (a 3x3 matrix at K=1): bound relative to |A| |X|
@@ -365,8 +553,8 @@ def run_gpu_case(A, K, reduce, template, pipe, params, rng):
 def test_gpu_correct():
     rng = np.random.default_rng(7)
     bad = []
-    for label, A, K, reduce, template, pipe, params, tol in gpu_cases():
-        err = run_gpu_case(A, K, reduce, template, pipe, params, rng)
+    for label, A, K, reduce, template, pipe, params, tol, dtype in gpu_cases():
+        err = run_gpu_case(A, K, reduce, template, pipe, params, rng, dtype)
         if not err <= tol:
             bad.append((label, err))
     assert not bad, bad[:10]

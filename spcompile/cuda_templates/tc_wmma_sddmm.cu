@@ -15,73 +15,27 @@
 // (fp32 accumulate) goes through shared memory, then the warp's lanes write the block's nonzeros.
 //
 // Compile-time: P (0 tf32, 1 fp16, 2 bf16), BW (8 or 16), KU (feature chunks per iteration, for
-// loads in flight), VEC (4: float4 loads, needs K % 4 == 0 and 16-byte aligned X and Y; 1: any K).
-#include <cuda_runtime.h>
-#include <cuda_fp16.h>
-#include <cuda_bf16.h>
+// loads in flight), VEC (4: float4 loads, needs K % 4 == 0 and 16-byte aligned X and Y; 1: any K;
+// 8 for TI = 1), TI (0: fp32 X / Y / out; 1: X, Y and out in P's 16-bit type).
+//
+// 16-bit inputs (TI = 1, P = 1 fp16 / 2 bf16): the K dimension is walked in chunks of 64
+// features; lane (g, t) loads 8 consecutive 16-bit values (one 16-byte load) of X[row g],
+// X[row g + 8] and Y[block column g of each n-tile] at features kc + 8t .. 8t+7 (q = 0) and
+// kc + 32 + 8t .. 8t+7 (q = 1); k-step j = 0..3 uses 32-bit word j of each load: k indices 2t, 2t+1
+// <-> features kc + 8t + 2j, +1 (q = 0), k indices 2t+8, 2t+9 <-> the same of q = 1.  The loaded
+// words are the MMA operands as they are (no conversion); the output is rounded once.
+#include "tc_frag.cuh"
 
 namespace spc_tcs {
+using namespace spc_tcf;
 
-__device__ __forceinline__ unsigned f2tf32(float x) {
-  unsigned r;
-  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
-  return r;
-}
-
-template <int P> __device__ __forceinline__ unsigned pack2(float lo, float hi) {
-  if (P == 2) {
-    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<unsigned*>(&h);
-  }
-  __half2 h = __floats2half2_rn(lo, hi);
-  return *reinterpret_cast<unsigned*>(&h);
-}
-
-template <int P> __device__ __forceinline__ void mma(float (&d)[4], const unsigned (&a)[4], unsigned b0,
-                                                     unsigned b1) {
-  if (P == 0) {
-    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                 "{%0,%1,%2,%3};\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  } else if (P == 1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                 "{%0,%1,%2,%3};\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  } else {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                 "{%0,%1,%2,%3};\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-}
-
-__device__ __forceinline__ float el(const float4& v, int j) {
-  return j == 0 ? v.x : (j == 1 ? v.y : (j == 2 ? v.z : v.w));
-}
-
-template <int VEC> __device__ __forceinline__ float4 ld4(const float* __restrict__ base, int r, int col, int K) {
-  float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-  if (r < 0 || col >= K) return v;
-  const float* p = base + (long long)r * K + col;
-  if (VEC == 4) {
-    v = __ldg(reinterpret_cast<const float4*>(p));
-  } else {
-    v.x = __ldg(p);
-    if (col + 1 < K) v.y = __ldg(p + 1);
-    if (col + 2 < K) v.z = __ldg(p + 2);
-    if (col + 3 < K) v.w = __ldg(p + 3);
-  }
-  return v;
-}
-
-template <int P, int BW, int KU, int VEC>
+template <int P, int BW, int KU, int VEC, int TI>
 __device__ __forceinline__ void tc_sddmm(
     const int* __restrict__ blk_win, const int* __restrict__ blk_cols, const int* __restrict__ nz_ptr,
     const unsigned char* __restrict__ nz_pos, const float* __restrict__ nz_val, const int* __restrict__ nz_out,
-    const int* __restrict__ row_ids, const float* __restrict__ X, const float* __restrict__ Y,
-    float* __restrict__ out, int nblk, int m, int K) {
+    const int* __restrict__ row_ids, const void* __restrict__ Xv, const void* __restrict__ Yv,
+    void* __restrict__ outv, int nblk, int m, int K) {
+  static_assert(!TI || P != 0, "16-bit inputs run with the MMA of their own type");
   constexpr int NT = BW / 8;                         // n-tiles (8 block columns each)
   __shared__ float Cs[8][16 * BW];                   // per warp (at most 8 warps per block)
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -101,6 +55,33 @@ __device__ __forceinline__ void tc_sddmm(
 #pragma unroll
     for (int r = 0; r < 4; ++r) acc[n][r] = 0.0f;
 
+  if constexpr (TI != 0) {
+    const unsigned short* X = reinterpret_cast<const unsigned short*>(Xv);
+    const unsigned short* Y = reinterpret_cast<const unsigned short*>(Yv);
+    for (int kc0 = 0; kc0 < K; kc0 += 64 * KU) {
+      uint4 xa[KU][2][2], yb[KU][NT][2];
+#pragma unroll
+      for (int u = 0; u < KU; ++u)
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+          const int col = kc0 + 64 * u + 32 * q + 8 * t;
+          xa[u][0][q] = ld8h<VEC>(X, xr0, col, K);
+          xa[u][1][q] = ld8h<VEC>(X, xr1, col, K);
+#pragma unroll
+          for (int n = 0; n < NT; ++n) yb[u][n][q] = ld8h<VEC>(Y, yc[n], col, K);
+        }
+#pragma unroll
+      for (int u = 0; u < KU; ++u)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const unsigned a[4] = {wd(xa[u][0][0], j), wd(xa[u][1][0], j), wd(xa[u][0][1], j), wd(xa[u][1][1], j)};
+#pragma unroll
+          for (int n = 0; n < NT; ++n) mma16816<P == 0 ? 1 : P>(acc[n], a, wd(yb[u][n][0], j), wd(yb[u][n][1], j));
+        }
+    }
+  } else {
+  const float* X = reinterpret_cast<const float*>(Xv);
+  const float* Y = reinterpret_cast<const float*>(Yv);
   for (int kc0 = 0; kc0 < K; kc0 += 32 * KU) {
     float4 xa[KU][2][2], yb[KU][NT][2];
 #pragma unroll
@@ -122,7 +103,7 @@ __device__ __forceinline__ void tc_sddmm(
                                  f2tf32(el(xa[u][0][1], j)), f2tf32(el(xa[u][1][1], j))};
 #pragma unroll
           for (int n = 0; n < NT; ++n)
-            mma<0>(acc[n], a, f2tf32(el(yb[u][n][0], j)), f2tf32(el(yb[u][n][1], j)));
+            mma16816<0>(acc[n], a, f2tf32(el(yb[u][n][0], j)), f2tf32(el(yb[u][n][1], j)));
         }
       } else {
 #pragma unroll
@@ -133,11 +114,12 @@ __device__ __forceinline__ void tc_sddmm(
                                  pack2<P>(el(xa[u][1][1], 2 * j), el(xa[u][1][1], 2 * j + 1))};
 #pragma unroll
           for (int n = 0; n < NT; ++n)
-            mma<P>(acc[n], a, pack2<P>(el(yb[u][n][0], 2 * j), el(yb[u][n][0], 2 * j + 1)),
+            mma16816<P>(acc[n], a, pack2<P>(el(yb[u][n][0], 2 * j), el(yb[u][n][0], 2 * j + 1)),
                    pack2<P>(el(yb[u][n][1], 2 * j), el(yb[u][n][1], 2 * j + 1)));
         }
       }
     }
+  }
   }
   // C fragment: c0, c1 = (row g, cols 2t, 2t+1), c2, c3 = (row g + 8, same cols) of each n-tile
   float* cs = Cs[warp];
@@ -151,16 +133,20 @@ __device__ __forceinline__ void tc_sddmm(
   }
   __syncwarp();
   const int lo = __ldg(nz_ptr + b), hi = __ldg(nz_ptr + b + 1);
-  for (int i = lo + lane; i < hi; i += 32) out[__ldg(nz_out + i)] = __ldg(nz_val + i) * cs[nz_pos[i]];
+  for (int i = lo + lane; i < hi; i += 32) {
+    const float v = __ldg(nz_val + i) * cs[nz_pos[i]];
+    if constexpr (TI != 0) reinterpret_cast<unsigned short*>(outv)[__ldg(nz_out + i)] = f2h<P == 0 ? 1 : P>(v);
+    else reinterpret_cast<float*>(outv)[__ldg(nz_out + i)] = v;
+  }
 }
 
 }  // namespace spc_tcs
 
-#define SPC_TC_SDDMM_INSTANCE(NAME, P, BW, KU, VEC)                                                 \
+#define SPC_TC_SDDMM_INSTANCE(NAME, P, BW, KU, VEC, TI)                                             \
   extern "C" __global__ void __launch_bounds__(256) NAME(                                           \
       const int* blk_win, const int* blk_cols, const int* nz_ptr, const unsigned char* nz_pos,      \
-      const float* nz_val, const int* nz_out, const int* row_ids, const float* X, const float* Y,   \
-      float* out, int nblk, int m, int K) {                                                         \
-    spc_tcs::tc_sddmm<P, BW, KU, VEC>(blk_win, blk_cols, nz_ptr, nz_pos, nz_val, nz_out, row_ids, X, Y, \
+      const float* nz_val, const int* nz_out, const int* row_ids, const void* X, const void* Y,     \
+      void* out, int nblk, int m, int K) {                                                          \
+    spc_tcs::tc_sddmm<P, BW, KU, VEC, TI>(blk_win, blk_cols, nz_ptr, nz_pos, nz_val, nz_out, row_ids, X, Y, \
                                       out, nblk, m, K);                                             \
   }

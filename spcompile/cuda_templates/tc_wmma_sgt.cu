@@ -14,11 +14,11 @@
 // Compile-time parameters: P (0 tf32 m16n16k8, 1 fp16 m16n16k16, 2 bf16 m16n16k16; accumulation
 // is fp32 in all cases), BW (TC block width: 8 or 16, a multiple of the MMA k), TPW (16-column
 // tiles per warp), DENSE_A, VEC (4: float4 loads of X, needs K % 4 == 0 and 16-byte aligned X;
-// 1: scalar loads, any K).  Warps per block, K and the window count are launch arguments.
+// 1: scalar loads, any K; for TI = 1 the vector width is 8 elements, needs K % 8 == 0).  Warps per block, K and the window count are launch arguments.
+// TI (input type): 0 = fp32 X / Y (converted to the MMA type in registers), 1 = X and Y in P's
+// 16-bit type (fp16 for P = 1, bf16 for P = 2; X staged without conversion, Y rounded once).
 // One parametrised body; Python emits one extern "C" wrapper per variant (SPC_TC_SPMM_INSTANCE).
-#include <cuda_runtime.h>
-#include <cuda_fp16.h>
-#include <cuda_bf16.h>
+#include "tc_frag.cuh"
 #include <mma.h>
 
 namespace spc_tc {
@@ -64,14 +64,17 @@ template <int P, int BW, int TPW> struct layout {
   };
 };
 
-template <int P, int BW, int TPW, int DENSE_A, int VEC>
+template <int P, int BW, int TPW, int DENSE_A, int VEC, int TI>
 __device__ __forceinline__ void tc_spmm(
     const int* __restrict__ win_block_ptr, const int* __restrict__ blk_cols,
     const typename prec<P>::stor* __restrict__ tiles, const int* __restrict__ nz_ptr,
     const unsigned char* __restrict__ nz_pos, const float* __restrict__ nz_val,
-    const int* __restrict__ row_ids, const float* __restrict__ X, float* __restrict__ Y,
+    const int* __restrict__ row_ids, const void* __restrict__ Xv, void* __restrict__ Yv,
     int m, int K) {
   typedef typename prec<P>::stor T;
+  static_assert(!TI || P != 0, "16-bit inputs run with the MMA of their own type");
+  const float* __restrict__ X = reinterpret_cast<const float*>(Xv);
+  const T* __restrict__ Xh = reinterpret_cast<const T*>(Xv);
   typedef layout<P, BW, TPW> L;
   constexpr int KS = prec<P>::KS;
   static_assert(BW % KS == 0, "TC block width must be a multiple of the MMA k");
@@ -109,6 +112,18 @@ __device__ __forceinline__ void tc_spmm(
         const int r = i / (W / VEC), q = (i % (W / VEC)) * VEC;
         const int c = __ldg(blk_cols + (size_t)b * BW + r);
         const int col = kbase + q;
+        if (TI) {                                    // 16-bit X: staged as loaded
+          if (VEC == 8) {
+            uint4 t = make_uint4(0u, 0u, 0u, 0u);
+            if (c >= 0 && col < K) t = __ldg(reinterpret_cast<const uint4*>(Xh + (size_t)c * K + col));
+            *reinterpret_cast<uint4*>(Xs + r * L::LDX + q) = t;
+          } else {
+#pragma unroll
+            for (int e = 0; e < VEC; ++e)
+              Xs[r * L::LDX + q + e] = (c >= 0 && col + e < K) ? Xh[(size_t)c * K + col + e] : prec<P>::cvt(0.0f);
+          }
+          continue;
+        }
         float v[VEC];
         if (VEC == 4) {
           float4 t = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -147,7 +162,10 @@ __device__ __forceinline__ void tc_spmm(
     for (int i = lane; i < 256; i += 32) {
       const int r = i >> 4, c = i & 15;
       const int row = win * 16 + r, col = kbase + t * 16 + c;
-      if (row < m && col < K) Y[(size_t)row_ids[row] * K + col] = Os[i];
+      if (row < m && col < K) {
+        if (TI) reinterpret_cast<T*>(Yv)[(size_t)row_ids[row] * K + col] = prec<P>::cvt(Os[i]);
+        else reinterpret_cast<float*>(Yv)[(size_t)row_ids[row] * K + col] = Os[i];
+      }
     }
     __syncwarp();
   }
@@ -155,12 +173,12 @@ __device__ __forceinline__ void tc_spmm(
 
 }  // namespace spc_tc
 
-#define SPC_TC_SPMM_INSTANCE(NAME, P, BW, TPW, DENSE_A, VEC)                                        \
+#define SPC_TC_SPMM_INSTANCE(NAME, P, BW, TPW, DENSE_A, VEC, TI)                                    \
   extern "C" __global__ void __launch_bounds__(512) NAME(                                           \
       const int* win_block_ptr, const int* blk_cols, const void* tiles, const int* nz_ptr,          \
-      const unsigned char* nz_pos, const float* nz_val, const int* row_ids, const float* X,         \
-      float* Y, int m, int K) {                                                                     \
-    spc_tc::tc_spmm<P, BW, TPW, DENSE_A, VEC>(                                                      \
+      const unsigned char* nz_pos, const float* nz_val, const int* row_ids, const void* X,          \
+      void* Y, int m, int K) {                                                                      \
+    spc_tc::tc_spmm<P, BW, TPW, DENSE_A, VEC, TI>(                                                  \
         win_block_ptr, blk_cols, reinterpret_cast<const typename spc_tc::prec<P>::stor*>(tiles),    \
         nz_ptr, nz_pos, nz_val, row_ids, X, Y, m, K);                                               \
   }
@@ -171,118 +189,54 @@ __device__ __forceinline__ void tc_spmm(
 //
 // Work items: a row window's TC blocks are cut into balanced runs of at most max_blocks blocks
 // (built in Python, longest first); one thread block per (item, slice of K).  Warp v of the block
-// owns CG groups of 32 output columns starting at kbase = (blockIdx.y * warps + v) * 32 * CG.
+// owns CG groups of SPAN output columns starting at kbase = (blockIdx.y * warps + v) * SPAN * CG;
+// SPAN = 32 for fp32 X (TI = 0), 64 for 16-bit X (TI = 1).
 //
 // Fragments (PTX ISA, mma.m16n8k8 tf32 / m16n8k16 f16|bf16, g = lane / 4, t = lane % 4):
 //   * A (the 16 x KS sparse tile of one MMA k-step) is stored in fragment order at build time
 //     (one 16-byte load per lane; tf32 values pre-rounded);
 //   * blk_cols is stored permuted so that a lane loads the X row ids it needs with one int2
 //     (tf32: tile columns t, t+4) or int4 (16-bit: tile columns 2t, 2t+1, 2t+8, 2t+9);
-//   * B = X[cols, 32 columns]: the MMA's n index is mapped to output columns so that lane (g, t)
-//     loads ONE float4 per X row, X[c][base + 4g .. 4g+3], element j feeding n-tile j (n index g
-//     of n-tile j <-> column base + 4g + j); 8 lanes read 128 contiguous bytes of a row;
-//   * C: lane (g, t) then holds rows g and g + 8, columns base + 8t .. 8t+7 (c0 of n-tiles 0..3,
-//     then c1 of n-tiles 0..3), written as two float4 per row.
-// A split window's items write 16 x K partials to part[slot]; the last warp to finish a
+//   * B = X[cols, SPAN columns]: the MMA's n index is mapped to output columns so that lane (g, t)
+//     loads ONE 16-byte vector per X row, NJ = 4 floats (TI = 0) or NJ = 8 16-bit values (TI = 1)
+//     X[c][base + NJ g .. NJ g + NJ-1], element j feeding n-tile j (n index g of n-tile j <->
+//     column base + NJ g + j); 8 lanes read 128 contiguous bytes of a row.  fp32 X is converted
+//     in registers; 16-bit X is only re-paired (byte permutes: rows 2t / 2t+1 of one register);
+//   * C: lane (g, t) then holds rows g and g + 8, columns base + 2 NJ t .. + 2 NJ - 1 (c0 of
+//     n-tiles 0..NJ-1, then c1 of n-tiles 0..NJ-1), written as 16-byte vectors per row (fp32 Y,
+//     or 16-bit Y rounded once from the fp32 accumulators).
+// A split window's items write 16 x K fp32 partials to part[slot]; the last warp to finish a
 // (window, column slice) -- per-warp atomic counter, threadfence-reduction pattern -- adds the
-// partials in slot order (deterministic), writes Y and resets the counter for the next call.
+// partials in slot order (deterministic, fp32), writes Y (rounded once for 16-bit Y) and resets
+// the counter for the next call.
 // =============================================================================================
 namespace spc_tc {
+using namespace spc_tcf;
 
-__device__ __forceinline__ unsigned f2tf32(float x) {
-  unsigned r;
-  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
-  return r;
-}
-
-template <int P> __device__ __forceinline__ unsigned pack2(float lo, float hi);
-template <> __device__ __forceinline__ unsigned pack2<1>(float lo, float hi) {
-  __half2 h = __floats2half2_rn(lo, hi);
-  return *reinterpret_cast<unsigned*>(&h);
-}
-template <> __device__ __forceinline__ unsigned pack2<2>(float lo, float hi) {
-  __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<unsigned*>(&h);
-}
-
-template <int P> __device__ __forceinline__ void mma16816(float (&d)[4], const unsigned (&a)[4], unsigned b0,
-                                                          unsigned b1) {
-  if (P == 0) {
-    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                 "{%0,%1,%2,%3};\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  } else if (P == 1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                 "{%0,%1,%2,%3};\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  } else {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                 "{%0,%1,%2,%3};\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-}
-
-__device__ __forceinline__ float el(const float4& v, int j) {
-  return j == 0 ? v.x : (j == 1 ? v.y : (j == 2 ? v.z : v.w));
-}
-
-// 4 consecutive floats of row c (c < 0: zeros) from column col, zero beyond K.  VEC = 4: one
-// 16-byte load (K % 4 == 0 and a 16-byte aligned base); VEC = 1: guarded scalar loads.
-template <int VEC, bool CG_LOAD = false>
-__device__ __forceinline__ float4 ld4(const float* __restrict__ base, long long c, int col, int K) {
-  float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-  if (c < 0 || col >= K) return v;
-  const float* p = base + c * (long long)K + col;
-  if (VEC == 4) {
-    v = CG_LOAD ? __ldcg(reinterpret_cast<const float4*>(p)) : __ldg(reinterpret_cast<const float4*>(p));
-  } else {
-    v.x = CG_LOAD ? __ldcg(p) : __ldg(p);
-    if (col + 1 < K) v.y = CG_LOAD ? __ldcg(p + 1) : __ldg(p + 1);
-    if (col + 2 < K) v.z = CG_LOAD ? __ldcg(p + 2) : __ldg(p + 2);
-    if (col + 3 < K) v.w = CG_LOAD ? __ldcg(p + 3) : __ldg(p + 3);
-  }
-  return v;
-}
-
-template <int VEC> __device__ __forceinline__ void st4(float* __restrict__ p, int col, int K, float4 v) {
-  if (col >= K) return;
-  if (VEC == 4) {
-    *reinterpret_cast<float4*>(p + col) = v;
-  } else {
-    p[col] = v.x;
-    if (col + 1 < K) p[col + 1] = v.y;
-    if (col + 2 < K) p[col + 2] = v.z;
-    if (col + 3 < K) p[col + 3] = v.w;
-  }
-}
-
-__device__ __forceinline__ float4 add4(float4 a, float4 b) {
-  return make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w);
-}
-
-template <int P, int BW, int CG, int U, int VEC>
+template <int P, int BW, int CG, int U, int VEC, int TI>
 __device__ __forceinline__ void tc_mma_spmm(
     const int4* __restrict__ items, const int* __restrict__ slot_grp, const int* __restrict__ grp_ptr,
     const int* __restrict__ pcols, const uint4* __restrict__ afrag, const int* __restrict__ row_ids,
-    const float* __restrict__ X, float* __restrict__ Y, float* part, int* counters, int m, int K) {
+    const void* __restrict__ Xv, void* __restrict__ Yv, float* part, int* counters, int m, int K) {
   constexpr int KS = (P == 0) ? 8 : 16;
   constexpr int S = BW / KS;                         // MMA k-steps per TC block
   constexpr int NR = (P == 0) ? 2 : 4;               // X rows a lane loads per k-step
+  constexpr int NJ = TI ? 8 : 4;                     // n-tiles per column group (elements per load)
+  constexpr int SPAN = 8 * NJ;                       // output columns per column group
   static_assert(BW % KS == 0, "TC block width must be a multiple of the MMA k");
+  static_assert(!TI || P != 0, "16-bit inputs run with the MMA of their own type");
+  typedef typename std::conditional<TI != 0, uint4, float4>::type vec_t;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const int kbase = (blockIdx.y * nw + warp) * 32 * CG;
+  const int kbase = (blockIdx.y * nw + warp) * SPAN * CG;
   if (kbase >= K) return;                            // uniform per warp; no block barriers below
   const int4 it = __ldg(items + blockIdx.x);         // first block, end block, window, slot (-1)
 
-  float acc[CG][4][4];
+  float acc[CG][NJ][4];
 #pragma unroll
   for (int c = 0; c < CG; ++c)
 #pragma unroll
-    for (int j = 0; j < 4; ++j)
+    for (int j = 0; j < NJ; ++j)
 #pragma unroll
       for (int r = 0; r < 4; ++r) acc[c][j][r] = 0.0f;
 
@@ -307,10 +261,14 @@ __device__ __forceinline__ void tc_mma_spmm(
         }
       }
   };
+  auto load_x = [&](int c, int col) -> vec_t {
+    if constexpr (TI != 0) return ld8h<VEC>(reinterpret_cast<const unsigned short*>(Xv), c, col, K);
+    else return ld4<VEC>(reinterpret_cast<const float*>(Xv), c, col, K);
+  };
   load_cols(it.x);
   for (int b = it.x; b < it.y; b += U) {
     unsigned a[U][S][4];
-    float4 xv[U][S][NR][CG];
+    vec_t xv[U][S][NR][CG];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int bb = b + u;
@@ -324,7 +282,7 @@ __device__ __forceinline__ void tc_mma_spmm(
 #pragma unroll
         for (int q = 0; q < NR; ++q)
 #pragma unroll
-          for (int cg = 0; cg < CG; ++cg) xv[u][s][q][cg] = ld4<VEC>(X, cn[u][s][q], kbase + 32 * cg + 4 * g, K);
+          for (int cg = 0; cg < CG; ++cg) xv[u][s][q][cg] = load_x(cn[u][s][q], kbase + SPAN * cg + NJ * g);
       }
     }
     load_cols(b + U);                                // ids of the next iteration (-1 past the end)
@@ -335,9 +293,12 @@ __device__ __forceinline__ void tc_mma_spmm(
 #pragma unroll
         for (int cg = 0; cg < CG; ++cg)
 #pragma unroll
-          for (int j = 0; j < 4; ++j) {
+          for (int j = 0; j < NJ; ++j) {
             unsigned b0, b1;
-            if (P == 0) {                            // B rows t and t + 4 of the k-step
+            if constexpr (TI != 0) {                 // rows (2t, 2t+1) and (2t+8, 2t+9), element j
+              b0 = sel16(xv[u][s][0][cg], xv[u][s][1 % NR][cg], j);
+              b1 = sel16(xv[u][s][2 % NR][cg], xv[u][s][3 % NR][cg], j);
+            } else if (P == 0) {                     // B rows t and t + 4 of the k-step
               b0 = f2tf32(el(xv[u][s][0][cg], j));
               b1 = f2tf32(el(xv[u][s][1][cg], j));
             } else {                                 // B rows (2t, 2t+1) and (2t+8, 2t+9)
@@ -348,20 +309,30 @@ __device__ __forceinline__ void tc_mma_spmm(
           }
   }
 
-  // lane's results: row g + 8h, columns col0 .. col0 + 7 with col0 = kbase + 32 cg + 8t
-#define SPC_TC_VAL(cg, h, q) make_float4(acc[cg][0][2 * (h) + (q)], acc[cg][1][2 * (h) + (q)], \
-                                         acc[cg][2][2 * (h) + (q)], acc[cg][3][2 * (h) + (q)])
+  // lane's results: row g + 8h, columns col0 .. col0 + NJ - 1 with col0 = kbase + SPAN cg + 2 NJ t + NJ q
+  auto vals = [&](int cg, int h, int q, float (&v)[NJ]) {
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) v[j] = acc[cg][j][2 * h + q];
+  };
+  auto store_y = [&](long long row, int col, const float (&v)[NJ]) {
+    if constexpr (TI != 0) st_h<P == 0 ? 1 : P, NJ, VEC>(reinterpret_cast<unsigned short*>(Yv) + row * K, col, K, v);
+    else st_f32<NJ, VEC>(reinterpret_cast<float*>(Yv) + row * K, col, K, v);
+  };
   const int win = it.z, slot = it.w;
   if (slot < 0) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int row = win * 16 + g + 8 * h;
       if (row < m) {
-        float* y = Y + (long long)__ldg(row_ids + row) * K;
+        const long long yr = __ldg(row_ids + row);
 #pragma unroll
         for (int cg = 0; cg < CG; ++cg)
 #pragma unroll
-          for (int q = 0; q < 2; ++q) st4<VEC>(y, kbase + 32 * cg + 8 * t + 4 * q, K, SPC_TC_VAL(cg, h, q));
+          for (int q = 0; q < 2; ++q) {
+            float v[NJ];
+            vals(cg, h, q, v);
+            store_y(yr, kbase + SPAN * cg + 2 * NJ * t + NJ * q, v);
+          }
       }
     }
     return;
@@ -373,10 +344,12 @@ __device__ __forceinline__ void tc_mma_spmm(
 #pragma unroll
       for (int cg = 0; cg < CG; ++cg)
 #pragma unroll
-        for (int q = 0; q < 2; ++q)
-          st4<VEC>(pp + (long long)(g + 8 * h) * K, kbase + 32 * cg + 8 * t + 4 * q, K, SPC_TC_VAL(cg, h, q));
+        for (int q = 0; q < 2; ++q) {
+          float v[NJ];
+          vals(cg, h, q, v);
+          st_f32<NJ, VEC>(pp + (long long)(g + 8 * h) * K, kbase + SPAN * cg + 2 * NJ * t + NJ * q, K, v);
+        }
   }
-#undef SPC_TC_VAL
   __threadfence();
   __syncwarp();
   const int grp = __ldg(slot_grp + slot);
@@ -386,21 +359,27 @@ __device__ __forceinline__ void tc_mma_spmm(
   if (lane == 0) old = atomicAdd(counters + cnt_idx, 1);
   old = __shfl_sync(0xffffffffu, old, 0);
   if (old != nslots - 1) return;
-  __threadfence();                                   // last arriver: combine in slot order
+  __threadfence();                                   // last arriver: combine in slot order (fp32)
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int row = win * 16 + g + 8 * h;
     if (row >= m) continue;
-    float* y = Y + (long long)__ldg(row_ids + row) * K;
+    const long long yr = __ldg(row_ids + row);
 #pragma unroll
     for (int cg = 0; cg < CG; ++cg)
 #pragma unroll
       for (int q = 0; q < 2; ++q) {
-        const int col = kbase + 32 * cg + 8 * t + 4 * q;
-        float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
-        for (int z = 0; z < nslots; ++z)
-          o = add4(o, ld4<VEC, true>(part + (long long)(first + z) * 16 * K, g + 8 * h, col, K));
-        st4<VEC>(y, col, K, o);
+        const int col = kbase + SPAN * cg + 2 * NJ * t + NJ * q;
+        float o[NJ];
+#pragma unroll
+        for (int j = 0; j < NJ; ++j) o[j] = 0.0f;
+        for (int z = 0; z < nslots; ++z) {
+          float v[NJ];
+          ld_f32_cg<NJ, VEC>(part + (long long)(first + z) * 16 * K + (long long)(g + 8 * h) * K, col, K, v);
+#pragma unroll
+          for (int j = 0; j < NJ; ++j) o[j] += v[j];
+        }
+        store_y(yr, col, o);
       }
   }
   if (lane == 0) counters[cnt_idx] = 0;             // ready for the next call (stream-ordered)
@@ -408,10 +387,10 @@ __device__ __forceinline__ void tc_mma_spmm(
 
 }  // namespace spc_tc
 
-#define SPC_TC_MMA_INSTANCE(NAME, P, BW, CG, U, VEC)                                                \
+#define SPC_TC_MMA_INSTANCE(NAME, P, BW, CG, U, VEC, TI)                                            \
   extern "C" __global__ void __launch_bounds__(256) NAME(                                           \
       const int4* items, const int* slot_grp, const int* grp_ptr, const int* pcols, const uint4* afrag, \
-      const int* row_ids, const float* X, float* Y, float* part, int* counters, int m, int K) {      \
-    spc_tc::tc_mma_spmm<P, BW, CG, U, VEC>(items, slot_grp, grp_ptr, pcols, afrag, row_ids, X, Y, part, \
-                                           counters, m, K);                                         \
+      const int* row_ids, const void* X, void* Y, float* part, int* counters, int m, int K) {       \
+    spc_tc::tc_mma_spmm<P, BW, CG, U, VEC, TI>(items, slot_grp, grp_ptr, pcols, afrag, row_ids, X, Y, part, \
+                                               counters, m, K);                                     \
   }

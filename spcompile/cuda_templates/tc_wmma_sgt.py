@@ -19,25 +19,89 @@ multiple of 8), fp16 / bf16 (m16n16k16, needs 16-wide SGT blocks: ``tile.sgt[sha
 accumulate in fp32.  SpMM ``sum`` (and ``mean``, by scaling the values with 1 / row length at build
 time): tensor cores cannot do max/min.
 
+Workload dtypes (``mod.op.dtype``): float32 (X / Y converted in registers to the chosen
+precision) and float16 / bfloat16: X (and Y for SDDMM) are read as 16-bit with 16-byte loads (8
+values per lane) and used as MMA operands as they are, so the precision is the input type (fp16
+for float16, bf16 for bfloat16; other precisions are refused), accumulation is fp32 and the output
+is written in the input dtype, rounded once (split SpMM windows add fp32 partials in a fixed order
+and round the sum).  Both kernel sources include ``tc_frag.cuh`` (conversions, mma.sync wrappers,
+guarded vector loads / stores), which :meth:`render` inlines.  Every launch goes through
+``rt.Launch``.
+
+Pipelines: ``tile.sgt`` alone (16x8 and 16x16 blocks), and :data:`WINDOW_REUSE` + ``tile.sgt``:
+RCM then 16-row LSH clusters, which put rows with common neighbours in the same window (more
+nonzeros per gathered X row, fewer TC blocks).
+
 The kernel works in the caller's order: SGT does not permute, and any earlier reordering is
 folded in (X rows of a TC block are original column ids, output rows go to ``row_ids``).
 """
 from __future__ import annotations
 
+import os
 from typing import Any, Mapping
 
 import numpy as np
 
 from ..ir import SparseModule
 from ..runtime import cuda as rt
-from ..schedules.base import csr_kernel_arrays, register_template, unique_params
-from .templates import _NvccKernel, _NvccTemplate, _source
+from ..schedules.base import csr_kernel_arrays, register_template, source_hash_of, unique_params
+from .templates import _DIR, _NvccKernel, _NvccTemplate, _source
 
 __all__ = ["TcWmmaSgt", "TcWmmaSgtSddmm", "tc_arrays", "emulate_tc_spmm", "mma_arrays", "emulate_mma_spmm",
-           "split_windows", "sddmm_arrays", "emulate_tc_sddmm", "PRECISIONS"]
+           "split_windows", "sddmm_arrays", "emulate_tc_sddmm", "PRECISIONS", "INPUT_PRECISION",
+           "WINDOW_REUSE", "round_to"]
 
 #: precision name -> (kernel code, MMA k, reference.tolerance name)
 PRECISIONS = {"tf32": (0, 8, "tf32"), "fp16": (1, 16, "float16"), "bf16": (2, 16, "bfloat16")}
+#: workload dtype -> the only MMA precision offered for it (16-bit inputs are MMA operands as they
+#: are; fp32 inputs are converted in registers to any of PRECISIONS)
+INPUT_PRECISION = {"float16": "fp16", "bfloat16": "bf16"}
+#: the shared header both kernel sources include (inlined by render())
+_HEADER = "tc_frag.cuh"
+#: passes in front of tile.sgt that cluster rows with common neighbours into the same 16-row
+#: window (more nonzeros per gathered X row and per TC block): RCM, then LSH clusters of 16 rows
+WINDOW_REUSE = [{"name": "reorder.rcm", "options": {}},
+                {"name": "cluster.lsh", "options": {"threshold_size": 16, "skip": False, "round": 1}}]
+
+
+def _render_source(fname: str) -> str:
+    """A kernel source with the shared header inlined (nvcc compiles from a temporary folder)."""
+    return _source(fname).replace(f'#include "{_HEADER}"', _source(_HEADER))
+
+
+def _source_hash(tpl) -> str:
+    return source_hash_of(type(tpl), tpl.version, paths=(os.path.join(_DIR, tpl.source_file),
+                                                         os.path.join(_DIR, _HEADER)))
+
+
+def input_type(dtype: str, precision: str) -> int:
+    """Kernel input-type code TI: 0 for float32 inputs (any precision), 1 for 16-bit inputs, whose
+    precision must be their own type; a clear error otherwise."""
+    if dtype == "float32":
+        return 0
+    want = INPUT_PRECISION.get(dtype)
+    if want is None:
+        raise ValueError(f"unsupported dtype {dtype!r}; expected float32, float16 or bfloat16")
+    if precision != want:
+        raise ValueError(f"precision {precision!r} does not match the {dtype} workload: {dtype} inputs run "
+                         f"with precision {want!r} only")
+    return 1
+
+
+def _vec(K: int, ti: int) -> int:
+    """Elements per 16-byte vector load when K allows it (fp32: 4, 16-bit: 8), else 1."""
+    w = 8 if ti else 4
+    return w if K % w == 0 else 1
+
+
+def round_to(a: np.ndarray, dtype: str) -> np.ndarray:
+    """Values of ``a`` rounded to ``dtype`` (float16 / bfloat16 round to nearest even), as float64."""
+    a = np.asarray(a)
+    if dtype == "float16":
+        return a.astype(np.float16).astype(np.float64)
+    if dtype == "bfloat16":
+        return _bf16_to_f32(_bf16_bits(a.astype(np.float32))).astype(np.float64)
+    return a.astype(np.float32).astype(np.float64)
 
 
 def _bf16_bits(a: np.ndarray) -> np.ndarray:
@@ -238,10 +302,14 @@ def _frag_values(afrag: np.ndarray, precision: str, nsteps: int) -> np.ndarray:
 def emulate_mma_spmm(arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any], X: np.ndarray,
                      col_groups: int = 1, warps: int = 1) -> np.ndarray:
     """What the register-direct kernel computes, lane by lane (float64): A rebuilt from the packed
-    fragments through the PTX layout, B from the X values each lane loads (float4 at column
-    base + 4g, element j for n-tile j), C scattered as the lanes store it (row g / g+8, columns
-    base + 8t + 4q + j), items summed into rows or partial slots, slots combined in order."""
+    fragments through the PTX layout, B from the X values each lane loads (NJ = 4 floats, or 8
+    16-bit values for a float16 / bfloat16 ``meta["dtype"]``, at column base + NJ g, element j for
+    n-tile j), C scattered as the lanes store it (row g / g+8, columns base + 2 NJ t + NJ q + j),
+    items summed into rows or partial slots, slots combined in order; a 16-bit Y is rounded once.
+    For 16-bit workloads ``X`` holds the 16-bit values (e.g. rounded with :func:`round_to`)."""
     m, BW, prec = int(meta["m"]), int(meta["BW"]), str(meta["precision"])
+    dtype = str(meta.get("dtype", "float32"))
+    NJ = 8 if input_type(dtype, prec) else 4
     KS = PRECISIONS[prec][1]
     S = BW // KS
     X = np.asarray(X, dtype=np.float64)
@@ -257,24 +325,25 @@ def emulate_mma_spmm(arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any], 
     NR = brow.shape[1]
     lane_cols = pcols.reshape(nsteps, 4, NR)[:, _T, :]                  # (nsteps, 32, NR): row ids a lane loads
     Xp = np.vstack([X, np.zeros((1, K))])
-    span = 32 * col_groups * warps
+    SPAN = 8 * NJ
+    span = SPAN * col_groups * warps
     Cblk = np.zeros((nblk, 16, -(-K // span) * span))
-    for base in range(0, Cblk.shape[2], 32):
-        # lane loads X[c][base + 4g + j], j = 0..3 (zero beyond K or for padding)
-        colsj = base + 4 * _G[:, None] + np.arange(4)                   # (32, 4)
+    for base in range(0, Cblk.shape[2], SPAN):
+        # lane loads X[c][base + NJ g + j], j = 0..NJ-1 (zero beyond K or for padding)
+        colsj = base + NJ * _G[:, None] + np.arange(NJ)                 # (32, NJ)
         valid = colsj < K
         rowsel = np.where(lane_cols < 0, X.shape[0], lane_cols)         # (nsteps, 32, NR)
         vals = Xp[rowsel[..., None], np.minimum(colsj, K - 1)[None, :, None, :]] * valid[None, :, None, :]
-        # vals: (nsteps, 32, NR, 4); B of n-tile j: B[k = brow[l, e], n = g(l)] = vals[:, l, e, j]
-        B = np.zeros((nsteps, 4, KS, 8))
+        # vals: (nsteps, 32, NR, NJ); B of n-tile j: B[k = brow[l, e], n = g(l)] = vals[:, l, e, j]
+        B = np.zeros((nsteps, NJ, KS, 8))
         for e in range(NR):
             B[:, :, brow[:, e], _G] = np.moveaxis(vals[:, :, e, :], 2, 1)
-        C = np.einsum("srk,sjkn->sjrn", A, B).reshape(nblk, S, 4, 16, 8).sum(1)   # (nblk, j, 16, 8)
-        # lane (g, t): c0 = C[g][2t] -> column base + 8t + j, c1 = C[g][2t+1] -> base + 8t + 4 + j
+        C = np.einsum("srk,sjkn->sjrn", A, B).reshape(nblk, S, NJ, 16, 8).sum(1)   # (nblk, j, 16, 8)
+        # lane (g, t): c0 = C[g][2t] -> column base + 2 NJ t + j, c1 = C[g][2t+1] -> + NJ + j
         for n in range(8):
             q, tt = n % 2, n // 2
-            for j in range(4):
-                Cblk[:, :, base + 8 * tt + 4 * q + j] = C[:, j, :, n]
+            for j in range(NJ):
+                Cblk[:, :, base + 2 * NJ * tt + NJ * q + j] = C[:, j, :, n]
     Cblk = Cblk[:, :, :K]
     cs = np.concatenate([np.zeros((1, 16, K)), np.cumsum(Cblk, axis=0)])
     Y = np.full((m, K), np.nan)
@@ -299,17 +368,17 @@ def emulate_mma_spmm(arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any], 
         rows = win * 16 + np.arange(16)
         keep = rows < m
         Y[row_ids[rows[keep]]] = part[s0:s1].sum(0)[keep]
-    return Y
+    return Y if dtype == "float32" else round_to(Y, dtype)
 
 
 class TcKernel(_NvccKernel):
+    """Both impls launch through ``rt.Launch`` (argument buffer built once, the driver's
+    cuLaunchKernel per call); the instance with VEC = 1 serves unaligned X / Y."""
+
     def prepare(self):
         if self.meta.get("impl", "wmma") == "mma":
             return self._prepare_mma()
-        import cupy
-
         fns = self._load_functions()
-        self._fn, self._fn1 = fns[0], fns[-1]
         p, meta = self.params, self.meta
         K, m, nwin = int(meta["K"]), int(meta["m"]), int(meta["windows"])
         W, TPW = int(p["warps_per_block"]), int(p["tiles_per_warp"])
@@ -317,18 +386,17 @@ class TcKernel(_NvccKernel):
                                                              else ["nz_ptr", "nz_pos", "nz_val"])
         dev = dict(zip(names, self._upload(tuple(names))))
         z = 0
-        self._args_pre = (dev["win_block_ptr"], dev["blk_cols"], dev.get("tiles", z), dev.get("nz_ptr", z),
-                          dev.get("nz_pos", z), dev.get("nz_val", z), dev["row_ids"])
-        self._args_post = (np.int32(m), np.int32(K))
+        args = [dev["win_block_ptr"], dev["blk_cols"], dev.get("tiles", z), dev.get("nz_ptr", z),
+                dev.get("nz_pos", z), dev.get("nz_val", z), dev["row_ids"], None, None, np.int32(m), np.int32(K)]
         ktiles = -(-K // 16)
-        self._grid = (max(nwin, 1), -(-ktiles // (W * TPW)), 1)
-        self._block = (32 * W, 1, 1)
-        self._smem = int(meta["smem_fixed"]) + W * int(meta["smem_per_warp"])
+        grid = (max(nwin, 1), -(-ktiles // (W * TPW)), 1)
+        smem = int(meta["smem_fixed"]) + W * int(meta["smem_per_warp"])
         for f in fns:
-            rt.ensure_dynamic_smem(f, self._smem)
+            rt.ensure_dynamic_smem(f, smem)
+        self._launches = [rt.Launch(f, grid, (32 * W, 1, 1), args, smem) for f in (fns[0], fns[-1])]
+        self._amask = 15 if int(meta["vec"]) > 1 else 0
+        self._xmask = self._amask                      # wmma: only X is read with vector loads
         self._empty = nwin == 0 or m == 0
-        self._vec = int(meta["vec"])
-        self._cupy = cupy
         self._ready = True
 
     def _prepare_mma(self):
@@ -338,18 +406,20 @@ class TcKernel(_NvccKernel):
         p, meta = self.params, self.meta
         K, m = int(meta["K"]), int(meta["m"])
         W, CG = int(p["warps_per_block"]), int(p["col_groups"])
+        span = int(meta.get("span", 32))
         nitems = int(self.arrays["items"].shape[0])
         ngrp = int(self.arrays["grp_ptr"].size) - 1
         nslot = int(self.arrays["slot_grp"].size)
-        ty = -(-K // (32 * CG * W))
+        ty = -(-K // (span * CG * W))
         dev = self._upload(("items", "slot_grp", "grp_ptr", "pcols", "afrag", "row_ids"))
-        self._part = cupy.empty(max(1, nslot * 16 * K), dtype=cupy.float32)
+        self._part = cupy.empty(max(1, nslot * 16 * K), dtype=cupy.float32)   # fp32 partials
         self._counters = cupy.zeros(max(1, ngrp * ty * W), dtype=cupy.int32)
         args = list(dev) + [None, None, int(self._part.data.ptr), int(self._counters.data.ptr),
                             np.int32(m), np.int32(K)]
         grid, block = (max(nitems, 1), ty, 1), (32 * W, 1, 1)
         self._launches = [rt.Launch(f, grid, block, args) for f in (fns[0], fns[-1])]
-        self._amask = 15 if int(meta["vec"]) == 4 else 0
+        self._amask = 15 if int(meta["vec"]) > 1 else 0
+        self._xmask = None
         self._empty = nitems == 0 or m == 0
         self._ready = True
 
@@ -357,12 +427,8 @@ class TcKernel(_NvccKernel):
         if self._empty:
             return
         x = in_ptrs[0]
-        if self.meta.get("impl", "wmma") == "mma":
-            self._launches[1 if (x | out_ptr) & self._amask else 0]((x, out_ptr), stream)
-            return
-        fn = self._fn1 if (self._vec > 1 and x & 15) else self._fn
-        fn(self._grid, self._block, self._args_pre + (x, out_ptr) + self._args_post,
-           shared_mem=self._smem, stream=rt._stream(stream))
+        addr = x if self._xmask is not None else (x | out_ptr)
+        self._launches[1 if addr & self._amask else 0]((x, out_ptr), stream)
 
 
 def _pow2_at_most(x: int, hi: int) -> int:
@@ -375,12 +441,16 @@ class TcWmmaSgt(_NvccTemplate):
     """TC-GNN (ATC'23) tensor-core SpMM on SGT row windows: tf32 m16n8k8 / m16n16k8 (fp16 / bf16
     m16n8k16 / m16n16k16 as options) with fp32 accumulation.  impl "mma": register-direct
     mma.sync with balanced work items (windows split into runs of at most ``max_blocks`` TC
-    blocks; tunable: warps per block, 32-column groups per warp, blocks in flight per warp);
+    blocks; tunable: warps per block, column groups per warp, blocks in flight per warp);
     impl "wmma": the paper's scheme (sparse tile and gathered X rows staged in shared memory;
-    tunable: warps per block, 16-column tiles per warp, sparse-tile source)."""
+    tunable: warps per block, 16-column tiles per warp, sparse-tile source).  X / Y in float32
+    (converted to the MMA precision in registers) or float16 / bfloat16 (X loaded as 16-bit and
+    used as the MMA operand directly, precision = the input type, fp32 accumulation, Y rounded
+    once; split windows combine fp32 partials)."""
 
     name = "tc.wmma_sgt"
-    version = "2"
+    version = "3"
+    dtypes = ("float32", "float16", "bfloat16")
     priority = 10
     ops = (("spmm", "sum"), ("spmm", "mean"))
     format = "sgt"
@@ -390,31 +460,52 @@ class TcWmmaSgt(_NvccTemplate):
     def requires(self, mod):
         return ("sgt",)
 
+    def source_hash(self) -> str:
+        return _source_hash(self)
+
     def pipelines(self, mod):
-        return [[{"name": "tile.sgt", "options": {"shape": "tf32"}}],
-                [{"name": "tile.sgt", "options": {"shape": "fp16"}}]]
+        p16 = [{"name": "tile.sgt", "options": {"shape": "fp16"}}]
+        reuse = [*WINDOW_REUSE, *p16]
+        if mod.op.dtype != "float32":               # 16-bit MMA: 16-wide blocks only
+            return [p16, reuse]
+        return [[{"name": "tile.sgt", "options": {"shape": "tf32"}}], p16, reuse]
 
     def supports(self, mod):
         if not super().supports(mod):
             return False
         fmt = mod.formats["sgt"]
-        return fmt.BLK_H == 16 and fmt.BLK_W in (8, 16) and fmt.num_blocks < 2**31 // 256
+        bws = (16,) if mod.op.dtype != "float32" else (8, 16)
+        return fmt.BLK_H == 16 and fmt.BLK_W in bws and fmt.num_blocks < 2**31 // 256
+
+    @staticmethod
+    def _allowed_precisions(dtype: str) -> list[str]:
+        return [INPUT_PRECISION[dtype]] if dtype in INPUT_PRECISION else list(PRECISIONS)
 
     def _precisions(self, mod) -> list[str]:
         fmt = mod.formats.get("sgt")
         bw = fmt.BLK_W if fmt is not None else 8
-        return [p for p, (_, k, _) in PRECISIONS.items() if bw % k == 0]
+        return [p for p in self._allowed_precisions(mod.op.dtype) if bw % PRECISIONS[p][1] == 0]
+
+    def check_params(self, mod, params):
+        full = super().check_params(mod, params)
+        input_type(mod.op.dtype, str(full["precision"]))     # 16-bit inputs: their own precision only
+        return full
 
     def space(self, mod):
         from optuna.distributions import CategoricalDistribution as C
 
         return {"impl": C(["mma", "wmma"]), "warps_per_block": C([1, 2, 4, 8]), "col_groups": C([1, 2, 4]),
                 "unroll": C([1, 2, 4]), "max_blocks": C([0, 8, 32, 128]), "tiles_per_warp": C([1, 2, 4]),
-                "dense_a": C([0, 1]), "precision": C(["tf32", "fp16", "bf16"])}
+                "dense_a": C([0, 1]), "precision": C(self._allowed_precisions(mod.op.dtype))}
 
     @staticmethod
-    def _mma_shape(K: int) -> tuple[int, int]:
-        groups = -(-K // 32)
+    def _span(dtype: str) -> int:
+        """Output columns per column group of impl "mma": 32 (fp32 X), 64 (16-bit X)."""
+        return 32 if dtype == "float32" else 64
+
+    @staticmethod
+    def _mma_shape(K: int, span: int = 32) -> tuple[int, int]:
+        groups = -(-K // span)
         cg = 1 if groups <= 8 else 2
         return cg, _pow2_at_most(-(-groups // cg), 8)
 
@@ -428,9 +519,10 @@ class TcWmmaSgt(_NvccTemplate):
     def default_params(self, mod):
         K = mod.op.K
         tpw, _ = self._wmma_shape(K)
-        cg, wm = self._mma_shape(K)
+        cg, wm = self._mma_shape(K, self._span(mod.op.dtype))
         return {"impl": "mma", "warps_per_block": wm, "col_groups": cg, "unroll": 4 if cg == 1 else 2,
-                "max_blocks": 32, "tiles_per_warp": tpw, "dense_a": 1, "precision": "tf32"}
+                "max_blocks": 32, "tiles_per_warp": tpw, "dense_a": 1,
+                "precision": self._allowed_precisions(mod.op.dtype)[0]}
 
     def _defaults(self, mod):
         d = self.default_params(mod)
@@ -439,7 +531,7 @@ class TcWmmaSgt(_NvccTemplate):
     def seed_params(self, mod):
         d, dw = self._defaults(mod)
         K = mod.op.K
-        groups = -(-K // 32)
+        groups = -(-K // self._span(mod.op.dtype))
         seeds = [d]
         for mb in (0, 8, 128):
             seeds.append({**d, "max_blocks": mb})
@@ -455,37 +547,38 @@ class TcWmmaSgt(_NvccTemplate):
 
     # -- rendering / instances ---------------------------------------------------------------
     def render(self, instances):
-        lines = [_source(self.source_file), ""]
+        lines = [_render_source(self.source_file), ""]
         for n, args in instances:
             macro = "SPC_TC_MMA_INSTANCE" if n.startswith("tc_mma") else self.instance_macro
             lines.append(f"{macro}({n}, {', '.join(str(int(a)) for a in args)})")
         return "\n".join(lines) + "\n"
 
     @staticmethod
-    def instance_name(P, BW, TPW, DENSE_A, VEC) -> str:
-        return f"tc_spmm_p{P}_bw{BW}_t{TPW}_d{DENSE_A}_v{VEC}"
+    def instance_name(P, BW, TPW, DENSE_A, VEC, TI=0) -> str:
+        return f"tc_spmm_p{P}_bw{BW}_t{TPW}_d{DENSE_A}_v{VEC}" + ("_x16" if TI else "")
 
-    def instances(self, precision: str, BW: int, tpw: int, dense_a: int, vec: int) -> list:
+    def instances(self, precision: str, BW: int, tpw: int, dense_a: int, vec: int, ti: int = 0) -> list:
         P = PRECISIONS[precision][0]
-        inst = [(self.instance_name(P, BW, tpw, dense_a, vec), (P, BW, tpw, dense_a, vec))]
+        inst = [(self.instance_name(P, BW, tpw, dense_a, vec, ti), (P, BW, tpw, dense_a, vec, ti))]
         if vec > 1:
-            inst.append((self.instance_name(P, BW, tpw, dense_a, 1), (P, BW, tpw, dense_a, 1)))
+            inst.append((self.instance_name(P, BW, tpw, dense_a, 1, ti), (P, BW, tpw, dense_a, 1, ti)))
         return inst
 
-    def mma_instances(self, precision: str, BW: int, cg: int, unroll: int, vec: int) -> list:
+    def mma_instances(self, precision: str, BW: int, cg: int, unroll: int, vec: int, ti: int = 0) -> list:
         P = PRECISIONS[precision][0]
-        name = lambda v: f"tc_mma_p{P}_bw{BW}_c{cg}_u{unroll}_v{v}"  # noqa: E731
-        inst = [(name(vec), (P, BW, cg, unroll, vec))]
+        name = lambda v: f"tc_mma_p{P}_bw{BW}_c{cg}_u{unroll}_v{v}" + ("_x16" if ti else "")  # noqa: E731
+        inst = [(name(vec), (P, BW, cg, unroll, vec, ti))]
         if vec > 1:
-            inst.append((name(1), (P, BW, cg, unroll, 1)))
+            inst.append((name(1), (P, BW, cg, unroll, 1, ti)))
         return inst
 
     @staticmethod
-    def mma_ok(precision: str, BW: int, cg: int, unroll: int) -> bool:
-        """Register budget: float4s of X in flight per lane (CG x U x k-steps x rows) <= 16."""
+    def mma_ok(precision: str, BW: int, cg: int, unroll: int, ti: int = 0) -> bool:
+        """Register budget: 16-byte X vectors in flight per lane (CG x U x k-steps x rows) <= 16;
+        16-bit X (8 n-tiles per column group, 32 accumulators each): at most 2 column groups."""
         KS = PRECISIONS[precision][1]
         nr = 2 if precision == "tf32" else 4
-        return cg * unroll * (BW // KS) * nr <= 16
+        return cg * unroll * (BW // KS) * nr <= 16 and (not ti or cg <= 2)
 
     @staticmethod
     def smem_bytes(precision: str, BW: int, tpw: int, dense_a: int) -> tuple[int, int]:
@@ -498,8 +591,12 @@ class TcWmmaSgt(_NvccTemplate):
 
     def build(self, mod: SparseModule, params: Mapping[str, Any]):
         params = self.check_params(mod, params)
-        if not self.supports(mod):
-            raise ValueError("tc.wmma_sgt needs a 16-row SGT format (run tile.sgt first)")
+        dtype = mod.op.dtype
+        if dtype not in self.dtypes:
+            raise ValueError(f"tc.wmma_sgt supports dtypes {list(self.dtypes)}, not {dtype!r}")
+        if "sgt" not in mod.formats or not self.supports(mod):
+            raise ValueError("tc.wmma_sgt needs a 16-row SGT format (run tile.sgt first; 16-bit inputs need "
+                             "16-wide blocks: tile.sgt[shape=fp16])")
         fmt = mod.formats["sgt"]
         prec = str(params["precision"])
         impl = str(params.get("impl", "mma"))
@@ -507,29 +604,32 @@ class TcWmmaSgt(_NvccTemplate):
         if prec not in PRECISIONS or fmt.BLK_W % PRECISIONS[prec][1]:
             raise ValueError(f"precision {prec!r} needs an SGT block width that is a multiple of "
                              f"{PRECISIONS.get(prec, (0, '?'))[1]}, got BLK_W={fmt.BLK_W}")
+        ti = input_type(dtype, prec)
         K = mod.op.K
-        vec = 4 if K % 4 == 0 else 1
+        vec = _vec(K, ti)
         arch = rt.device_arch()
         if arch < 80:
             raise ValueError("tc.wmma_sgt needs sm_80 or newer (tf32 / bf16 tensor cores)")
         meta = {"K": K, "m": mod.A.shape[0], "BW": fmt.BLK_W, "windows": fmt.num_windows, "vec": vec,
-                "precision": prec, "tolerance_dtype": PRECISIONS[prec][2], "arch": arch, "impl": impl}
+                "precision": prec, "tolerance_dtype": PRECISIONS[prec][2], "arch": arch, "impl": impl,
+                "dtype": dtype}
         if impl == "mma":
             cg, un, mb = int(params["col_groups"]), int(params["unroll"]), int(params["max_blocks"])
             if W not in (1, 2, 4, 8) or cg not in (1, 2, 4) or un not in (1, 2, 4) or mb < 0:
                 raise ValueError(f"invalid tc.wmma_sgt parameters {params}")
-            if not self.mma_ok(prec, fmt.BLK_W, cg, un):
+            if not self.mma_ok(prec, fmt.BLK_W, cg, un, ti):
                 raise ValueError(f"col_groups x unroll too large for {prec} with {fmt.BLK_W}-wide blocks "
-                                 "(registers would spill)")
+                                 f"and {dtype} inputs (registers would spill)")
             arrays = mma_arrays(mod, prec, mb)
-            inst = self.mma_instances(prec, fmt.BLK_W, cg, un, vec)
-            meta.update(items=int(arrays["items"].shape[0]), slots=int(arrays["slot_grp"].size))
+            inst = self.mma_instances(prec, fmt.BLK_W, cg, un, vec, ti)
+            meta.update(items=int(arrays["items"].shape[0]), slots=int(arrays["slot_grp"].size),
+                        span=self._span(dtype))
         elif impl == "wmma":
             tpw, dense_a = int(params["tiles_per_warp"]), int(params["dense_a"])
             if W not in (1, 2, 4, 8, 16) or tpw not in (1, 2, 4) or dense_a not in (0, 1):
                 raise ValueError(f"invalid tc.wmma_sgt parameters {params}")
             arrays = tc_arrays(mod, prec, bool(dense_a))
-            inst = self.instances(prec, fmt.BLK_W, tpw, dense_a, vec)
+            inst = self.instances(prec, fmt.BLK_W, tpw, dense_a, vec, ti)
             fixed, per_warp = self.smem_bytes(prec, fmt.BLK_W, tpw, dense_a)
             meta.update(smem_fixed=fixed, smem_per_warp=per_warp)
         else:
@@ -567,9 +667,14 @@ def sddmm_arrays(mod: SparseModule) -> dict[str, np.ndarray]:
 def emulate_tc_sddmm(arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any], X: np.ndarray,
                      Y: np.ndarray) -> np.ndarray:
     """What the SDDMM kernel computes (float64), lane by lane: A / B fragments built from the
-    float4s each lane loads under the kernel's k-index mapping, C scattered through the PTX C
-    layout into the 16 x BW block, then each stored nonzero's value times its block entry."""
+    vectors each lane loads under the kernel's k-index mapping (fp32: float4s, 32-feature chunks;
+    16-bit ``meta["dtype"]``: 8 values, 64-feature chunks), C scattered through the PTX C layout
+    into the 16 x BW block, then each stored nonzero's value times its block entry (rounded once
+    to a 16-bit output type).  For 16-bit workloads X / Y hold the 16-bit values."""
     m, BW, prec, nnz = int(meta["m"]), int(meta["BW"]), str(meta["precision"]), int(meta["nnz"])
+    dtype = str(meta.get("dtype", "float32"))
+    if input_type(dtype, prec):
+        return _emulate_tc_sddmm16(arrays, meta, X, Y)
     X, Y = np.asarray(X, dtype=np.float64), np.asarray(Y, dtype=np.float64)
     K = X.shape[1]
     win = np.asarray(arrays["blk_win"], dtype=np.int64)
@@ -618,6 +723,49 @@ def emulate_tc_sddmm(arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any], 
     return out
 
 
+def _emulate_tc_sddmm16(arrays, meta, X, Y) -> np.ndarray:
+    m, BW, nnz, dtype = int(meta["m"]), int(meta["BW"]), int(meta["nnz"]), str(meta["dtype"])
+    X, Y = np.asarray(X, dtype=np.float64), np.asarray(Y, dtype=np.float64)
+    K = X.shape[1]
+    win = np.asarray(arrays["blk_win"], dtype=np.int64)
+    nblk = win.size
+    cols = np.asarray(arrays["blk_cols"], dtype=np.int64).reshape(nblk, BW)
+    row_ids = np.asarray(arrays["row_ids"], dtype=np.int64)
+    Kp = -(-K // 64) * 64
+    Xp = np.zeros((m + 1, Kp))
+    Xp[:m, :K] = X[row_ids]
+    Yp = np.zeros((Y.shape[0] + 1, Kp))
+    Yp[:-1, :K] = Y
+    rows = win[:, None] * 16 + np.arange(16)
+    xr = np.where(rows < m, rows, m)
+    yc = np.where(cols < 0, Y.shape[0], cols)
+    ar, ac = a_frag_layout("fp16")
+    brow = b_frag_rows("fp16")
+    C = np.zeros((nblk, 16, BW))
+    for kc in range(0, Kp, 64):
+        for j in range(4):
+            # k index 2t + e <-> feature kc + 8t + 2j + e (q = 0); 2t + 8 + e <-> kc + 32 + 8t + 2j + e
+            feat = np.zeros(16, dtype=np.int64)
+            for t in range(4):
+                for e in range(2):
+                    feat[2 * t + e] = kc + 8 * t + 2 * j + e
+                    feat[2 * t + 8 + e] = kc + 32 + 8 * t + 2 * j + e
+            Aop = np.zeros((nblk, 16, 16))
+            Aop[:, ar, ac] = Xp[xr[:, ar], feat[ac]]
+            for n0 in range(0, BW, 8):
+                Bop = np.zeros((nblk, 16, 8))
+                for e in range(brow.shape[1]):
+                    Bop[:, brow[:, e], _G] = Yp[yc[:, n0 + _G], feat[brow[:, e]]]
+                C[:, :, n0:n0 + 8] += Aop @ Bop
+    out = np.full(nnz, np.nan)
+    ptr = np.asarray(arrays["nz_ptr"], dtype=np.int64)
+    blk = np.repeat(np.arange(nblk), np.diff(ptr))
+    vals = (np.asarray(arrays["nz_val"], dtype=np.float32).astype(np.float64) *
+            C.reshape(nblk, -1)[blk, arrays["nz_pos"].astype(np.int64)])
+    out[np.asarray(arrays["nz_out"], dtype=np.int64)] = round_to(vals, dtype)
+    return out
+
+
 class TcSddmmKernel(_NvccKernel):
     def prepare(self):
         fns = self._load_functions()
@@ -629,7 +777,7 @@ class TcSddmmKernel(_NvccKernel):
         args = list(dev) + [None, None, None, np.int32(nblk), np.int32(m), np.int32(K)]
         grid, block = (max(1, -(-nblk // W)), 1, 1), (32 * W, 1, 1)
         self._launches = [rt.Launch(f, grid, block, args) for f in (fns[0], fns[-1])]
-        self._amask = 15 if int(meta["vec"]) == 4 else 0
+        self._amask = 15 if int(meta["vec"]) > 1 else 0
         self._empty = nblk == 0
         self._ready = True
 
@@ -646,10 +794,13 @@ class TcWmmaSgtSddmm(_NvccTemplate):
     X[window rows] @ Y[block columns]^T with mma.sync (tf32 m16n8k8; fp16 / bf16 m16n8k16 as
     options; fp32 accumulate), sampled at the block's stored nonzeros and scaled by A's values,
     written in the caller's nonzero order.  Tunable: warps per block, feature chunks in flight,
-    precision; the SGT block width comes from the pipeline (16x16 as the paper, or 16x8)."""
+    precision; the SGT block width comes from the pipeline (16x16 as the paper, or 16x8).  X / Y /
+    output in float32 or float16 / bfloat16 (16-bit: the loaded values are the MMA operands,
+    precision = the input type, 64-feature chunks, each output rounded once)."""
 
     name = "tc.wmma_sgt_sddmm"
-    version = "1"
+    version = "2"
+    dtypes = ("float32", "float16", "bfloat16")
     priority = 10
     ops = (("sddmm", None),)
     format = "sgt"
@@ -659,28 +810,50 @@ class TcWmmaSgtSddmm(_NvccTemplate):
     def requires(self, mod):
         return ("sgt",)
 
+    def source_hash(self) -> str:
+        return _source_hash(self)
+
+    def render(self, instances):
+        lines = [_render_source(self.source_file), ""]
+        lines += [f"{self.instance_macro}({n}, {', '.join(str(int(a)) for a in args)})" for n, args in instances]
+        return "\n".join(lines) + "\n"
+
     def pipelines(self, mod):
-        return [[{"name": "tile.sgt", "options": {"shape": "sddmm"}}],
-                [{"name": "tile.sgt", "options": {"shape": "tf32"}}]]
+        p16 = [{"name": "tile.sgt", "options": {"shape": "sddmm"}}]
+        reuse = [*WINDOW_REUSE, *p16]
+        if mod.op.dtype != "float32":               # 16-bit MMA: 16-wide blocks only
+            return [p16, reuse]
+        return [p16, [{"name": "tile.sgt", "options": {"shape": "tf32"}}], reuse]
 
     def supports(self, mod):
         if not super().supports(mod):
             return False
         fmt = mod.formats["sgt"]
-        return fmt.BLK_H == 16 and fmt.BLK_W in (8, 16) and fmt.num_blocks < 2**31 // 256
+        bws = (16,) if mod.op.dtype != "float32" else (8, 16)
+        return fmt.BLK_H == 16 and fmt.BLK_W in bws and fmt.num_blocks < 2**31 // 256
+
+    _allowed_precisions = staticmethod(TcWmmaSgt._allowed_precisions)
 
     def _precisions(self, mod) -> list[str]:
         fmt = mod.formats.get("sgt")
         bw = fmt.BLK_W if fmt is not None else 16
-        return [p for p in PRECISIONS if p == "tf32" or bw % 16 == 0]
+        return [p for p in self._allowed_precisions(mod.op.dtype) if p == "tf32" or bw % 16 == 0]
+
+    def check_params(self, mod, params):
+        full = super().check_params(mod, params)
+        input_type(mod.op.dtype, str(full["precision"]))     # 16-bit inputs: their own precision only
+        return full
 
     def space(self, mod):
         from optuna.distributions import CategoricalDistribution as C
 
-        return {"warps_per_block": C([2, 4, 8]), "k_unroll": C([1, 2]), "precision": C(["tf32", "fp16", "bf16"])}
+        return {"warps_per_block": C([2, 4, 8]), "k_unroll": C([1, 2]),
+                "precision": C(self._allowed_precisions(mod.op.dtype))}
 
     def default_params(self, mod):
-        return {"warps_per_block": 4, "k_unroll": 2 if mod.op.K > 32 else 1, "precision": "tf32"}
+        chunk = 32 if mod.op.dtype == "float32" else 64
+        return {"warps_per_block": 4, "k_unroll": 2 if mod.op.K > chunk else 1,
+                "precision": self._allowed_precisions(mod.op.dtype)[0]}
 
     def seed_params(self, mod):
         d = self.default_params(mod)
@@ -688,34 +861,39 @@ class TcWmmaSgtSddmm(_NvccTemplate):
         seeds += [{**d, "precision": p} for p in self._precisions(mod)]
         return unique_params(seeds)
 
-    def instances(self, precision: str, BW: int, ku: int, vec: int) -> list:
+    def instances(self, precision: str, BW: int, ku: int, vec: int, ti: int = 0) -> list:
         P = PRECISIONS[precision][0]
-        name = lambda v: f"tc_sddmm_p{P}_bw{BW}_k{ku}_v{v}"  # noqa: E731
-        inst = [(name(vec), (P, BW, ku, vec))]
+        name = lambda v: f"tc_sddmm_p{P}_bw{BW}_k{ku}_v{v}" + ("_x16" if ti else "")  # noqa: E731
+        inst = [(name(vec), (P, BW, ku, vec, ti))]
         if vec > 1:
-            inst.append((name(1), (P, BW, ku, 1)))
+            inst.append((name(1), (P, BW, ku, 1, ti)))
         return inst
 
     def build(self, mod: SparseModule, params: Mapping[str, Any]):
         params = self.check_params(mod, params)
-        if not self.supports(mod):
-            raise ValueError("tc.wmma_sgt_sddmm needs a 16-row SGT format (run tile.sgt first)")
+        dtype = mod.op.dtype
+        if dtype not in self.dtypes:
+            raise ValueError(f"tc.wmma_sgt_sddmm supports dtypes {list(self.dtypes)}, not {dtype!r}")
+        if "sgt" not in mod.formats or not self.supports(mod):
+            raise ValueError("tc.wmma_sgt_sddmm needs a 16-row SGT format (run tile.sgt first; 16-bit inputs "
+                             "need 16-wide blocks)")
         fmt = mod.formats["sgt"]
         prec, W, ku = str(params["precision"]), int(params["warps_per_block"]), int(params["k_unroll"])
         if prec not in PRECISIONS or (prec != "tf32" and fmt.BLK_W % 16):
             raise ValueError(f"precision {prec!r} needs 16-wide SGT blocks, got BLK_W={fmt.BLK_W}")
+        ti = input_type(dtype, prec)
         if W not in (1, 2, 4, 8) or ku not in (1, 2):
             raise ValueError(f"invalid tc.wmma_sgt_sddmm parameters {params}")
         arch = rt.device_arch()
         if arch < 80:
             raise ValueError("tc.wmma_sgt_sddmm needs sm_80 or newer")
         K = mod.op.K
-        vec = 4 if K % 4 == 0 else 1
+        vec = _vec(K, ti)
         arrays = sddmm_arrays(mod)
-        inst = self.instances(prec, fmt.BLK_W, ku, vec)
+        inst = self.instances(prec, fmt.BLK_W, ku, vec, ti)
         path = self.compile(inst, arch=arch, name=inst[0][0])
         meta = {"K": K, "m": mod.A.shape[0], "nnz": int(mod.A.nnz), "BW": fmt.BLK_W, "vec": vec,
-                "precision": prec, "tolerance_dtype": PRECISIONS[prec][2], "arch": arch,
+                "precision": prec, "tolerance_dtype": PRECISIONS[prec][2], "arch": arch, "dtype": dtype,
                 "instances": [[n, list(a)] for n, a in inst]}
         return TcSddmmKernel(self.name, params, arrays, {"kernel.fatbin": path}, meta, self)
 

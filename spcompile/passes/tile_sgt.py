@@ -9,7 +9,9 @@ column is permuted, so the module's matrix is unchanged; the result is stored as
 Metrics (``mod.metrics["tile.sgt"]``): ``blocks_before`` (nonempty ``BLK_H x BLK_W`` blocks of
 the original column layout, what a TC kernel without SGT traverses), ``blocks_after`` (TC
 blocks after SGT, ``sum(winPartition)``), ``reduction`` (``1 - after / before``; TC-GNN Fig. 7
-reports 67.47% on average), block densities before/after, ``seconds``.
+reports 67.47% on average), block densities before/after, ``reuse`` (nonzeros per distinct
+(window, column) pair: how many nonzeros one gathered row of the dense operand serves in a
+window; 1.0 when no two rows of a window share a column), ``nnz_per_block``, ``seconds``.
 """
 from __future__ import annotations
 
@@ -269,6 +271,8 @@ class SGTPass(Pass):
             "reduction": (1.0 - after / before) if before else 0.0,
             "density_before": A.nnz / (before * cap) if before else 0.0,
             "density_after": A.nnz / (after * cap) if after else 0.0,
+            "reuse": A.nnz / fmt.col_map.shape[0] if fmt.col_map.shape[0] else 0.0,
+            "nnz_per_block": A.nnz / after if after else 0.0,
             "seconds": seconds,
         }
         return mod.with_format("sgt", fmt).with_metrics(self.name, metrics)
