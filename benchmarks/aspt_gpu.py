@@ -94,8 +94,8 @@ def run_sanitize(build_only, log):
         for reduce in ("sum", "max"):
             for pipe in at.pipelines(_mod(A, K, reduce, ())):
                 mod = _mod(A, K, reduce, pipe)
-                d = at.default_params(mod)
-                t = {**d, "scheme": "tasks"}
+                t = {**at.default_params(mod), "scheme": "tasks"}
+                d = {**t, "scheme": "panel", "chunk": 96, "max_ent": 2048, "warps": 16, "nbuf": 2, "split": 2}
                 for p in (d, {**d, "chunk": 8, "split": 64, "max_ent": 64, "warps": 4},
                           {**d, "nbuf": 1, "chunk": 16, "warps": 32},
                           t, {**t, "chunk": 32, "max_seg": 64, "warps": 4, "rows_per_warp": 2}):

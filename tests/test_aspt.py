@@ -213,13 +213,13 @@ def test_build_without_gpu(tmp_path, monkeypatch):
         at.build(mod, {**at.default_params(mod), "cf": 3})
     # panel scheme: the chunk shrinks to what fits next to the accumulator (sm_90: 227 KiB)
     mod = _mod(A, 64, "max", at.pipelines(_mod(A, 64))[0])
-    k = at.build(mod, {**at.default_params(mod), "chunk": 512})
+    k = at.build(mod, {**at.default_params(mod), "scheme": "panel", "nbuf": 2, "chunk": 512})
     H = mod.formats["aspt"].panel_height
     assert k.meta["scheme"] == "panel" and k.meta["vec"] == 4 and k.meta["KT"] == 128
     assert k.meta["smem"] == (H + 2 * k.meta["chunk"]) * 128 * 4 <= 227 * 1024 and k.meta["chunk"] < 512
     assert type(at.load(k.params, k.arrays, k.files, k.meta)).__name__ == "AsptPanelKernel"
     with pytest.raises(ValueError):
-        at.build(_mod(A, 64, "sum", [("tile.aspt", {"panel_height": 1024})]), at.default_params(mod))
+        at.build(_mod(A, 64, "sum", [("tile.aspt", {"panel_height": 1024})]), {**at.default_params(mod), "scheme": "panel"})
 
 
 # ------------------------------------------------------------------------------------------
