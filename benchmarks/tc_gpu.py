@@ -4,19 +4,23 @@ csr.crc_cwm (GE-SpMM) and csr.sddmm.  (aspt.tiled has its own benchmarks/aspt_gp
 
 Modes (combinable):
   --check      every GPU case of tests/test_tc_templates.py (random / clustered / tiny matrices with
-               empty rows and a long row, K in {1, 19, 64, 128, 256}, sum and mean, SDDMM, every seed
-               configuration, every pipeline per template) on fresh inputs with NaN-poisoned
-               outputs against the float64 reference; tolerances tf32 2e-3, fp16 1e-2, bf16 2e-2,
-               fp32 1e-5 (relative Frobenius error)
-  --sanitize   a few small cases of every kernel variant family (run it under compute-sanitizer)
-  --bench      shared graphs at K = 128 and 256, SpMM and SDDMM: per variant the listed
-               configurations are checked against float64 and timed (calls captured in a CUDA
-               graph, replayed between events); the fastest correct one is reported.
-               JSON + tc_benchmark.md
+               empty rows and a long row, K in {1, 13, 64, 128, 256}, sum and mean, SDDMM, float32 /
+               float16 / bfloat16 workloads, every seed configuration on the SGT pipelines, defaults
+               on the window-reuse pipeline) on fresh inputs with NaN-poisoned outputs against the
+               float64 reference on the values the kernel receives; tolerances tf32 2e-3, fp16 1e-2,
+               bf16 2e-2, fp32 1e-5, 16-bit workloads 1e-2 (relative Frobenius error)
+  --sanitize   a few small cases of every kernel variant family, fp32 and 16-bit (run it under
+               compute-sanitizer)
+  --bench      shared graphs at K = 128 and 256, SpMM and SDDMM: cuSPARSE fp32 / fp16, the CUDA-core
+               templates on float32 and float16 workloads, the TC templates on fp32 inputs and on
+               float16 / bfloat16 workloads, with and without the window-reuse pipeline (each
+               pipeline run once per graph); per variant the listed configurations are checked
+               against float64 and timed (calls captured in a CUDA graph, replayed between events);
+               the fastest correct one is reported.  JSON + tc_benchmark.md
   --build-only build every kernel of the selected modes without a GPU (fills the kernel cache)
 
 Command used on the H100 (see docs/tc_benchmark.md):
-    compute-sanitizer --tool memcheck python3 benchmarks/tc_gpu.py --sanitize --out $OUT/san
+    compute-sanitizer --tool memcheck --error-exitcode 9 python3 benchmarks/tc_gpu.py --sanitize --out $OUT/san
     python3 benchmarks/tc_gpu.py --check --bench --out $OUT
 """
 from __future__ import annotations

@@ -366,8 +366,9 @@ def test_compile_all_variants(tmp_path, arch, which):
     src = tmp_path / f"{which}.cu"
     src.write_text(t.render(inst))
     out = tmp_path / f"{which}.cubin"
-    r = subprocess.run([rt.nvcc_path(), "-cubin", "-O3", "-std=c++17", f"-arch=sm_{arch}", "-o", str(out), str(src)],
-                       capture_output=True, text=True)
+    fast = ["-Xptxas", "-O1"] if which != "aspt" else []     # CI time; the kernel cache builds with -O3
+    r = subprocess.run([rt.nvcc_path(), "-cubin", "-O3", "-std=c++17", f"-arch=sm_{arch}", *fast, "-o", str(out),
+                        str(src)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-4000:]
     data = out.read_bytes()
     for name, _ in inst:
