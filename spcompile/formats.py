@@ -121,7 +121,10 @@ def _from_arrays(indptr, indices, data, shape, dtype) -> CSR:
             raise ValueError(f"column index {hi} out of range for {n} columns")
     data = _check_value_dtype(data, dtype)
     mat = sp.csr_matrix((data, indices.astype(np.int64, copy=False), indptr), shape=shape)
-    mat.sum_duplicates()  # sorts indices too; explicit zeros stay stored
+    if not mat.has_canonical_format:
+        # the arrays may be the caller's (no copy above): sort / merge a copy, never the caller's matrix
+        mat = mat.copy()
+        mat.sum_duplicates()  # sorts indices too; explicit zeros stay stored
     idt = index_dtype_for(mat.nnz, shape)
     return CSR(np.ascontiguousarray(mat.indptr, dtype=idt), np.ascontiguousarray(mat.indices, dtype=idt),
                np.ascontiguousarray(mat.data, dtype=dtype), shape)

@@ -91,6 +91,20 @@ def test_caller_arrays_are_not_modified():
         np.testing.assert_array_equal(a, b)
     for a, b in zip(csc_arrays, (csc.indptr, csc.indices, csc.data)):
         np.testing.assert_array_equal(a, b)
+    # float32 values and int32 indices (nothing to cast: the arrays reach scipy as they are), column
+    # indices unsorted inside the rows: the caller's matrix must keep its own order and values
+    rng = np.random.default_rng(0)
+    P = sp.random(50, 50, density=0.2, random_state=1, format="csr", dtype=np.float32)
+    P = P[:, rng.permutation(50)]
+    P.has_sorted_indices = False
+    assert not np.all(np.diff(P.indices[P.indptr[0]:P.indptr[1]]) > 0) or P.indptr[1] < 2
+    before = [P.indptr.copy(), P.indices.copy(), P.data.copy(), P.toarray()]
+    for inp in (P, (P.indptr, P.indices, P.data, P.shape)):
+        C = as_csr(inp)
+        np.testing.assert_array_equal(C.to_scipy().toarray(), before[3])
+        for a, b in zip(before[:3], (P.indptr, P.indices, P.data)):
+            np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(P.toarray(), before[3])
 
 
 def test_empty_matrices_and_rows_are_valid():
