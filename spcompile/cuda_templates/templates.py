@@ -457,9 +457,7 @@ class CusparseKernel(rt.CUDAKernel):
         if kind != "torch":
             # CuPy callers: order against CuPy's stream by synchronising around the library call
             # (the vendor baseline only; our own kernels launch on the caller's stream directly)
-            import cupy
-
-            cupy.cuda.ExternalStream(stream).synchronize()
+            rt._stream(stream).synchronize()
             t_in = [torch.from_dlpack(x) for x in inputs]
             t_out = torch.from_dlpack(out)
             self._run(t_in, t_out)

@@ -183,19 +183,21 @@ def _stream(handle: int):
     if s is None:
         import cupy
 
-        s = None
-        ctor = getattr(cupy.cuda.Stream, "from_external", None)   # CuPy >= 14
-        if ctor is not None:
-            try:
-                s = ctor(handle)
-            except Exception:   # another signature: fall back to the old class
-                s = None
-        if s is None:
-            import warnings
+        import warnings
 
-            with warnings.catch_warnings():   # deprecated in CuPy 14, the only way before it
-                warnings.simplefilter("ignore", DeprecationWarning)
-                warnings.simplefilter("ignore", FutureWarning)
+        # CuPy 14 deprecates ExternalStream for Stream.from_external (which may itself go through
+        # it); either way the warning says nothing to our callers
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            warnings.simplefilter("ignore", FutureWarning)
+            s = None
+            ctor = getattr(cupy.cuda.Stream, "from_external", None)   # CuPy >= 14
+            if ctor is not None:
+                try:
+                    s = ctor(handle)
+                except Exception:   # another signature: fall back to the old class
+                    s = None
+            if s is None:
                 s = cupy.cuda.ExternalStream(handle)
         _STREAMS[handle] = s
     return s
