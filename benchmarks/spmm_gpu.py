@@ -382,7 +382,8 @@ def _write(rows, templates, bw, torch, out_dir, tag, final):
     with open(os.path.join(out_dir, f"{tag}.json"), "w") as f:
         json.dump({"copy_bandwidth_Bps": bw, "device": torch.cuda.get_device_name(), "rows": rows,
                    "summary": summary}, f, indent=1, default=str)
-    md = markdown(rows, summary, templates, bw, torch.cuda.get_device_name(), tag)
+    dts = {r.get("dtype", "float32") for r in rows}
+    md = markdown(rows, summary, templates, bw, torch.cuda.get_device_name(), tag, dts.pop() if len(dts) == 1 else "float32")
     with open(os.path.join(out_dir, f"{tag}.md"), "w") as f:
         f.write(md)
     if final:
@@ -427,13 +428,21 @@ def _cell(rec):
     return f"{rec['kernel_s'] * 1e6:.1f}" + (f" ({','.join(tag)})" if tag else "")
 
 
-def markdown(rows, summary, templates, bw, dev, tag):
+def markdown(rows, summary, templates, bw, dev, tag, dtype="float32"):
     own = [t for t in templates if t != "extern.cusparse"]
+    if dtype == "float32":
+        what = ("Speed-ups are over cuSPARSE fp32 (torch.sparse). *tuned* = fastest exact-fp32 candidate (what "
+                "`build()` picks with its default `precision='fp32'`); *any* = fastest candidate of any precision "
+                "(`precision='bf16'`: tf32/fp16/bf16 tensor-core kernels admitted, each checked at its tolerance). ")
+    else:
+        what = (f"{dtype} workload: X and Y are {dtype}.  The cuSPARSE column and the x columns are cuSPARSE in "
+                f"that dtype (torch.sparse.mm on a {dtype} CSR); the lines above compare with cuSPARSE fp32 on the "
+                f"same values.  *tuned* = fastest candidate computing in the workload's own precision or better "
+                f"(what `build(..., dtype='{dtype}')` picks with its default `precision='fp32'`); *any* = any "
+                f"precision.  Every candidate was checked against float64 at the {dtype} tolerance. ")
     L = [f"## {tag}: {dev}, copy bandwidth {bw / 1e12:.2f} TB/s (read+write)", "",
          "Kernel time: CUDA-graph replay / calls (us). Latency: median single call + sync from Python (us). "
-         "Speed-ups are over cuSPARSE fp32 (torch.sparse). *tuned* = fastest exact-fp32 candidate (what "
-         "`build()` picks with its default `precision='fp32'`); *any* = fastest candidate of any precision "
-         "(`precision='bf16'`: tf32/fp16/bf16 tensor-core kernels admitted, each checked at its tolerance). "
+         + what +
          "floor = memory-traffic floor / tuned kernel time.  Template cells: best configuration of that "
          "template (in brackets its precision and the reordering in front when not plain).", "",
          "| K | graphs | geomean tuned x | geomean any x | geomean latency x | tuned x (nnz>200k) | any x (nnz>200k) "
