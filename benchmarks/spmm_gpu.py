@@ -372,7 +372,7 @@ def run_bench(op: str, templates, ks, graphs, out_dir, tag, max_seeds=None, prio
                   f"{tuned_any['precision']}) lat x{row['speedup_latency']:.2f} floor {row['floor_fraction']:.2f} "
                   f"[{len(measured)} cand, {time.time() - t_start:.0f}s]", flush=True)
             del mods
-        _write(rows, templates, bw, torch, out_dir, tag, final=False)  # partial results survive a timeout
+            _write(rows, templates, bw, torch, out_dir, tag, final=False)  # partial results survive a timeout
     return _write(rows, templates, bw, torch, out_dir, tag, final=True)
 
 
