@@ -361,6 +361,27 @@ def test_precision_policy(db, reduced_template):
         spcompile.build(graph(), "spmm", K=16, target="cpu", precision="int8")
 
 
+@pytest.mark.skipif(not __import__("spcompile.runtime.cuda", fromlist=["x"]).nvcc_available(),
+                    reason="CUDA templates need nvcc")
+def test_16bit_workload_space(db):
+    """A float16 workload on the CUDA target: under the default policy the space holds the
+    templates that take fp16 X, the tensor-core ones restricted to their fp16 variants (the
+    workload's own precision), and none of the fp32-only templates; bf16 likewise."""
+    for dtype, prec in (("float16", "fp16"), ("bfloat16", "bf16")):
+        op = make_op(graph(), "spmm", 64, dtype=dtype)
+        tu = Tuner(op, "cuda", storage=db, runner=FakeRunner(), seed=0)
+        assert tu.allowed == ("fp32", prec)
+        assert {"sptc.vnm", "tc.wmma_sgt", "csr.crc_cwm"} <= set(tu.space)
+        assert "aspt.tiled" not in tu.space
+        for t in ("sptc.vnm", "tc.wmma_sgt"):
+            assert list(tu._dists[t]["precision"].choices) == [prec]
+        assert any(p and p[0]["name"] == "reorder.rcm" and any(q["name"] == "cluster.lsh" for q in p)
+                   for p in tu.space["sptc.vnm"].values())
+    # an fp32 workload keeps the tensor-core templates out by default
+    tu32 = Tuner(make_op(graph(), "spmm", 64), "cuda", storage=db, runner=FakeRunner(), seed=0)
+    assert "sptc.vnm" not in tu32.space and "tc.wmma_sgt" not in tu32.space
+
+
 class _Tiny(Template):
     """Two configurations: w=2 is 10x slower than w=1 (pruned once seen)."""
 
