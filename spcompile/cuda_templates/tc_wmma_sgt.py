@@ -44,8 +44,8 @@ import numpy as np
 
 from ..ir import SparseModule
 from ..runtime import cuda as rt
-from ..schedules.base import csr_kernel_arrays, register_template, source_hash_of, unique_params
-from .templates import _DIR, _NvccKernel, _NvccTemplate, _source
+from ..schedules.base import csr_kernel_arrays, register_template, unique_params
+from .templates import _NvccKernel, _NvccTemplate
 
 __all__ = ["TcWmmaSgt", "TcWmmaSgtSddmm", "tc_arrays", "emulate_tc_spmm", "mma_arrays", "emulate_mma_spmm",
            "split_windows", "sddmm_arrays", "emulate_tc_sddmm", "PRECISIONS", "INPUT_PRECISION",
@@ -56,22 +56,10 @@ PRECISIONS = {"tf32": (0, 8, "tf32"), "fp16": (1, 16, "float16"), "bf16": (2, 16
 #: workload dtype -> the only MMA precision offered for it (16-bit inputs are MMA operands as they
 #: are; fp32 inputs are converted in registers to any of PRECISIONS)
 INPUT_PRECISION = {"float16": "fp16", "bfloat16": "bf16"}
-#: the shared header both kernel sources include (inlined by render())
-_HEADER = "tc_frag.cuh"
 #: passes in front of tile.sgt that cluster rows with common neighbours into the same 16-row
 #: window (more nonzeros per gathered X row and per TC block): RCM, then LSH clusters of 16 rows
 WINDOW_REUSE = [{"name": "reorder.rcm", "options": {}},
                 {"name": "cluster.lsh", "options": {"threshold_size": 16, "skip": False, "round": 1}}]
-
-
-def _render_source(fname: str) -> str:
-    """A kernel source with the shared header inlined (nvcc compiles from a temporary folder)."""
-    return _source(fname).replace(f'#include "{_HEADER}"', _source(_HEADER))
-
-
-def _source_hash(tpl) -> str:
-    return source_hash_of(type(tpl), tpl.version, paths=(os.path.join(_DIR, tpl.source_file),
-                                                         os.path.join(_DIR, _HEADER)))
 
 
 def input_type(dtype: str, precision: str) -> int:
@@ -455,13 +443,11 @@ class TcWmmaSgt(_NvccTemplate):
     ops = (("spmm", "sum"), ("spmm", "mean"))
     format = "sgt"
     source_file = "tc_wmma_sgt.cu"
+    headers = ("tc_frag.cuh",)   # shared with tc_wmma_sddmm.cu
     instance_macro = "SPC_TC_SPMM_INSTANCE"
 
     def requires(self, mod):
         return ("sgt",)
-
-    def source_hash(self) -> str:
-        return _source_hash(self)
 
     def pipelines(self, mod):
         p16 = [{"name": "tile.sgt", "options": {"shape": "fp16"}}]
@@ -547,7 +533,7 @@ class TcWmmaSgt(_NvccTemplate):
 
     # -- rendering / instances ---------------------------------------------------------------
     def render(self, instances):
-        lines = [_render_source(self.source_file), ""]
+        lines = [self.source_text(), ""]
         for n, args in instances:
             macro = "SPC_TC_MMA_INSTANCE" if n.startswith("tc_mma") else self.instance_macro
             lines.append(f"{macro}({n}, {', '.join(str(int(a)) for a in args)})")
@@ -805,18 +791,11 @@ class TcWmmaSgtSddmm(_NvccTemplate):
     ops = (("sddmm", None),)
     format = "sgt"
     source_file = "tc_wmma_sddmm.cu"
+    headers = ("tc_frag.cuh",)
     instance_macro = "SPC_TC_SDDMM_INSTANCE"
 
     def requires(self, mod):
         return ("sgt",)
-
-    def source_hash(self) -> str:
-        return _source_hash(self)
-
-    def render(self, instances):
-        lines = [_render_source(self.source_file), ""]
-        lines += [f"{self.instance_macro}({n}, {', '.join(str(int(a)) for a in args)})" for n, args in instances]
-        return "\n".join(lines) + "\n"
 
     def pipelines(self, mod):
         p16 = [{"name": "tile.sgt", "options": {"shape": "sddmm"}}]

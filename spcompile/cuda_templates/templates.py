@@ -106,16 +106,27 @@ class _NvccTemplate(Template):
     target = "cuda"
     source_file = ""
     instance_macro = ""
+    #: headers in this folder that ``source_file`` includes (``#include "name"``): inlined by
+    #: :meth:`source_text` (nvcc compiles a copy in a temporary folder) and part of the hash
+    headers: tuple = ()
 
     def available(self) -> bool:
         return rt.nvcc_available()
 
     def source_hash(self) -> str:
-        return source_hash_of(type(self), self.version, paths=(os.path.join(_DIR, self.source_file),))
+        return source_hash_of(type(self), self.version,
+                              paths=tuple(os.path.join(_DIR, f) for f in (self.source_file, *self.headers)))
+
+    def source_text(self) -> str:
+        """``source_file`` with its local headers inlined."""
+        src = _source(self.source_file)
+        for h in self.headers:
+            src = src.replace(f'#include "{h}"', _source(h))
+        return src
 
     def render(self, instances: list[tuple[str, tuple]]) -> str:
         """The template source plus one extern "C" wrapper per ``(name, template args)``."""
-        lines = [_source(self.source_file), ""]
+        lines = [self.source_text(), ""]
         lines += [f"{self.instance_macro}({n}, {', '.join(str(int(a)) for a in args)})" for n, args in instances]
         return "\n".join(lines) + "\n"
 
