@@ -60,6 +60,20 @@ def _segments(counts: np.ndarray, starts: np.ndarray) -> np.ndarray:
     return np.repeat(np.asarray(starts, dtype=np.int64) - first, counts) + np.arange(tot, dtype=np.int64)
 
 
+def _module_rows(mod: SparseModule):
+    """What both packings need of the module: the ASpT format, its rows and panel height, the
+    output row of every module row, a map from module to original columns, the row lengths,
+    1 / length (for ``mean``) and whether the reduction is ``mean``."""
+    fmt = mod.formats["aspt"]
+    ka = csr_kernel_arrays(mod, np.int32)
+    row_ids = np.asarray(ka["row_ids"], dtype=np.int64)
+    cp = None if mod.col_perm is None else np.asarray(mod.col_perm, dtype=np.int64)
+    mapc = (lambda c: np.asarray(c, dtype=np.int64)) if cp is None else (lambda c: cp[np.asarray(c, dtype=np.int64)])
+    lens = np.diff(np.asarray(mod.A.indptr, dtype=np.int64))
+    inv_len = 1.0 / np.maximum(lens, 1).astype(np.float64)
+    return fmt, fmt.shape[0], int(fmt.panel_height), row_ids, mapc, lens, inv_len, mod.op.reduce == "mean"
+
+
 def aspt_arrays(mod: SparseModule, chunk: int = 128, max_seg: int = 256, max_ent: int = 0) -> dict[str, np.ndarray]:
     """Kernel arrays from ``mod.formats["aspt"]`` with permutations folded in (original column
     ids, output row ids).
@@ -78,16 +92,7 @@ def aspt_arrays(mod: SparseModule, chunk: int = 128, max_seg: int = 256, max_ent
     chunk, max_seg = int(chunk), int(max_seg)
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
-    fmt = mod.formats["aspt"]
-    m = fmt.shape[0]
-    H = int(fmt.panel_height)
-    ka = csr_kernel_arrays(mod, np.int32)
-    row_ids = np.asarray(ka["row_ids"], dtype=np.int64)
-    cp = None if mod.col_perm is None else np.asarray(mod.col_perm, dtype=np.int64)
-    mapc = (lambda c: np.asarray(c, dtype=np.int64)) if cp is None else (lambda c: cp[np.asarray(c, dtype=np.int64)])
-    lens = np.diff(np.asarray(mod.A.indptr, dtype=np.int64))
-    inv_len = 1.0 / np.maximum(lens, 1).astype(np.float64)
-    mean = mod.op.reduce == "mean"
+    fmt, m, H, row_ids, mapc, lens, inv_len, mean = _module_rows(mod)
 
     # ---- dense tasks
     dp = np.asarray(fmt.dense_ptr, dtype=np.int64)
@@ -222,16 +227,7 @@ def aspt_panel_arrays(mod: SparseModule, chunk: int = 96, max_ent: int = 2048, s
     chunk = int(chunk)
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
-    fmt = mod.formats["aspt"]
-    m = fmt.shape[0]
-    H = int(fmt.panel_height)
-    ka = csr_kernel_arrays(mod, np.int32)
-    row_ids = np.asarray(ka["row_ids"], dtype=np.int64)
-    cp = None if mod.col_perm is None else np.asarray(mod.col_perm, dtype=np.int64)
-    mapc = (lambda c: np.asarray(c, dtype=np.int64)) if cp is None else (lambda c: cp[np.asarray(c, dtype=np.int64)])
-    lens = np.diff(np.asarray(mod.A.indptr, dtype=np.int64))
-    inv_len = 1.0 / np.maximum(lens, 1).astype(np.float64)
-    mean = mod.op.reduce == "mean"
+    fmt, m, H, row_ids, mapc, lens, inv_len, mean = _module_rows(mod)
     dp = np.asarray(fmt.dense_ptr, dtype=np.int64)
     npan = dp.size - 1
 
