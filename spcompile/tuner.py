@@ -36,6 +36,7 @@ from .database import (Database, Record, config_digest, open_database, optuna_st
 from .ir import SparseModule, SparseOp
 from .module import Config
 from .runner import MeasureResult, make_runner
+from .schedules.base import NATIVE_PRECISION
 
 __all__ = ["Tuner", "TuneResult", "tune", "choose_config", "candidates", "objective_name", "DEFAULT_REORDERS",
            "PRECISIONS", "allowed_precisions"]
@@ -54,9 +55,6 @@ INTERRUPTED = "interrupted"
 PRECISIONS = ("fp32", "tf32", "fp16", "bf16")
 
 
-#: a 16-bit workload's own precision: its inputs already are in it, so a kernel computing with
-#: operands of that precision (fp32 accumulation) is admitted under every policy
-NATIVE_PRECISION = {"float16": "fp16", "bfloat16": "bf16"}
 
 
 def allowed_precisions(policy: str | None, dtype: str | None = None) -> tuple[str, ...]:

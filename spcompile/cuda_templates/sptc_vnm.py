@@ -39,7 +39,7 @@ import numpy as np
 
 from ..ir import SparseModule
 from ..runtime import cuda as rt
-from ..schedules.base import csr_kernel_arrays, register_template, unique_params
+from ..schedules.base import NATIVE_PRECISION, csr_kernel_arrays, register_template, unique_params
 from .templates import _NvccKernel, _NvccTemplate
 
 __all__ = ["SptcVnm", "sptc_arrays", "pack_arrays", "condense_windows", "PACKS", "emulate_sptc_spmm", "decode_tiles", "META_LAYOUT", "PRECISIONS",
@@ -49,13 +49,14 @@ __all__ = ["SptcVnm", "sptc_arrays", "pack_arrays", "condense_windows", "PACKS",
 PRECISIONS = {"fp16": (1, "float16"), "bf16": (2, "bfloat16")}
 #: X / Y element type -> kernel code E; a 16-bit workload computes in its own precision only
 ELEMS = {"float32": 0, "float16": 1, "bfloat16": 2}
-NATIVE_PRECISION = {"float16": "fp16", "bfloat16": "bf16"}
 
 
 def precisions_for(dtype: str) -> list[str]:
     """Operand precisions a ``dtype`` workload may use: fp32 X is converted to either in registers;
     16-bit X is used as loaded, so only its own precision."""
     return [NATIVE_PRECISION[dtype]] if dtype in NATIVE_PRECISION else list(PRECISIONS)
+
+
 META_LAYOUT = "split16"
 
 

@@ -44,7 +44,7 @@ import numpy as np
 
 from ..ir import SparseModule
 from ..runtime import cuda as rt
-from ..schedules.base import csr_kernel_arrays, register_template, unique_params
+from ..schedules.base import NATIVE_PRECISION, csr_kernel_arrays, register_template, unique_params
 from .templates import _NvccKernel, _NvccTemplate
 
 __all__ = ["TcWmmaSgt", "TcWmmaSgtSddmm", "tc_arrays", "emulate_tc_spmm", "mma_arrays", "emulate_mma_spmm",
@@ -55,7 +55,7 @@ __all__ = ["TcWmmaSgt", "TcWmmaSgtSddmm", "tc_arrays", "emulate_tc_spmm", "mma_a
 PRECISIONS = {"tf32": (0, 8, "tf32"), "fp16": (1, 16, "float16"), "bf16": (2, 16, "bfloat16")}
 #: workload dtype -> the only MMA precision offered for it (16-bit inputs are MMA operands as they
 #: are; fp32 inputs are converted in registers to any of PRECISIONS)
-INPUT_PRECISION = {"float16": "fp16", "bfloat16": "bf16"}
+INPUT_PRECISION = NATIVE_PRECISION
 #: passes in front of tile.sgt that cluster rows with common neighbours into the same 16-row
 #: window (more nonzeros per gathered X row and per TC block): RCM, then LSH clusters of 16 rows
 WINDOW_REUSE = [{"name": "reorder.rcm", "options": {}},

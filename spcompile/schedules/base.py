@@ -21,7 +21,12 @@ import numpy as np
 
 from ..ir import SparseModule
 
-__all__ = ["Template", "Kernel", "register_template", "get_template", "list_templates",
+#: a 16-bit workload's own precision: its X / Y already are in it, so a template computing with
+#: operands of that precision (fp32 accumulation) offers only it for such a workload, and the
+#: tuner admits it under every precision policy
+NATIVE_PRECISION = {"float16": "fp16", "bfloat16": "bf16"}
+
+__all__ = ["NATIVE_PRECISION", "Template", "Kernel", "register_template", "get_template", "list_templates",
            "csr_kernel_arrays", "source_hash_of"]
 
 
