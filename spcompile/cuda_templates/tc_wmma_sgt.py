@@ -25,7 +25,7 @@ values per lane) and used as MMA operands as they are, so the precision is the i
 for float16, bf16 for bfloat16; other precisions are refused), accumulation is fp32 and the output
 is written in the input dtype, rounded once (split SpMM windows add fp32 partials in a fixed order
 and round the sum).  Both kernel sources include ``tc_frag.cuh`` (conversions, mma.sync wrappers,
-guarded vector loads / stores), which :meth:`render` inlines.  Every launch goes through
+guarded vector loads / stores), inlined by ``_NvccTemplate.source_text`` (``headers``).  Every launch goes through
 ``rt.Launch``.
 
 Pipelines: ``tile.sgt`` alone (16x8 and 16x16 blocks), and :data:`WINDOW_REUSE` + ``tile.sgt``:
