@@ -35,11 +35,11 @@ sys.path.insert(0, _ROOT)
 sys.path.insert(0, os.path.join(_ROOT, "tests"))
 sys.path.insert(0, os.path.join(_ROOT, "benchmarks"))
 
-from spcompile.compiler import make_op  # noqa: E402
-from spcompile.ir import SparseModule  # noqa: E402
+from spcompile.compile import make_op  # noqa: E402
+from spcompile.core.ir import SparseModule  # noqa: E402
 from spcompile.passes import Pipeline  # noqa: E402
 from spcompile.runtime import cuda as rt  # noqa: E402
-from spcompile.schedules import get_template  # noqa: E402
+from spcompile.kernels import get_template  # noqa: E402
 
 GRAPHS = ["blogcatalog", "fb100_amherst41", "fb100_mit8", "amazon_computers", "facebook_ego", "twitch_de",
           "wiki_squirrel", "snap_email_enron", "dimacs10_rgg_n_2_15_s0", "dimacs10_delaunay_n15",

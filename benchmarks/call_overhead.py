@@ -30,10 +30,10 @@ import scipy.sparse as sp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from spcompile.compiler import build_from_config, make_op  # noqa: E402
-from spcompile.ir import SparseModule  # noqa: E402
-from spcompile.module import Config  # noqa: E402
-from spcompile.schedules import get_template  # noqa: E402
+from spcompile.compile import build_from_config, make_op  # noqa: E402
+from spcompile.core.ir import SparseModule  # noqa: E402
+from spcompile.core.config import Config  # noqa: E402
+from spcompile.kernels import get_template  # noqa: E402
 
 
 def per_call_us(fn, sync, n=500, batches=15) -> float:

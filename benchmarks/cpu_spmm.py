@@ -37,10 +37,10 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
 import spcompile  # noqa: E402
-from spcompile.compiler import make_op  # noqa: E402
-from spcompile.ir import SparseModule  # noqa: E402
+from spcompile.compile import make_op  # noqa: E402
+from spcompile.core.ir import SparseModule  # noqa: E402
 from spcompile.runtime import cpu as rt  # noqa: E402
-from spcompile.schedules import get_template  # noqa: E402
+from spcompile.kernels import get_template  # noqa: E402
 
 
 def default_graphs_dir() -> str:

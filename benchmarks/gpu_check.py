@@ -27,11 +27,11 @@ import scipy.sparse as sp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from spcompile import reference  # noqa: E402
-from spcompile.compiler import build_from_config, make_op  # noqa: E402
-from spcompile.ir import SparseModule  # noqa: E402
-from spcompile.module import Config  # noqa: E402
-from spcompile.schedules import get_template  # noqa: E402
+from spcompile.core import numerics, reference  # noqa: E402
+from spcompile.compile import build_from_config, make_op  # noqa: E402
+from spcompile.core.ir import SparseModule  # noqa: E402
+from spcompile.core.config import Config  # noqa: E402
+from spcompile.kernels import get_template  # noqa: E402
 
 KS = (1, 3, 32, 100, 128)
 REDUCES = ("sum", "max", "min", "mean")
@@ -232,7 +232,7 @@ def _to_kind(kind, a, dtype):
 
 def check_half(A, label, log, quick=False, templates=None, kinds=("torch", "cupy")):
     """16-bit inputs: result dtype = input dtype, error vs the float64 reference of the *rounded*
-    inputs <= reference.tolerance(dtype), output poisoned with NaN before the call."""
+    inputs <= numerics.tolerance(dtype), output poisoned with NaN before the call."""
     import torch
 
     fails = 0
@@ -262,7 +262,7 @@ def check_half(A, label, log, quick=False, templates=None, kinds=("torch", "cupy
                 host = torch.from_dlpack(res).double().cpu().numpy()
                 err = reference.rel_error(host, ref)
                 rec["rel_err"] = err
-                rec["ok"] = bool(err <= reference.tolerance(dt)) and ok_dtype
+                rec["ok"] = bool(err <= numerics.tolerance(dt)) and ok_dtype
                 if not ok_dtype:
                     rec["error"] = f"result dtype {res2.dtype}, expected {dt}"
             except Exception as e:  # results are data

@@ -36,11 +36,11 @@ import scipy.sparse as sp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from spcompile.compiler import build_from_config, make_op  # noqa: E402
-from spcompile.ir import SparseModule  # noqa: E402
-from spcompile.module import Config  # noqa: E402
-from spcompile.schedules import get_template  # noqa: E402
-from spcompile import reference  # noqa: E402
+from spcompile.compile import build_from_config, make_op  # noqa: E402
+from spcompile.core.ir import SparseModule  # noqa: E402
+from spcompile.core.config import Config  # noqa: E402
+from spcompile.kernels import get_template  # noqa: E402
+from spcompile.core import numerics, reference  # noqa: E402
 
 KS = (32, 64, 128, 256, 512)
 
@@ -236,7 +236,7 @@ def run_bench(op: str, templates, ks, graphs, out_dir, tag, max_seeds=None, prio
     that dtype too (fp16 CSR); cuSPARSE fp32 on the same (rounded) X is measured as well for SpMM
     (``cusparse_fp32_kernel_s``), and "exact" means the workload's own precision or better."""
     import torch
-    from spcompile.tuner import allowed_precisions
+    from spcompile.core.numerics import allowed_precisions
 
     tdt = getattr(torch, dtype)
     esz = 4 if dtype == "float32" else 2
@@ -291,8 +291,8 @@ def run_bench(op: str, templates, ks, graphs, out_dir, tag, max_seeds=None, prio
                     cm(*ins, out=out)
                     err = (torch.linalg.norm(out.double() - ref).item() / refn)
                     tdt = cm.kernel.meta.get("tolerance_dtype", "float32") if isinstance(cm.kernel.meta, dict) else "float32"
-                    tol = max(1e-4 if tdt == "float32" else reference.tolerance(tdt),
-                              1e-4 if dtype == "float32" else reference.tolerance(dtype))
+                    tol = max(1e-4 if tdt == "float32" else numerics.tolerance(tdt),
+                              1e-4 if dtype == "float32" else numerics.tolerance(dtype))
                     if not (err <= tol):
                         rec["error"] = f"wrong result rel_err={err:.3g} (tolerance {tol:g}, {tdt})"
                     else:
@@ -540,7 +540,7 @@ def main(argv=None, op="spmm", default_templates=("extern.cusparse", "csr.crc_cw
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="processes for --build-only")
     a = ap.parse_args(argv)
     if a.all_templates:
-        from spcompile.schedules import list_templates
+        from spcompile.kernels import list_templates
 
         a.templates = ["extern.cusparse"] + [t.name for t in list_templates("cuda", available_only=True)
                                              if t.name != "extern.cusparse" and any(o[0] == op for o in t.ops)]

@@ -35,14 +35,14 @@ sys.path.insert(0, _ROOT)
 sys.path.insert(0, os.path.join(_ROOT, "tests"))
 sys.path.insert(0, os.path.join(_ROOT, "benchmarks"))
 
-from spcompile import reference  # noqa: E402
-from spcompile.compiler import make_op  # noqa: E402
-from spcompile.cuda_templates import sptc_vnm as sv  # noqa: E402
-from spcompile.ir import SparseModule  # noqa: E402
+from spcompile.core import numerics, reference  # noqa: E402
+from spcompile.compile import make_op  # noqa: E402
+from spcompile.kernels.sptc import template as sv  # noqa: E402
+from spcompile.core.ir import SparseModule  # noqa: E402
 from spcompile.passes import Pipeline  # noqa: E402
 from spcompile.passes.reorder_vnm import vnm_format  # noqa: E402
 from spcompile.runtime import cuda as rt  # noqa: E402
-from spcompile.schedules import get_template  # noqa: E402
+from spcompile.kernels import get_template  # noqa: E402
 
 GRAPHS = ["cora", "citeseer", "pubmed", "coauthor_cs", "amazon_computers", "blogcatalog", "snap_email_enron",
           "ss_bcsstk13", "ss_bcsstk25_pattern", "dimacs10_rgg_n_2_15_s0", "dimacs10_delaunay_n15", "walshaw_4elt",

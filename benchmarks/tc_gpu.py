@@ -39,12 +39,12 @@ sys.path.insert(0, _ROOT)
 sys.path.insert(0, os.path.join(_ROOT, "tests"))
 sys.path.insert(0, os.path.join(_ROOT, "benchmarks"))
 
-from spcompile import reference  # noqa: E402
-from spcompile.compiler import make_op  # noqa: E402
-from spcompile.ir import SparseModule  # noqa: E402
+from spcompile.core import numerics, reference  # noqa: E402
+from spcompile.compile import make_op  # noqa: E402
+from spcompile.core.ir import SparseModule  # noqa: E402
 from spcompile.passes import Pipeline  # noqa: E402
 from spcompile.runtime import cuda as rt  # noqa: E402
-from spcompile.schedules import get_template  # noqa: E402
+from spcompile.kernels import get_template  # noqa: E402
 
 GRAPHS = ["cora", "citeseer", "pubmed", "coauthor_cs", "amazon_computers", "blogcatalog", "fb100_amherst41",
           "ss_bcsstk13", "ss_bcsstk25_pattern", "dimacs10_rgg_n_2_15_s0", "dimacs10_delaunay_n15", "tu_enzymes",
@@ -123,7 +123,7 @@ def run_checks(cases, build_only, log):
 # benchmark: fp32 and 16-bit inputs, with and without the window-reuse pipeline
 # ------------------------------------------------------------------------------------------
 def _pipes():
-    from spcompile.cuda_templates.tc_wmma_sgt import WINDOW_REUSE
+    from spcompile.kernels.tc.template import WINDOW_REUSE
 
     sgt = lambda shape: [{"name": "tile.sgt", "options": {"shape": shape}}]  # noqa: E731
     return {"sgt16x8": sgt("tf32"), "sgt16x16": sgt("fp16"), "reuse16x16": [*WINDOW_REUSE, *sgt("fp16")]}

@@ -5,25 +5,19 @@ SpMM-like reductions) on GPUs and CPUs.
     Y = mod(X)                                     # == A @ X
     mod.save("a.spc"); mod = spcompile.load("a.spc")
 """
-__version__ = "0.1.0"
+from ._version import __version__
+from .api import build, load, tune
+from .artifact import ArtifactError
+from .core.config import Config
+from .core.formats import CSR, as_csr
+from .core.ir import SparseModule, SparseOp, WorkloadKey
+from .kernels import Template, get_template, list_templates, register_template
+from .module import CompiledModule
+from .passes import Pass, PassContext, Pipeline, TimingInstrument, register_pass
+from .runtime import TargetUnavailableError
+from . import passes  # noqa: F401
 
-from .compiler import build  # noqa: E402
-from .formats import CSR, as_csr  # noqa: E402
-from .ir import SparseModule, SparseOp, WorkloadKey  # noqa: E402
-from .module import ArtifactError, CompiledModule, Config, load  # noqa: E402
-from .passes import Pass, PassContext, Pipeline, TimingInstrument, register_pass  # noqa: E402
-from .runtime import TargetUnavailableError  # noqa: E402
-from .schedules import Template, get_template, list_templates, register_template  # noqa: E402
-from . import passes  # noqa: E402,F401
-
-__all__ = ["build", "load", "tune", "CompiledModule", "Config", "ArtifactError", "SparseOp", "SparseModule",
-           "WorkloadKey", "CSR", "as_csr", "Pass", "PassContext", "Pipeline", "TimingInstrument",
+__all__ = ["__version__", "build", "load", "tune", "CompiledModule", "Config", "ArtifactError", "SparseOp",
+           "SparseModule", "WorkloadKey", "CSR", "as_csr", "Pass", "PassContext", "Pipeline", "TimingInstrument",
            "register_pass", "Template", "register_template", "get_template", "list_templates",
            "TargetUnavailableError", "passes"]
-
-
-def tune(*args, **kwargs):
-    """Tune workloads and store the best configs (see :mod:`spcompile.tuner`)."""
-    from .tuner import tune as _tune
-
-    return _tune(*args, **kwargs)

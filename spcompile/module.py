@@ -1,99 +1,29 @@
-""":class:`CompiledModule`: the callable result of :func:`spcompile.build`, and its artifact format.
+""":class:`CompiledModule`: the callable result of :func:`spcompile.build`, and :func:`load`.
 
-Artifact (a directory, or the same files in one uncompressed zip file):
-
-* ``manifest.json`` — format version, spcompile / TVM versions, op, shapes, workload key,
-  config (pipeline, template, params), target, kernel metadata, pass log, the SHA-256 of
-  every other file and (``manifest_sha256``) of its own content,
-* ``arrays.npz`` — the kernel's matrix data (loaded with ``allow_pickle=False``),
-* the kernel binaries the manifest names (a TVM ``export_library`` .so, cubin / PTX).
-
-Loading verifies every checksum, the format and library versions and the template's version
-and source hash, and (when the caller passes the matrix) that it is the same matrix.  Nothing in
-an artifact is unpickled or executed except the kernel library its manifest names.
+Saving writes the artifact files through :mod:`spcompile.artifact`; loading verifies every
+checksum, the format and library versions and the template's version and source hash, and
+(when the caller passes the matrix) that it is the same matrix.  Nothing in an artifact is
+unpickled or executed except the kernel library its manifest names.
 """
 from __future__ import annotations
 
-import hashlib
-import io
-import json
 import os
-import re
 import shutil
 import tempfile
 import weakref
-import zipfile
-from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import numpy as np
 
-from . import __version__
-from .ir import WorkloadKey
+from ._version import __version__, tvm_version
+from .artifact import FORMAT_VERSION, ArtifactError, check_manifest_digest, read_arrays, read_artifact, write_artifact
+from .core.config import Config
+from .core.formats import as_csr
+from .core.ir import WorkloadKey, pattern_hash, values_hash
+from .kernels import get_template
+from .runtime.arrays import array_kind
 
-FORMAT = "spcompile-artifact"
-FORMAT_VERSION = 1
-_SAFE_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
-
-__all__ = ["Config", "CompiledModule", "ArtifactError", "load"]
-
-
-class ArtifactError(ValueError):
-    """A saved module cannot be loaded: corrupt, tampered, incompatible or for another matrix."""
-
-
-@dataclass(frozen=True)
-class Config:
-    """A compilation decision: pass pipeline (with options), template, its parameters, target."""
-
-    template: str
-    params: Mapping[str, Any] = field(default_factory=dict)
-    pipeline: tuple = ()
-    target: str = "cpu"
-    format: str = "csr"
-
-    def to_dict(self) -> dict:
-        return {"template": self.template, "params": dict(self.params),
-                "pipeline": [dict(p) for p in self.pipeline], "target": self.target, "format": self.format}
-
-    @classmethod
-    def from_dict(cls, d: Mapping) -> "Config":
-        return cls(template=d["template"], params=dict(d.get("params", {})),
-                   pipeline=tuple(dict(p) for p in d.get("pipeline", ())), target=d.get("target", "cpu"),
-                   format=d.get("format", "csr"))
-
-    def __str__(self) -> str:
-        pipe = " -> ".join(p["name"] + (str(p["options"]) if p.get("options") else "") for p in self.pipeline)
-        return (f"target={self.target} pipeline=[{pipe}] format={self.format} "
-                f"template={self.template} params={dict(self.params)}")
-
-
-def _sha256_file(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _tvm_version() -> str | None:
-    try:
-        import tvm
-
-        return tvm.__version__
-    except Exception:
-        return None
-
-
-def _array_kind(x) -> str:
-    mod = type(x).__module__.split(".")[0]
-    if isinstance(x, np.ndarray):
-        return "numpy"
-    if mod == "torch":
-        return "torch"
-    if mod == "cupy":
-        return "cupy"
-    return "other"
+__all__ = ["CompiledModule", "load"]
 
 
 class CompiledModule:
@@ -130,7 +60,7 @@ class CompiledModule:
     # -- calling ---------------------------------------------------------------------------
     def _check(self, x, i: int):
         name = "X" if i == 0 else "Y"
-        kind = _array_kind(x)
+        kind = array_kind(x)
         if kind == "other":
             raise TypeError(f"{name} must be a numpy array, torch tensor or cupy array, got {type(x).__name__}")
         shape = tuple(x.shape)
@@ -240,133 +170,27 @@ class CompiledModule:
         return self.kernel(*arrs, out=out)
 
     # -- artifacts -------------------------------------------------------------------------
-    def _manifest(self, files: dict[str, str]) -> dict:
-        from .schedules import get_template
-
+    def _manifest(self) -> dict:
         tpl = get_template(self.config.template)
         return {
-            "format": FORMAT, "format_version": FORMAT_VERSION,
-            "spcompile_version": __version__, "tvm_version": _tvm_version(),
+            "spcompile_version": __version__, "tvm_version": tvm_version(),
             "op": self.op, "reduce": self.reduce, "shape": list(self.shape), "nnz": self.key.nnz,
             "K": self.K, "dtype": self.key.dtype,
             "workload_key": self.key.to_dict(), "values_hash": self.values_hash,
             "config": self.config.to_dict(),
             "template": {"name": tpl.name, "version": tpl.version, "source_hash": tpl.source_hash()},
             "kernel_meta": self.kernel.meta, "pass_log": self.pass_log, "tuning": self.tuning,
-            "files": files,
         }
 
     def save(self, path: str, *, as_dir: bool | None = None) -> str:
-        """Write the artifact.  A path that is an existing directory, ends with a separator, or
-        ``as_dir=True`` gives a directory; otherwise one zip file (e.g. ``model.spc``)."""
-        path = os.fspath(path)
-        if as_dir is None:
-            as_dir = os.path.isdir(path) or path.endswith(os.sep)
-        with tempfile.TemporaryDirectory(prefix="spcompile-save-") as tmp:
-            buf = io.BytesIO()
-            np.savez(buf, **self.kernel.arrays)
-            with open(os.path.join(tmp, "arrays.npz"), "wb") as f:
-                f.write(buf.getvalue())
-            for name, src in self.kernel.files.items():
-                if not _SAFE_NAME.match(name) or name in ("manifest.json", "arrays.npz"):
-                    raise ValueError(f"bad kernel file name {name!r}")
-                shutil.copyfile(src, os.path.join(tmp, name))
-            files = {n: _sha256_file(os.path.join(tmp, n)) for n in ["arrays.npz", *self.kernel.files]}
-            # normalise through JSON first so that the checksum is over exactly what load() reads
-            body = json.loads(json.dumps(self._manifest(files), default=_json_default))
-            body[_MANIFEST_SUM] = _manifest_digest(body)
-            manifest = json.dumps(body, indent=1, sort_keys=True)
-            with open(os.path.join(tmp, "manifest.json"), "w") as f:
-                f.write(manifest)
-            names = ["manifest.json", *files]
-            if as_dir:
-                os.makedirs(path, exist_ok=True)
-                for n in names:
-                    shutil.copyfile(os.path.join(tmp, n), os.path.join(path, n))
-            else:
-                d = os.path.dirname(os.path.abspath(path))
-                fd, part = tempfile.mkstemp(dir=d, prefix=".spc-")
-                os.close(fd)
-                with zipfile.ZipFile(part, "w", zipfile.ZIP_STORED) as z:
-                    for n in names:
-                        z.write(os.path.join(tmp, n), n)
-                os.replace(part, path)  # atomic: a reader never sees half an artifact
-        return path
+        """Write the artifact (see :mod:`spcompile.artifact`).  A path that is an existing
+        directory, ends with a separator, or ``as_dir=True`` gives a directory; otherwise one zip
+        file (e.g. ``model.spc``)."""
+        return write_artifact(path, self._manifest(), self.kernel.arrays, self.kernel.files, as_dir=as_dir)
 
     @classmethod
     def load(cls, path: str, A=None) -> "CompiledModule":
         return load(path, A)
-
-
-_MANIFEST_SUM = "manifest_sha256"
-
-
-def _manifest_digest(manifest: Mapping) -> str:
-    """SHA-256 of the manifest's content (all keys but the checksum itself), canonical JSON."""
-    body = {k: v for k, v in manifest.items() if k != _MANIFEST_SUM}
-    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-
-
-def _json_default(o):
-    if isinstance(o, np.generic):
-        return o.item()
-    if isinstance(o, np.ndarray):
-        return o.tolist()
-    raise TypeError(f"not JSON-serialisable: {type(o).__name__}")
-
-
-def _read_artifact(path: str, workdir: str) -> tuple[dict, dict[str, str]]:
-    """Copy the artifact's files into ``workdir`` (safe names only), return (manifest, paths)."""
-    if os.path.isdir(path):
-        def read(n):
-            p = os.path.join(path, n)
-            if not os.path.isfile(p):
-                raise ArtifactError(f"artifact {path!r} is missing {n!r}")
-            with open(p, "rb") as f:
-                return f.read()
-
-        return _read_files(read, path, workdir)
-    if os.path.isfile(path):
-        try:
-            z = zipfile.ZipFile(path)
-        except zipfile.BadZipFile:
-            raise ArtifactError(f"{path!r} is not a spcompile artifact (not a directory or zip file)") from None
-
-        def read(n):
-            try:
-                return z.read(n)
-            except KeyError:
-                raise ArtifactError(f"artifact {path!r} is missing {n!r}") from None
-            except (zipfile.BadZipFile, OSError, EOFError) as e:  # corrupt member (bad CRC, truncated)
-                raise ArtifactError(f"artifact {path!r}: cannot read {n!r}: {e}") from None
-
-        with z:
-            return _read_files(read, path, workdir)
-    raise FileNotFoundError(f"no artifact at {path!r}")
-
-
-def _read_files(read, path: str, workdir: str) -> tuple[dict, dict[str, str]]:
-    try:
-        manifest = json.loads(read("manifest.json").decode())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ArtifactError(f"artifact manifest is not valid JSON: {e}") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise ArtifactError(f"{path!r} is not a spcompile artifact")
-    files = manifest.get("files")
-    if not isinstance(files, dict) or "arrays.npz" not in files:
-        raise ArtifactError("artifact manifest lists no files")
-    paths = {}
-    for name, digest in files.items():
-        if not isinstance(name, str) or not _SAFE_NAME.match(name) or name == "manifest.json":
-            raise ArtifactError(f"artifact names a file with an unsafe name: {name!r}")
-        data = read(name)
-        if hashlib.sha256(data).hexdigest() != digest:
-            raise ArtifactError(f"checksum mismatch for {name!r}: the artifact was modified or corrupted")
-        p = os.path.join(workdir, name)
-        with open(p, "wb") as f:
-            f.write(data)
-        paths[name] = p
-    return manifest, paths
 
 
 def _compatible(saved: str, current: str) -> bool:
@@ -377,13 +201,9 @@ def _compatible(saved: str, current: str) -> bool:
 def load(path: str, A=None) -> CompiledModule:
     """Load a saved module.  With ``A`` (any supported sparse input) the artifact must have been
     built for exactly that matrix (pattern and values), else :class:`ArtifactError`."""
-    from .formats import as_csr
-    from .ir import pattern_hash, values_hash
-    from .schedules import get_template
-
     workdir = tempfile.mkdtemp(prefix="spcompile-load-")
     try:
-        manifest, paths = _read_artifact(os.fspath(path), workdir)
+        manifest, paths = read_artifact(os.fspath(path), workdir)
         if manifest.get("format_version") != FORMAT_VERSION:
             raise ArtifactError(f"artifact format version {manifest.get('format_version')} is not supported "
                                 f"(this spcompile reads version {FORMAT_VERSION})")
@@ -395,12 +215,11 @@ def load(path: str, A=None) -> CompiledModule:
             key = WorkloadKey.from_dict(manifest["workload_key"])
         except (KeyError, TypeError, AttributeError) as e:
             raise ArtifactError(f"artifact manifest is incomplete or malformed ({type(e).__name__}: {e})") from None
-        if config.target == "cpu" and manifest.get("tvm_version") != _tvm_version():
+        if config.target == "cpu" and manifest.get("tvm_version") != tvm_version():
             raise ArtifactError(f"artifact's CPU kernel was built with TVM {manifest.get('tvm_version')}, "
-                                f"this runtime has {_tvm_version()}; rebuild it")
+                                f"this runtime has {tvm_version()}; rebuild it")
         # versions are checked first (their errors say more); everything else must be intact
-        if manifest.get(_MANIFEST_SUM) != _manifest_digest(manifest):
-            raise ArtifactError("checksum mismatch for 'manifest.json': the artifact was modified or corrupted")
+        check_manifest_digest(manifest)
         try:
             tpl = get_template(config.template)
         except ValueError:
@@ -414,11 +233,7 @@ def load(path: str, A=None) -> CompiledModule:
                 raise ArtifactError("artifact was built for a different matrix (sparsity pattern differs)")
             if values_hash(C) != manifest.get("values_hash"):
                 raise ArtifactError("artifact was built for a different matrix (values differ)")
-        try:
-            with np.load(paths.pop("arrays.npz"), allow_pickle=False) as z:
-                arrays = {k: np.array(z[k]) for k in z.files}
-        except (ValueError, OSError, EOFError, zipfile.BadZipFile) as e:  # object arrays refused here
-            raise ArtifactError(f"artifact arrays.npz cannot be read without unpickling or is corrupt: {e}") from None
+        arrays = read_arrays(paths.pop("arrays.npz"))
         kernel = tpl.load(config.params, arrays, paths, manifest.get("kernel_meta", {}))
         mod = CompiledModule(key, config, kernel, manifest.get("pass_log", []), manifest.get("values_hash", ""),
                              manifest.get("tuning"))

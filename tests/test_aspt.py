@@ -17,14 +17,14 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 
-from spcompile import reference
-from spcompile.compiler import make_op
-from spcompile.formats import as_csr
-from spcompile.ir import SparseModule
+from spcompile.core import numerics, reference  # noqa: F401
+from spcompile.compile import make_op
+from spcompile.core.formats import as_csr
+from spcompile.core.ir import SparseModule
 from spcompile.passes import Pipeline
 from spcompile.runtime import cuda as rt
 from spcompile.runtime import cuda_available
-from spcompile.schedules import get_template
+from spcompile.kernels import get_template
 
 from conftest import random_matrix
 
@@ -77,7 +77,7 @@ PIPES = {"h256": [("tile.aspt", {"panel_height": 256})],
 @pytest.mark.parametrize("reduce", REDUCES)
 @pytest.mark.parametrize("chunk,max_seg,max_ent", [(128, 256, 0), (3, 4, 5), (1, 0, 1), (64, 16, 32)])
 def test_emulation_matches_reference(name, pipe, reduce, chunk, max_seg, max_ent):
-    from spcompile.cuda_templates.aspt_tiled import aspt_arrays, emulate_aspt_spmm
+    from spcompile.kernels.aspt.template import aspt_arrays, emulate_aspt_spmm
 
     A = MATRICES[name]()
     K = 5
@@ -98,7 +98,7 @@ PANEL_CFGS = [(96, 2048, 2, 1, 5), (3, 5, 64, 1, 1), (1, 1, 1, 3, 5), (8, 0, 200
 @pytest.mark.parametrize("reduce", REDUCES)
 @pytest.mark.parametrize("chunk,max_ent,split,ktiles,K", PANEL_CFGS)
 def test_panel_emulation_matches_reference(name, pipe, reduce, chunk, max_ent, split, ktiles, K):
-    from spcompile.cuda_templates.aspt_tiled import aspt_panel_arrays, emulate_panel_spmm
+    from spcompile.kernels.aspt.template import aspt_panel_arrays, emulate_panel_spmm
 
     A = MATRICES[name]()
     mod = _mod(A, K, reduce, PIPES[pipe])
@@ -113,7 +113,7 @@ def test_panel_structure():
     """Steps: gather steps before staged ones inside a block, rows ascending inside a step, at most
     max_ent entries and chunk staged columns; blocks ordered heaviest first; a hub panel is split
     and its blocks form one group of consecutive slots; every panel has a block."""
-    from spcompile.cuda_templates.aspt_tiled import aspt_panel_arrays
+    from spcompile.kernels.aspt.template import aspt_panel_arrays
 
     A = MATRICES["hub"]()
     H = 64
@@ -141,7 +141,7 @@ def test_panel_structure():
 def test_task_structure():
     """Tasks hold at most `chunk` staged columns; each task's entries are ordered by row then slot
     and address only its own slots; tail segments hold at most max_seg entries."""
-    from spcompile.cuda_templates.aspt_tiled import aspt_arrays
+    from spcompile.kernels.aspt.template import aspt_arrays
 
     A = MATRICES["hub"]()
     mod = _mod(A, 8, "sum", PIPES["h256"])

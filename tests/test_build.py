@@ -8,8 +8,8 @@ import pytest
 import scipy.sparse as sp
 
 import spcompile
-from spcompile import reference
-from spcompile.formats import as_csr
+from spcompile.core import numerics, reference  # noqa: F401
+from spcompile.core.formats import as_csr
 
 from conftest import check_result, empty_row_ids, inputs_for, random_matrix
 
@@ -178,7 +178,7 @@ def test_input_forms_give_the_same_result(rect_matrix):
 
 
 def test_workload_key_identity(rect_matrix):
-    from spcompile.compiler import make_op
+    from spcompile.compile import make_op
 
     k1 = make_op(rect_matrix, "spmm", K=8).key()
     assert k1 == make_op(rect_matrix.tocoo(), "spmm", K=8).key()  # same pattern, any input form
@@ -215,8 +215,8 @@ def test_target_cuda_without_gpu_is_a_clear_error(no_cuda, rect_matrix):
 
 
 def test_explicit_template_and_params(rect_matrix):
-    from spcompile.compiler import make_op
-    from spcompile.ir import SparseModule
+    from spcompile.compile import make_op
+    from spcompile.core.ir import SparseModule
 
     tpl = spcompile.get_template("cpu.csr_spmm")
     smod = SparseModule.from_op(make_op(rect_matrix, "spmm", K=10, reduce="min"))

@@ -3,10 +3,11 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 
-from spcompile import reference
-from spcompile.formats import as_csr
-from spcompile.ir import SparseModule, SparseOp
-from spcompile.schedules import cpu_csr, get_template
+from spcompile.core import numerics, reference  # noqa: F401
+from spcompile.core.formats import as_csr
+from spcompile.core.ir import SparseModule, SparseOp
+from spcompile.kernels import get_template
+from spcompile.kernels.tvm import cpu_csr
 
 pytest.importorskip("tvm")
 

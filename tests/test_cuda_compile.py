@@ -9,7 +9,7 @@ import subprocess
 import pytest
 
 from spcompile.runtime import cuda as rt
-from spcompile.schedules import get_template
+from spcompile.kernels import get_template
 
 pytestmark = pytest.mark.skipif(not rt.nvcc_available(), reason="nvcc not installed")
 
@@ -57,8 +57,8 @@ def test_compile_cache_and_build_without_gpu(tmp_path, monkeypatch):
     import numpy as np
     import scipy.sparse as sp
 
-    from spcompile.compiler import make_op
-    from spcompile.ir import SparseModule
+    from spcompile.compile import make_op
+    from spcompile.core.ir import SparseModule
 
     monkeypatch.setenv("SPCOMPILE_KERNEL_CACHE", str(tmp_path / "cache"))
     A = sp.random(50, 40, density=0.1, format="csr", random_state=0, dtype=np.float32)
@@ -73,7 +73,7 @@ def test_compile_cache_and_build_without_gpu(tmp_path, monkeypatch):
     # the partition covers every nonzero exactly once, long rows split into slices
     A2 = sp.csr_matrix(A)
     lens = np.diff(A2.indptr)
-    from spcompile.cuda_templates.templates import spmm_partition
+    from spcompile.kernels.csr.template import spmm_partition
 
     part = spmm_partition(np.array([0, 0, 10000, 10003]), np.array([2, 0, 1]), 256)
     assert part["seg_ptr"][0] == 0 and part["seg_ptr"][-1] == 10003

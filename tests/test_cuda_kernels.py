@@ -40,7 +40,7 @@ def test_call_kinds_same_result():
     import cupy
     import torch
 
-    from spcompile.cuda_templates.templates import CrcCwm  # noqa: F401
+    from spcompile.kernels.csr.template import CrcCwm  # noqa: F401
     rng = np.random.default_rng(0)
     import scipy.sparse as sp
 
@@ -104,7 +104,7 @@ def test_tune_16bit_workload(tmp_path, dtype):
     import scipy.sparse as sp
     import torch
 
-    from spcompile.tuner import tune
+    from spcompile.autotune.tuner import tune
 
     A = sp.random(400, 300, density=0.03, format="csr", random_state=5, dtype=np.float32)
     db = str(tmp_path / "t.db")

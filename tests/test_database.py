@@ -11,11 +11,11 @@ import pytest
 import scipy.sparse as sp
 
 import spcompile
-from spcompile import database as dbm
-from spcompile.compiler import make_op
-from spcompile.database import Database, Record, normalize_url, pass_hashes, target_digest, target_key, template_hash
-from spcompile.module import Config
-from spcompile.tuner import choose_config
+from spcompile.autotune import database as dbm
+from spcompile.compile import make_op
+from spcompile.autotune.database import Database, Record, normalize_url, pass_hashes, target_digest, target_key, template_hash
+from spcompile.core.config import Config
+from spcompile.autotune.policy import choose_config
 
 
 def graph(n=100, seed=0, density=0.05):

@@ -14,11 +14,11 @@ import pytest
 import scipy.sparse as sp
 
 import spcompile
-from spcompile.compiler import dtype_name, make_op
-from spcompile.ir import DTYPES, SparseModule
+from spcompile.compile import dtype_name, make_op
+from spcompile.core.ir import DTYPES, SparseModule
 from spcompile.runtime import cuda as rt
 from spcompile.runtime import cuda_available
-from spcompile.schedules import get_template
+from spcompile.kernels import get_template
 
 pytestmark = pytest.mark.usefixtures("no_tuning_db")
 
@@ -69,7 +69,7 @@ def test_supports_by_template(dtype):
 
 
 def test_forced_float32_template_error(monkeypatch):
-    from spcompile import compiler
+    from spcompile import api as compiler
 
     monkeypatch.setattr(compiler, "resolve_target", lambda t: "cuda")
     with pytest.raises(ValueError, match=r"unsupported dtype 'float16' for template 'tvm.cuda_csr_spmm'.*csr\.crc_cwm"):
@@ -93,7 +93,7 @@ def test_spaces_and_defaults_by_dtype():
 
 
 def test_short_slices_partition():
-    from spcompile.cuda_templates.templates import spmm_partition
+    from spcompile.kernels.csr.template import spmm_partition
 
     indptr = np.array([0, 0, 1463, 1470, 1470])
     part = spmm_partition(indptr, np.arange(4), 8)
@@ -104,8 +104,9 @@ def test_short_slices_partition():
 
 def test_module_dtype_errors_without_gpu():
     """The module's input checks name the expected dtype (no GPU needed: _check runs first)."""
-    from spcompile.ir import SparseOp
-    from spcompile.module import CompiledModule, Config
+    from spcompile.core.ir import SparseOp
+    from spcompile.core.config import Config
+    from spcompile.module import CompiledModule
 
     for dt in ("float16", "bfloat16"):
         key = SparseOp("spmm", "sum", make_op(A_SMALL, "spmm", 8).A, 8, dt).key()

@@ -9,8 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import spcompile
-from spcompile.formats import CSR, INT32_MAX, as_csr, index_dtype_for, permute_csr
-from spcompile.ir import SparseModule, SparseOp
+from spcompile.core.formats import CSR, INT32_MAX, as_csr, index_dtype_for, permute_csr
+from spcompile.core.ir import SparseModule, SparseOp
 
 from conftest import random_matrix
 

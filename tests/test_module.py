@@ -15,7 +15,7 @@ import scipy.sparse as sp
 
 import spcompile
 from spcompile import ArtifactError
-from spcompile.module import _manifest_digest
+from spcompile.artifact import _manifest_digest
 
 from conftest import check_result, inputs_for, random_matrix
 

@@ -12,8 +12,8 @@ import scipy.sparse as sp
 
 import spcompile
 from spcompile import Pass, PassContext, Pipeline, TimingInstrument, register_pass
-from spcompile.formats import as_csr
-from spcompile.ir import SparseModule, SparseOp
+from spcompile.core.formats import as_csr
+from spcompile.core.ir import SparseModule, SparseOp
 from spcompile.passes import base, get_pass, list_passes
 from spcompile.passes import run as run_pass
 

@@ -41,7 +41,7 @@ class SleepRunner:
         self.sleep = sleep
 
     def measure(self, op, cfg, *, timeout=None, prune_above=None):
-        from spcompile.runner import MeasureResult
+        from spcompile.autotune.measure import MeasureResult
 
         time.sleep(self.sleep)
         h = int(hashlib.sha256(json.dumps(cfg.to_dict(), sort_keys=True).encode()).hexdigest()[:8], 16)
@@ -50,14 +50,14 @@ class SleepRunner:
         return MeasureResult("ok", kernel_s=1e-3 * (1 + h % 89 / 10), preprocess_s=1e-4, config=cfg)
 
     def baseline(self, op):
-        from spcompile.runner import MeasureResult
+        from spcompile.autotune.measure import MeasureResult
 
         return MeasureResult("ok", kernel_s=9e-3, name="fake-baseline")
 
 
 def make_tuner(url, runner):
-    from spcompile.compiler import make_op
-    from spcompile.tuner import Tuner
+    from spcompile.compile import make_op
+    from spcompile.autotune.tuner import Tuner
 
     return Tuner(make_op(_graph(), "spmm", 16), "cpu", storage=url, runner=runner, heartbeat_interval=1,
                  grace_period=3)
@@ -123,7 +123,7 @@ def pg_url(pg_server):
         c.execute(sa.text(f"CREATE DATABASE {name}"))
     url = pg_server.rsplit("/", 1)[0] + "/" + name
     yield url
-    from spcompile import database as dbm
+    from spcompile.autotune import database as dbm
 
     for k, db in list(dbm._DBS.items()):
         if k[0] == url:
@@ -143,7 +143,7 @@ def test_two_workers_one_killed(pg_url):
     import optuna
     from optuna.trial import TrialState
 
-    from spcompile.database import open_database
+    from spcompile.autotune.database import open_database
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     watcher = make_tuner(pg_url, object())  # creates the study; reads it below

@@ -10,15 +10,15 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 
-from spcompile import reference
-from spcompile.compiler import make_op
-from spcompile.formats import as_csr
-from spcompile.ir import SparseModule
+from spcompile.core import numerics, reference  # noqa: F401
+from spcompile.compile import make_op
+from spcompile.core.formats import as_csr
+from spcompile.core.ir import SparseModule
 from spcompile.passes import Pipeline
 from spcompile.runtime import cuda as rt
 from spcompile.runtime import cuda_available
-from spcompile.schedules import get_template
-from spcompile.cuda_templates import sptc_vnm as sv
+from spcompile.kernels import get_template
+from spcompile.kernels.sptc import template as sv
 
 from conftest import random_matrix
 
@@ -262,7 +262,7 @@ def test_sass_has_sparse_hmma():
 def test_16bit_workloads_use_their_own_precision():
     """fp16 / bf16 X is used as loaded: the space, defaults and seeds offer only the input's own
     precision, a mismatch is refused with a clear error, the tuner's default policy admits it."""
-    from spcompile.tuner import allowed_precisions
+    from spcompile.core.numerics import allowed_precisions
 
     t = get_template("sptc.vnm")
     A = MATRICES["violating"]()

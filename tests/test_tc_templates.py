@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 
-from spcompile import reference
-from spcompile.compiler import make_op
-from spcompile.ir import SparseModule
+from spcompile.core import numerics, reference  # noqa: F401
+from spcompile.compile import make_op
+from spcompile.core.ir import SparseModule
 from spcompile.passes import Pipeline
 from spcompile.runtime import cuda as rt
 from spcompile.runtime import cuda_available
-from spcompile.schedules import get_template
+from spcompile.kernels import get_template
 
 from conftest import random_matrix
 
@@ -24,7 +24,7 @@ def _mod(A, K, reduce="sum", pipeline=(), dtype="float32"):
 
 
 def _ref(A, X, reduce="sum"):
-    from spcompile.formats import as_csr
+    from spcompile.core.formats import as_csr
 
     return reference.run("spmm", reduce, as_csr(A), X)
 
@@ -54,7 +54,7 @@ def test_registered_with_pipelines():
         assert tc.supports(_mod(A, 32, pipeline=pipe))
     for pipe in aspt.pipelines(mod):
         assert aspt.supports(_mod(A, 32, pipeline=pipe))
-    from spcompile.tuner import candidates
+    from spcompile.autotune.space import candidates
 
     cands = candidates(make_op(A, "spmm", 32, "sum"), "cuda")
     if rt.nvcc_available():
@@ -67,7 +67,7 @@ def test_registered_with_pipelines():
 @pytest.mark.parametrize("dense_a", [0, 1])
 @pytest.mark.parametrize("reorder", [None, "reorder.rcm", "reorder.degree"])
 def test_tc_packing_emulation(name, prec, shape, dense_a, reorder):
-    from spcompile.cuda_templates.tc_wmma_sgt import emulate_tc_spmm, tc_arrays
+    from spcompile.kernels.tc.template import emulate_tc_spmm, tc_arrays
     from spcompile.passes.base import list_passes
 
     if reorder and reorder not in list_passes():
@@ -92,7 +92,7 @@ def test_tc_packing_emulation(name, prec, shape, dense_a, reorder):
                                   ["cluster.lsh", ("tile.aspt", {}), "cluster.lsh"]])
 @pytest.mark.parametrize("reduce", ["sum", "mean"])
 def test_aspt_packing_emulation(name, pipe, reduce):
-    from spcompile.cuda_templates.aspt_tiled import aspt_arrays, emulate_aspt_spmm
+    from spcompile.kernels.aspt.template import aspt_arrays, emulate_aspt_spmm
 
     A = MATRICES[name]()
     mod = _mod(A, 7, reduce, pipeline=pipe)
@@ -103,7 +103,7 @@ def test_aspt_packing_emulation(name, pipe, reduce):
 
 
 def test_tc_mean_scaling_and_empty():
-    from spcompile.cuda_templates.tc_wmma_sgt import emulate_tc_spmm, tc_arrays
+    from spcompile.kernels.tc.template import emulate_tc_spmm, tc_arrays
 
     A = MATRICES["random"]()
     mod = _mod(A, 5, "mean", pipeline=[("tile.sgt", {"shape": "tf32"})])
@@ -119,7 +119,7 @@ def test_tc_mean_scaling_and_empty():
 def test_mma_packing_emulation(name, prec, shape, max_blocks, K, reorder):
     """impl "mma": fragment packing, permuted column ids, lane column mapping, work items and the
     in-order combination of split windows reproduce A @ X (lane-level emulation)."""
-    from spcompile.cuda_templates.tc_wmma_sgt import emulate_mma_spmm, mma_arrays
+    from spcompile.kernels.tc.template import emulate_mma_spmm, mma_arrays
     from spcompile.passes.base import list_passes
 
     if reorder and reorder not in list_passes():
@@ -139,7 +139,7 @@ def test_mma_packing_emulation(name, prec, shape, max_blocks, K, reorder):
 
 
 def test_split_windows_balanced():
-    from spcompile.cuda_templates.tc_wmma_sgt import split_windows
+    from spcompile.kernels.tc.template import split_windows
 
     wbp = np.array([0, 0, 100, 103, 103, 135])
     r = split_windows(wbp, 32)
@@ -171,7 +171,7 @@ def _ref64(A, X, reduce="sum"):
 def test_mma_packing_emulation_16bit(name, dtype, prec, max_blocks, K, pipe):
     """impl "mma" with 16-bit X: the 8-values-per-lane column mapping (64 columns per group), the
     byte-permuted B pairs, the C layout, fp32 partials and one rounding of Y reproduce A @ X."""
-    from spcompile.cuda_templates.tc_wmma_sgt import WINDOW_REUSE, emulate_mma_spmm, mma_arrays, round_to
+    from spcompile.kernels.tc.template import WINDOW_REUSE, emulate_mma_spmm, mma_arrays, round_to
 
     A = MATRICES[name]()
     pre = list(WINDOW_REUSE) if pipe == "reuse" else list(pipe)
@@ -189,7 +189,7 @@ def test_mma_packing_emulation_16bit(name, dtype, prec, max_blocks, K, pipe):
 @pytest.mark.parametrize("dense_a", [0, 1])
 def test_tc_packing_emulation_16bit(dtype, prec, dense_a):
     """impl "wmma" with 16-bit X (staged as loaded): the uploaded tiles reproduce A @ X."""
-    from spcompile.cuda_templates.tc_wmma_sgt import emulate_tc_spmm, round_to, tc_arrays
+    from spcompile.kernels.tc.template import emulate_tc_spmm, round_to, tc_arrays
 
     A = MATRICES["random"]()
     mod = _mod(A, 24, "mean", pipeline=[("tile.sgt", {"shape": "fp16"})], dtype=dtype)
@@ -205,8 +205,8 @@ def test_tc_packing_emulation_16bit(dtype, prec, dense_a):
 def test_sddmm_packing_emulation_16bit(name, dtype, prec, K):
     """tc.wmma_sgt_sddmm with 16-bit X / Y: 64-feature chunks, words of the loaded vectors used as
     MMA operands, one rounding of each output, in the caller's nonzero order (after reordering)."""
-    from spcompile.cuda_templates.tc_wmma_sgt import WINDOW_REUSE, emulate_tc_sddmm, round_to, sddmm_arrays
-    from spcompile.formats import as_csr
+    from spcompile.kernels.tc.template import WINDOW_REUSE, emulate_tc_sddmm, round_to, sddmm_arrays
+    from spcompile.core.formats import as_csr
 
     A = MATRICES[name]()
     pre = list(WINDOW_REUSE) if K == 64 else []
@@ -224,7 +224,7 @@ def test_sddmm_packing_emulation_16bit(name, dtype, prec, K):
 def test_16bit_precision_policy(dtype, prec):
     """A 16-bit workload is offered (space, defaults, seeds) only its own precision and only 16-wide
     SGT pipelines; build() refuses another precision with a clear error."""
-    from spcompile.cuda_templates.tc_wmma_sgt import input_type
+    from spcompile.kernels.tc.template import input_type
 
     A = MATRICES["clustered"]()
     for tname, op in (("tc.wmma_sgt", "spmm"), ("tc.wmma_sgt_sddmm", "sddmm")):
@@ -256,7 +256,7 @@ def test_16bit_precision_policy(dtype, prec):
 def test_window_reuse_pipeline():
     """rcm -> cluster.lsh(16-row clusters) -> tile.sgt builds for both templates, keeps A @ X exact
     (emulated) and does not add SGT blocks on clustered input."""
-    from spcompile.cuda_templates.tc_wmma_sgt import WINDOW_REUSE, emulate_mma_spmm, mma_arrays
+    from spcompile.kernels.tc.template import WINDOW_REUSE, emulate_mma_spmm, mma_arrays
 
     A = MATRICES["clustered"]()
     rng = np.random.default_rng(8)
@@ -284,8 +284,8 @@ def test_window_reuse_pipeline():
 def test_sddmm_packing_emulation(name, prec, shape, K, reorder):
     """tc.wmma_sgt_sddmm: block windows / columns, the k-index mapping of the lanes' float4 loads,
     the C layout and the caller's nonzero order reproduce the float64 SDDMM (emulated in float64)."""
-    from spcompile.cuda_templates.tc_wmma_sgt import emulate_tc_sddmm, sddmm_arrays
-    from spcompile.formats import as_csr
+    from spcompile.kernels.tc.template import emulate_tc_sddmm, sddmm_arrays
+    from spcompile.core.formats import as_csr
     from spcompile.passes.base import list_passes
 
     if reorder and reorder not in list_passes():
@@ -311,7 +311,7 @@ def test_tc_sddmm_registered():
         assert t.supports(mod)
         for p in t.seed_params(mod):
             assert set(p) <= set(t.space(mod))
-    from spcompile.tuner import candidates
+    from spcompile.autotune.space import candidates
 
     if rt.nvcc_available():
         assert "tc.wmma_sgt_sddmm" in candidates(make_op(A, "sddmm", 32), "cuda")
@@ -412,7 +412,7 @@ def test_build_without_gpu(tmp_path, monkeypatch):
     smod = Pipeline(ts.pipelines(SparseModule.from_op(make_op(A, "sddmm", 64)))[0])(
         SparseModule.from_op(make_op(A, "sddmm", 64)))
     ks = ts.build(smod, ts.default_params(smod))
-    assert ks.meta["BW"] == 16 and ks.meta["tolerance_dtype"] == "tf32"
+    assert ks.meta["BW"] == 16 and ks.meta["precision"] == "tf32"
     at = get_template("aspt.tiled")
     mod = _mod(A, 64, pipeline=at.pipelines(_mod(A, 64))[0])
     k = at.build(mod, at.default_params(mod))
@@ -531,7 +531,7 @@ def run_gpu_case(A, K, reduce, template, pipe, params, rng, dtype="float32"):
     """Build, run on fresh inputs (in ``dtype``) with a NaN-poisoned output; returns the relative
     error against float64 on the values the kernel received."""
     import torch
-    from spcompile.formats import as_csr
+    from spcompile.core.formats import as_csr
 
     tpl = get_template(template)
     tdt = getattr(torch, dtype)

@@ -12,14 +12,16 @@ import pytest
 import scipy.sparse as sp
 
 import spcompile
-from spcompile import reference
-from spcompile.compiler import make_op
-from spcompile.database import Record, open_database, pass_hashes, target_digest, target_key, template_hash
-from spcompile.module import Config
-from spcompile.runner import CPURunner, MeasureResult
-from spcompile.schedules import base as sched_base
-from spcompile.schedules.base import Kernel, Template
-from spcompile.tuner import Tuner, candidates, choose_config, tune
+from spcompile.core import numerics, reference  # noqa: F401
+from spcompile.compile import make_op
+from spcompile.autotune.database import Record, open_database, pass_hashes, target_digest, target_key, template_hash
+from spcompile.core.config import Config
+from spcompile.autotune.measure import CPURunner, MeasureResult
+from spcompile.kernels import base as sched_base
+from spcompile.kernels.base import Kernel, Template
+from spcompile.autotune.policy import choose_config
+from spcompile.autotune.space import candidates
+from spcompile.autotune.tuner import Tuner, tune
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 TV = optuna.trial.TrialState
@@ -277,7 +279,7 @@ def test_real_cpu_templates_tune_then_build_hits_the_database(db):
 def test_cli_tune_and_best(tmp_path, capsys):
     import argparse
 
-    from spcompile import cli_tune
+    from spcompile.cli import tune as cli_tune
 
     g = tmp_path / "g.npz"
     sp.save_npz(g, graph(150, seed=7))
@@ -303,6 +305,7 @@ class _Reduced(Template):
     target = "cpu"
     priority = -100
     ops = (("spmm", "sum"),)
+    precision_param = "precision"
 
     def space(self, mod):
         from optuna.distributions import CategoricalDistribution
@@ -331,7 +334,7 @@ def test_precision_policy(db, reduced_template):
     """The default policy (fp32) never measures, stores or returns a reduced-precision config;
     looser policies admit exactly the precisions at or above them, and their records are kept
     apart from the exact ones."""
-    from spcompile.tuner import allowed_precisions
+    from spcompile.core.numerics import allowed_precisions
 
     class Fast(FakeRunner):
         def kernel_s(self, cfg):  # reduced precision is always faster here

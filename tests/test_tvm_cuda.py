@@ -25,12 +25,13 @@ import pytest
 from conftest import check_result, inputs_for, random_matrix  # noqa: E402
 
 import spcompile  # noqa: E402
-from spcompile.formats import as_csr  # noqa: E402
-from spcompile.ir import SparseModule, SparseOp, values_hash  # noqa: E402
-from spcompile.module import CompiledModule, Config  # noqa: E402
+from spcompile.core.formats import as_csr  # noqa: E402
+from spcompile.core.ir import SparseModule, SparseOp, values_hash  # noqa: E402
+from spcompile.core.config import Config  # noqa: E402
+from spcompile.module import CompiledModule  # noqa: E402
 from spcompile.runtime import cuda as rt  # noqa: E402
 from spcompile.runtime.target import cuda_available  # noqa: E402
-from spcompile.schedules import get_template  # noqa: E402
+from spcompile.kernels import get_template  # noqa: E402
 
 SPMM, SDDMM = "tvm.cuda_csr_spmm", "tvm.cuda_csr_sddmm"
 KS = (1, 3, 64, 100)
@@ -244,7 +245,7 @@ def _bench(art_dir: str) -> None:
     import torch
 
     import conftest
-    from spcompile.schedules.base import csr_kernel_arrays
+    from spcompile.kernels.base import csr_kernel_arrays
 
     def timeit(fn, reps=50):
         for _ in range(5):

@@ -11,10 +11,10 @@ __all__ = ["Pass", "PassInfo", "FunctionPass", "PassContext", "PassInstrument", 
 def run(name: str, A, *, op: str = "spmm", K: int = 1, reduce: str | None = None,
         ctx: PassContext | None = None, **options):
     """Run the single pass ``name`` on matrix ``A`` (any supported input) and return the
-    :class:`~spcompile.ir.SparseModule` after it: ``.row_perm``, ``.col_perm``, ``.A``,
+    :class:`~spcompile.core.ir.SparseModule` after it: ``.row_perm``, ``.col_perm``, ``.A``,
     ``.formats`` and ``.metrics[name]``."""
-    from ..formats import as_csr
-    from ..ir import SparseModule, SparseOp
+    from ..core.formats import as_csr
+    from ..core.ir import SparseModule, SparseOp
 
     mod = SparseModule.from_op(SparseOp(op, reduce, as_csr(A), K))
     return Pipeline([get_pass(name, **options)])(mod, ctx)

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from ..ir import PassRecord, SparseModule
+from ..core.ir import PassRecord, SparseModule
 
 ENTRY_POINT_GROUP = "spcompile.passes"
 

@@ -38,7 +38,7 @@ import time
 
 import numpy as np
 
-from ..formats import CSR
+from ..core.formats import CSR
 from .base import Pass, register_pass
 from .tile_aspt import build_aspt, dense_ratio
 

@@ -616,8 +616,8 @@ def best_vnm(A, max_M: int = 32, max_V: int = 32, N: int = 2, max_iter: int = 10
 
     Returns ``{"V", "N", "M", "pattern", "conforms", "tried"}``; V/M/pattern are None when not
     even 1:N:4 can be reached.  ``tried`` lists every attempt with its metrics.  ``A``: anything
-    :func:`spcompile.formats.as_csr` accepts."""
-    from ..formats import as_csr
+    :func:`spcompile.core.formats.as_csr` accepts."""
+    from ..core.formats import as_csr
 
     A = as_csr(A)
     tried = []

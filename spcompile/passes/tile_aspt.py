@@ -151,7 +151,7 @@ class ASpTFormat:
 
     def remainder_csr(self):
         """The remainder as a CSR in processing order (row i = module row ``rem_rows[i]``)."""
-        from ..formats import CSR
+        from ..core.formats import CSR
 
         k = int(self.rem_rows.shape[0])
         return CSR(self.rem_indptr.copy(), self.rem_indices.copy(), self.rem_data.copy(), (k, self.shape[1]))

@@ -38,7 +38,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from ..schedules.base import Kernel
+from .kernel import Kernel
 
 __all__ = ["CUDAKernel", "call", "compile_cuda", "nvcc_path", "nvcc_available", "nvcc_version",
            "device_arch", "cache_dir", "load_module", "to_device", "DEFAULT_ARCH", "CompileError", "Launch"]
@@ -362,9 +362,9 @@ class CUDAKernel(Kernel):
 
     def __call__(self, *inputs, out):
         """Generic entry used by runners: numpy, CuPy or torch arrays, same path as a module call."""
-        from ..module import _array_kind
+        from .arrays import array_kind
 
-        return call(self, _array_kind(inputs[0]), inputs, out, tuple(out.shape))
+        return call(self, array_kind(inputs[0]), inputs, out, tuple(out.shape))
 
 
 def _torch_stream(torch, index: int) -> int:

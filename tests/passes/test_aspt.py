@@ -5,8 +5,9 @@ import pytest
 import scipy.sparse as sp
 
 import spcompile
-from spcompile import passes, reference
-from spcompile.formats import as_csr
+from spcompile import passes
+from spcompile.core import numerics, reference  # noqa: F401
+from spcompile.core.formats import as_csr
 from spcompile.passes.tile_aspt import ASpTFormat, aspt_sddmm, aspt_spmm, build_aspt, dense_mask, dense_ratio
 
 FIG1_ROWS = [[0, 4], [1, 2, 3], [4, 5], [2], [0, 3, 4], [1, 5]]  # see test_lsh.py for the reconstruction
@@ -149,7 +150,7 @@ def test_aspt_rr_pipeline_improves_dense_ratio():
             cols += base.tolist()
     S = sp.csr_matrix((np.ones(len(rows)), (rows, cols)), shape=(1200, 3000))[rng.permutation(1200)]
     nr = passes.run("tile.aspt", S, panel_height=8).metrics["tile.aspt"]["dense_ratio"]
-    from spcompile.ir import SparseModule, SparseOp
+    from spcompile.core.ir import SparseModule, SparseOp
     from spcompile.passes import Pipeline
 
     mod = SparseModule.from_op(SparseOp("spmm", "sum", as_csr(S), 4))

@@ -6,13 +6,13 @@ import scipy.sparse as sp
 
 import spcompile
 from spcompile import passes
-from spcompile.formats import as_csr
-from spcompile.ir import SparseModule, SparseOp
+from spcompile.core.formats import as_csr
+from spcompile.core.ir import SparseModule, SparseOp
 from spcompile.passes import PassContext, Pipeline
 from spcompile.passes.cluster_lsh import (cluster_rows, consecutive_similarity, jaccard_pairs, lsh_candidate_pairs,
                                           lsh_order, minhash_signatures)
 from spcompile.passes.tile_aspt import aspt_spmm, dense_ratio
-from spcompile import reference
+from spcompile.core import numerics, reference  # noqa: F401
 
 # Fig. 1a of Jiang et al. (PPoPP'20), reconstructed from every fact the text states: 6 x 6, 13
 # nonzeros, row 0 = {0, 4}, row 4 = {0, 3, 4}, rowptr[1] = 2 and rowptr[2] = 5, no two consecutive

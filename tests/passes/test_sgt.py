@@ -223,8 +223,8 @@ def test_build_with_sgt_pipeline_is_lossless(pipeline):
 
 def test_after_reordering_the_format_describes_the_current_order():
     A = _random(70, 70, 0.06, 5)
-    from spcompile.ir import SparseModule, SparseOp
-    from spcompile.formats import as_csr
+    from spcompile.core.ir import SparseModule, SparseOp
+    from spcompile.core.formats import as_csr
     from spcompile.passes import Pipeline
 
     mod = Pipeline(["reorder.rcm", "tile.sgt"])(SparseModule.from_op(SparseOp("spmm", None, as_csr(A), 4)))

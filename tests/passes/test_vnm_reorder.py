@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 
-from spcompile.formats import as_csr
+from spcompile.core.formats import as_csr
 from spcompile.passes import reorder_vnm as R
 from spcompile.passes import run
 

@@ -103,8 +103,8 @@ def _run_jobs(jobs, opts: dict, progress: bool, worker: int = 0) -> list[dict]:
     """Run every job in this process; returns summaries (dicts).  Stops on Ctrl-C."""
     import optuna
 
-    from .cli import load_matrix
-    from .tuner import tune
+    from .common import load_matrix
+    from ..autotune.tuner import tune
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     out = []
@@ -163,7 +163,7 @@ def summary_table(rows: list[dict]) -> str:
         if r.get("best_config") is None and not r.get("baseline_ms"):
             cfg = "interrupted" if r.get("interrupted") else "no working config"
         else:
-            from .module import Config
+            from ..core.config import Config
 
             cfg = str(Config.from_dict(r["best_config"])) if r.get("best_config") else "no working config"
             cfg = cfg.replace("target=cpu ", "").replace("target=cuda ", "")
@@ -182,8 +182,8 @@ def summary_table(rows: list[dict]) -> str:
 
 
 def cmd_tune(args) -> int:
-    from .database import normalize_url
-    from .runtime import resolve_target
+    from ..autotune.database import normalize_url
+    from ..runtime import resolve_target
 
     for g in args.graphs:
         if not os.path.isfile(g):
@@ -239,9 +239,9 @@ def cmd_tune(args) -> int:
 
 
 def _reread(jobs, opts, rows):
-    from .cli import load_matrix
-    from .compiler import make_op
-    from .tuner import Tuner
+    from .common import load_matrix
+    from ..compile import make_op
+    from ..autotune.tuner import Tuner
 
     by_key = {(r["graph"], r["reduce"], r["K"]): r for r in rows}
     out = []
@@ -262,14 +262,14 @@ def _reread(jobs, opts, rows):
 
 
 def _safe(url: str) -> str:
-    from .tuner import _safe_url
+    from ..autotune.policy import safe_url as _safe_url
 
     return _safe_url(url)
 
 
 # -- best ---------------------------------------------------------------------------------------
 def cmd_best(args) -> int:
-    from .database import Database, normalize_url, sqlite_path
+    from ..autotune.database import Database, normalize_url, sqlite_path
 
     url = normalize_url(args.storage)
     path = sqlite_path(url)

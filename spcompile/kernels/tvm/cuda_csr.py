@@ -17,7 +17,7 @@ chunks of K are held in registers (one pass over a row's nonzeros).
 * SDDMM: the row's slice of X is kept in registers; per nonzero each lane forms a partial dot
   product with Y[j] and the ``threads_k`` lanes combine them with warp shuffles (xor butterfly).
 
-Kernels work in the caller's order (see :func:`~spcompile.schedules.base.csr_kernel_arrays`).
+Kernels work in the caller's order (see :func:`~spcompile.kernels.base.csr_kernel_arrays`).
 """
 from __future__ import annotations
 
@@ -30,9 +30,9 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ..ir import SparseModule
-from ..runtime import cuda as rt
-from .base import Kernel, Template, csr_kernel_arrays, register_template
+from ...core.ir import SparseModule
+from ...runtime import cuda as rt
+from ..base import Kernel, Template, csr_kernel_arrays, register_template
 
 __all__ = ["CudaSpMM", "CudaSDDMM", "spmm_primfunc", "sddmm_primfunc", "cuda_source", "compile_source"]
 

@@ -30,9 +30,9 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
-from . import __version__
-from .ir import WorkloadKey
-from .module import Config
+from .._version import __version__, tvm_version
+from ..core.ir import WorkloadKey
+from ..core.config import Config
 
 __all__ = ["default_storage_url", "normalize_url", "target_key", "target_digest", "Record", "Database",
            "open_database", "optuna_storage", "config_digest", "pass_hashes", "ENV_VAR"]
@@ -105,14 +105,13 @@ def _engine_kwargs(url: str) -> dict:
 # -- target keys ----------------------------------------------------------------------------
 @functools.lru_cache(maxsize=None)
 def _cpu_target() -> dict:
-    from .module import _tvm_version
-    from .runtime import cpu as rt
+    from ..runtime import cpu as rt
 
     import platform
 
     return {"target": "cpu", "device": rt.host_cpu_name() or platform.processor() or platform.machine(),
             "machine": platform.machine(), "threads": int(os.environ.get("TVM_NUM_THREADS") or os.cpu_count() or 1),
-            "tvm": _tvm_version(), "spcompile": __version__}
+            "tvm": tvm_version(), "spcompile": __version__}
 
 
 @functools.lru_cache(maxsize=None)
@@ -130,9 +129,8 @@ def _cuda_target() -> dict:
     except Exception as e:  # no GPU: the key still differs from every real device's
         d.update(device="unavailable", error=type(e).__name__)
     try:
-        from .module import _tvm_version
-
-        d["tvm"] = _tvm_version()
+    
+        d["tvm"] = tvm_version()
     except Exception:
         pass
     return d
@@ -162,7 +160,7 @@ def config_digest(config: Config) -> str:
 
 def pass_hashes(pipeline: Iterable[Mapping]) -> dict[str, str]:
     """Source hash of every pass a pipeline names (a changed pass invalidates its records)."""
-    from .passes.base import get_pass
+    from ..passes.base import get_pass
 
     out = {}
     for p in pipeline:
@@ -182,7 +180,7 @@ def pass_hashes(pipeline: Iterable[Mapping]) -> dict[str, str]:
 
 
 def template_hash(name: str) -> str | None:
-    from .schedules import get_template
+    from ..kernels import get_template
 
     try:
         tpl = get_template(name)
@@ -223,7 +221,7 @@ class Record:
 
     def invalid_reason(self) -> str | None:
         """Why this record no longer applies (changed template/pass source), or None if valid."""
-        from .schedules import get_template
+        from ..kernels import get_template
 
         cur = template_hash(self.config.template)
         if cur is None:

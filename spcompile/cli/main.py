@@ -8,38 +8,8 @@ import time
 
 import numpy as np
 
-
-def load_matrix(path: str):
-    """A sparse matrix from a scipy ``.npz`` (save_npz) or Matrix Market ``.mtx`` file."""
-    import scipy.io
-    import scipy.sparse as sp
-
-    if path.endswith(".npz"):
-        try:
-            return sp.load_npz(path)
-        except (ValueError, OSError) as e:
-            raise SystemExit(f"error: cannot read {path!r} as a scipy sparse .npz: {e}")
-    if path.endswith((".mtx", ".mtx.gz")):
-        return sp.csr_matrix(scipy.io.mmread(path))
-    raise SystemExit(f"error: unsupported matrix file {path!r} (expected .npz or .mtx)")
-
-
-def power_law_graph(n: int, avg_degree: float = 16.0, exponent: float = 2.1, seed: int = 0):
-    """A symmetric Chung-Lu power-law graph (weights ~ rank^(-1/(exponent-1))), values 1.0."""
-    import scipy.sparse as sp
-
-    rng = np.random.default_rng(seed)
-    w = (np.arange(1, n + 1, dtype=np.float64)) ** (-1.0 / (exponent - 1.0))
-    p = w / w.sum()
-    m = int(n * avg_degree / 2)
-    rows = rng.choice(n, size=m, p=p)
-    cols = rng.choice(n, size=m, p=p)
-    keep = rows != cols
-    rows, cols = rows[keep], cols[keep]
-    perm = rng.permutation(n)  # hide the degree order
-    A = sp.coo_matrix((np.ones(rows.size, np.float32), (perm[rows], perm[cols])), shape=(n, n)).tocsr()
-    A = ((A + A.T) > 0).astype(np.float32).tocsr()
-    return A
+from ..api import build, load
+from .common import load_matrix, power_law_graph
 
 
 def _median_time(fn, repeats: int = 20, warmup: int = 3) -> float:
@@ -54,15 +24,13 @@ def _median_time(fn, repeats: int = 20, warmup: int = 3) -> float:
 
 
 def cmd_build(args) -> int:
-    import spcompile
-
     A = load_matrix(args.matrix)
     params = json.loads(args.params) if args.params else None
     pipeline = args.pipeline.split(",") if args.pipeline else None
     kw = {}
     if args.tune or args.trials:
         kw.update(tune=True, trials=args.trials)
-    mod = spcompile.build(A, op=args.op, K=args.K, reduce=args.reduce, target=args.target,
+    mod = build(A, op=args.op, K=args.K, reduce=args.reduce, target=args.target,
                           template=args.template, params=params, pipeline=pipeline, storage=args.storage, **kw)
     out = args.output or (args.matrix.rsplit(".", 1)[0] + ".spc")
     mod.save(out)
@@ -77,20 +45,20 @@ def cmd_demo(args) -> int:
     """The main job on the embedded default: build, check and time a module for a generated graph."""
     import scipy.sparse as sp
 
-    import spcompile
-    from spcompile import reference
-    from spcompile.runtime import resolve_target
+    from ..core import numerics, reference
+    from ..core.formats import as_csr
+    from ..runtime import resolve_target
 
     target = resolve_target(args.target)
     A = power_law_graph(args.rows, args.degree, seed=args.seed)
-    C = spcompile.as_csr(A)
+    C = as_csr(A)
     print(f"power-law graph: {A.shape[0]} rows, {A.nnz} nonzeros, max row {int(np.diff(A.indptr).max())}; "
           f"target={target}")
     rng = np.random.default_rng(args.seed)
     rows = []
     for op, reduce in (("spmm", "sum"), ("spmm", "max"), ("spmm", "mean"), ("sddmm", None)):
         t0 = time.perf_counter()
-        mod = spcompile.build(A, op=op, K=args.K, reduce=reduce, target=target, storage=args.storage)
+        mod = build(A, op=op, K=args.K, reduce=reduce, target=target, storage=args.storage)
         build_s = time.perf_counter() - t0
         if op == "spmm":
             X = rng.standard_normal((A.shape[1], args.K)).astype(np.float32)
@@ -106,7 +74,7 @@ def cmd_demo(args) -> int:
         out = mod(*ins)
         out = out.get() if hasattr(out, "get") else np.asarray(out)
         err = reference.rel_error(out, ref)
-        ok = err <= reference.tolerance("float32")
+        ok = err <= numerics.tolerance("float32")
         t = _median_time(lambda: mod(*ins))
         tb = _median_time(base) if base else float("nan")
         rows.append((op + ("/" + reduce if reduce else ""), err, ok, build_s, t * 1e3, tb * 1e3, str(mod.config)))
@@ -115,7 +83,7 @@ def cmd_demo(args) -> int:
         print(f"{r[0]:12s} {r[1]:9.2e} {'yes' if r[2] else 'NO':>4s} {r[3]:8.2f} {r[4]:9.3f} {r[5]:9.3f}  {r[6]}")
     if args.save:
         mod.save(args.save)
-        m2 = spcompile.load(args.save, A)
+        m2 = load(args.save, A)
         same = np.array_equal(np.asarray(m2(*ins)), np.asarray(mod(*ins)))
         print(f"saved {args.save}; reloaded module gives identical results: {same}")
         if not same:
@@ -124,7 +92,7 @@ def cmd_demo(args) -> int:
 
 
 def cmd_passes(args) -> int:
-    from spcompile.passes import list_passes
+    from ..passes import list_passes
 
     for name, info in list_passes().items():
         print(f"{name:16s} {info.description}")
@@ -134,7 +102,7 @@ def cmd_passes(args) -> int:
 
 
 def cmd_templates(args) -> int:
-    from spcompile.schedules import list_templates
+    from ..kernels import list_templates
 
     for t in list_templates(args.target):
         ops = ", ".join(o + ("/" + r if r else "") for o, r in t.ops)
@@ -143,9 +111,7 @@ def cmd_templates(args) -> int:
 
 
 def cmd_info(args) -> int:
-    import spcompile
-
-    mod = spcompile.load(args.artifact)
+    mod = load(args.artifact)
     print(repr(mod))
     for rec in mod.pass_log:
         print(f"  pass {rec['name']}: {rec.get('metrics', {})}")
@@ -191,7 +157,7 @@ def make_parser() -> argparse.ArgumentParser:
     i.set_defaults(func=cmd_info)
 
     try:
-        from . import cli_tune
+        from . import tune as cli_tune
     except ImportError:
         cli_tune = None
     if cli_tune is not None:

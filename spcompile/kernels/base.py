@@ -1,8 +1,8 @@
 """The :class:`Template` protocol, built :class:`Kernel` objects and the template registry.
 
-A template turns a :class:`~spcompile.ir.SparseModule` (the matrix after passes) plus a dict of
+A template turns a :class:`~spcompile.core.ir.SparseModule` (the matrix after passes) plus a dict of
 parameters into a :class:`Kernel`.  Two families implement it: TVM TensorIR schedules (this
-package) and CUDA C++ templates (``spcompile.cuda_templates``); external library calls
+package) and CUDA C++ templates (``spcompile.kernels``); external library calls
 (cuSPARSE) are templates too.  ``space(mod)`` returns the tunable parameters as Optuna
 distributions; ``default_params`` and ``seed_params`` give the starting points for the tuner.
 
@@ -19,39 +19,13 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ..ir import SparseModule
+from ..core.config import Config
+from ..core.ir import SparseModule
+from ..runtime.kernel import Kernel
 
-#: a 16-bit workload's own precision: its X / Y already are in it, so a template computing with
-#: operands of that precision (fp32 accumulation) offers only it for such a workload, and the
-#: tuner admits it under every precision policy
-NATIVE_PRECISION = {"float16": "fp16", "bfloat16": "bf16"}
 
-__all__ = ["NATIVE_PRECISION", "Template", "Kernel", "register_template", "get_template", "list_templates",
+__all__ = ["Template", "Kernel", "register_template", "get_template", "list_templates",
            "csr_kernel_arrays", "source_hash_of"]
-
-
-class Kernel:
-    """A compiled kernel bound to its matrix data.
-
-    ``arrays``: host numpy arrays the kernel needs (saved in artifacts, .npz).
-    ``files``: artifact file name -> local path of a binary (TVM library, cubin, PTX).
-    ``__call__(*inputs, out)`` runs on validated inputs already on the kernel's device and
-    writes ``out`` (same device), returning it.
-    """
-
-    template: str = ""
-    target: str = "cpu"
-
-    def __init__(self, template: str, params: Mapping[str, Any], arrays: Mapping[str, np.ndarray],
-                 files: Mapping[str, str] | None = None, meta: Mapping[str, Any] | None = None):
-        self.template = template
-        self.params = dict(params)
-        self.arrays = dict(arrays)
-        self.files = dict(files or {})
-        self.meta = dict(meta or {})
-
-    def __call__(self, *inputs, out):
-        raise NotImplementedError
 
 
 def unique_params(seeds) -> list[dict]:
@@ -76,6 +50,9 @@ class Template:
     format: str = "csr"
     #: preferred when the tuner/heuristics choose a default; higher first
     priority: int = 0
+    #: the parameter that selects the arithmetic precision (tensor-core templates), or None:
+    #: every configuration computes in exact fp32
+    precision_param: str | None = None
 
     # -- availability / applicability --------------------------------------------------------
     def available(self) -> bool:
@@ -116,6 +93,17 @@ class Template:
         if unknown:
             raise ValueError(f"template {self.name!r} got unknown parameter(s) {sorted(unknown)}")
         return full
+
+    def precision_of(self, params: Mapping[str, Any]) -> str:
+        """The precision a configuration with ``params`` computes in."""
+        if self.precision_param is None:
+            return "fp32"
+        return str(params.get(self.precision_param, "fp32"))
+
+    def make_config(self, params: Mapping[str, Any], pipeline=(), target: str | None = None) -> Config:
+        """A :class:`Config` of this template (its format and precision filled in)."""
+        return Config(self.name, dict(params), tuple(pipeline), target or self.target, self.format,
+                      self.precision_of(params))
 
     # -- build / load ------------------------------------------------------------------------
     def build(self, mod: SparseModule, params: Mapping[str, Any]) -> Kernel:

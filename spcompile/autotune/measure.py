@@ -23,9 +23,11 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from . import reference
-from .ir import SparseModule, SparseOp
-from .module import CompiledModule, Config
+from ..core import numerics, reference
+from ..core.numerics import round_to
+from ..core.ir import SparseModule, SparseOp
+from ..core.config import Config
+from ..module import CompiledModule
 
 __all__ = ["MeasureResult", "Runner", "CPURunner", "CUDARunner", "make_runner", "build_timed", "make_inputs"]
 
@@ -80,18 +82,6 @@ class _Pruned(Exception):
         self.estimate = estimate
 
 
-def round_to(x: np.ndarray, dtype: str) -> np.ndarray:
-    """float32 values rounded to ``dtype`` ("float16", "bfloat16"; round to nearest even), as float32."""
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    if dtype == "float16":
-        return x.astype(np.float16).astype(np.float32)
-    if dtype == "bfloat16":
-        b = x.view(np.uint32)
-        b = (b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
-        return b.view(np.float32)
-    return x
-
-
 def make_inputs(op: SparseOp, n_sets: int, seed: int = 0) -> list[tuple[np.ndarray, ...]]:
     """``n_sets`` independent random input tuples for ``op``: float32 arrays whose values are
     exactly representable in the op's dtype (so the float64 reference sees the inputs the kernel
@@ -102,11 +92,11 @@ def make_inputs(op: SparseOp, n_sets: int, seed: int = 0) -> list[tuple[np.ndarr
 
 
 def build_timed(op: SparseOp, config: Config) -> tuple[CompiledModule, float, float]:
-    """Replay ``config`` like :func:`spcompile.compiler.build_from_config`, timing the pass
+    """Replay ``config`` like :func:`spcompile.compile.build_from_config`, timing the pass
     pipeline (preprocessing) and the template build (compilation) separately."""
-    from .compiler import build_from_config
-    from .passes import Pipeline
-    from .schedules import get_template
+    from ..compile import build_from_config
+    from ..passes import Pipeline
+    from ..kernels import get_template
 
     tpl = get_template(config.template)
     if tpl.target != config.target:
@@ -158,12 +148,12 @@ class _BaseRunner:
         return inputs, refs
 
     def _tol(self, op: SparseOp, cm=None) -> float:
-        """The caller's rtol, else the tolerance of the precision the kernel computes in (a
-        tensor-core kernel records e.g. "tf32" / "float16" in its meta), else the op's dtype."""
+        """The caller's rtol, else the looser of the tolerances of the precision the config computes
+        in and of the op's dtype (a 16-bit result is rounded once)."""
         if self.rtol is not None:
             return self.rtol
-        kdt = getattr(getattr(cm, "kernel", None), "meta", {}).get("tolerance_dtype") if cm is not None else None
-        return reference.tolerance(kdt or op.dtype)
+        prec = cm.config.precision if cm is not None else "fp32"
+        return max(numerics.tolerance(prec), numerics.tolerance(op.dtype))
 
     def measure(self, op: SparseOp, config: Config, *, timeout: float | None = None,
                 prune_above: float | None = None) -> MeasureResult:
@@ -284,7 +274,7 @@ class CPURunner(_BaseRunner):
                 samples.append((time.perf_counter() - t0) / number)
             return MeasureResult(OK, kernel_s=float(statistics.median(samples)), rel_error=err,
                                  samples=samples, name="scipy.csr_matmul")
-        from .compiler import default_config
+        from ..compile import default_config
 
         cfg = default_config(op, "cpu")
         res = self.measure(op, cfg)
@@ -410,14 +400,14 @@ class CUDARunner(_BaseRunner):
 
     def baseline(self, op: SparseOp) -> MeasureResult:
         """The template ``extern.cusparse`` when registered and available, else the default config."""
-        from .compiler import default_config
-        from .schedules import get_template
+        from ..compile import default_config
+        from ..kernels import get_template
 
         try:
             tpl = get_template("extern.cusparse")
             mod = SparseModule.from_op(op)
             if tpl.available() and tpl.supports(mod):
-                res = self.measure(op, Config(tpl.name, tpl.default_params(mod), (), "cuda", tpl.format))
+                res = self.measure(op, tpl.make_config(tpl.default_params(mod), (), "cuda"))
                 res.name = tpl.name
                 if res.ok:
                     return res

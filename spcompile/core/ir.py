@@ -145,7 +145,7 @@ class SparseOp:
             raise ValueError(f"unsupported dtype {self.dtype!r}; expected one of {DTYPES}")
         object.__setattr__(self, "dtype", str(self.dtype))
         if not isinstance(self.A, CSR):
-            raise TypeError("SparseOp.A must be a canonical CSR (use spcompile.formats.as_csr)")
+            raise TypeError("SparseOp.A must be a canonical CSR (use spcompile.core.formats.as_csr)")
 
     @property
     def shape(self) -> tuple[int, int]:

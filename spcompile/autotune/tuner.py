@@ -7,7 +7,7 @@ the template's ``space()``.  The study is seeded (``enqueue_trial``) with every 
 default, the papers' heuristics (``Template.seed_params``) and the best configs of the most
 similar matrices already in the database.
 
-Each trial is measured by a :mod:`~spcompile.runner` (correctness first, then timing).  Failures
+Each trial is measured by a :mod:`~spcompile.autotune.measure` (correctness first, then timing).  Failures
 (compile error, launch error, timeout, wrong result) are told as ``FAIL`` with their reason and
 the search goes on; configs that are clearly slower than the best so far are ``PRUNED`` after a
 first timing; a config already measured is not measured again.  Successful trials are written to
@@ -29,46 +29,21 @@ import threading
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
+from .space import DEFAULT_REORDERS, candidates, contains, suggest
 from .database import (Database, Record, config_digest, open_database, optuna_storage, pass_hashes,
                        target_digest, target_key, template_hash)
-from .ir import SparseModule, SparseOp
-from .module import Config
-from .runner import MeasureResult, make_runner
-from .schedules.base import NATIVE_PRECISION
+from ..core.ir import SparseModule, SparseOp
+from ..core.config import Config
+from .measure import MeasureResult, make_runner
+from ..core.numerics import allowed_precisions
 
-__all__ = ["Tuner", "TuneResult", "tune", "choose_config", "candidates", "objective_name", "DEFAULT_REORDERS",
-           "PRECISIONS", "allowed_precisions"]
+__all__ = ["Tuner", "TuneResult", "tune", "objective_name"]
 
-#: lossless reorderings the tuner may put in front of a template's own pipeline
-DEFAULT_REORDERS = ("reorder.rcm", "reorder.degree")
 DEFAULT_TRIALS = 24
 FAIL_REASON = "fail_reason"
 INTERRUPTED = "interrupted"
-
-
-#: precision policies, most exact first: the lowest arithmetic precision a module may compute in.
-#: "fp32" (the default) admits only kernels computing in full fp32; "tf32" adds TF32 tensor-core
-#: kernels; "fp16" adds fp16 ones; "bf16" admits everything.  A template states the precision of a
-#: configuration with its ``precision`` parameter (absent: fp32).
-PRECISIONS = ("fp32", "tf32", "fp16", "bf16")
-
-
-
-
-def allowed_precisions(policy: str | None, dtype: str | None = None) -> tuple[str, ...]:
-    policy = "fp32" if policy is None else str(policy)
-    if policy not in PRECISIONS:
-        raise ValueError(f"precision must be one of {PRECISIONS} (the lowest precision the module may compute "
-                         f"in; 'fp32' admits only exact fp32 kernels), got {policy!r}")
-    out = PRECISIONS[: PRECISIONS.index(policy) + 1]
-    native = NATIVE_PRECISION.get(dtype or "")
-    return out + (native,) if native and native not in out else out
-
-
-def config_precision(cfg: Config) -> str:
-    return str(cfg.params.get("precision", "fp32"))
 
 
 def objective_name(objective: str = "kernel_time", expected_calls: float | None = None,
@@ -99,77 +74,6 @@ def objective_value(res: MeasureResult, objective: str, expected_calls: float | 
     if name != "kernel_time":
         v += res.preprocess_s / float(expected_calls or name.split("@", 1)[1])
     return v * 1e3
-
-
-def _pipeline_label(spec: Sequence[Mapping]) -> str:
-    if not spec:
-        return "none"
-    return "+".join(p["name"] for p in spec)
-
-
-def candidates(op: SparseOp, target: str, reorders: Iterable[str] = DEFAULT_REORDERS) -> dict[str, dict[str, list]]:
-    """``{template: {pipeline label: pipeline spec}}`` offered for ``op`` on ``target``: templates
-    that support the op and whose toolchain is available, each with its own pipelines and those
-    pipelines behind each generic reordering."""
-    from .passes import Pipeline
-    from .passes.base import list_passes
-    from .schedules import list_templates
-
-    mod0 = SparseModule.from_op(op)
-    registered = set(list_passes())
-    reorders = [r for r in reorders if r in registered]
-    out: dict[str, dict[str, list]] = {}
-    for tpl in list_templates(target, op=op.op, reduce=op.reduce, available_only=True):
-        if (op.op, op.reduce) not in tpl.ops or op.dtype not in tpl.dtypes:
-            continue   # (a 16-bit workload: only the templates that take 16-bit inputs)
-        try:
-            own = [Pipeline(p).spec() for p in tpl.pipelines(mod0)]
-        except Exception:  # a template naming passes that are not registered: not offered
-            continue
-        if not own:
-            continue
-        pipes: dict[str, list] = {}
-
-        def add(spec):
-            if spec in pipes.values():
-                return
-            label = _pipeline_label(spec)
-            i = 2
-            while label in pipes:
-                label = f"{_pipeline_label(spec)}#{i}"
-                i += 1
-            pipes[label] = spec
-
-        for spec in own:
-            add(spec)
-        for spec in own:
-            if spec and spec[0]["name"].startswith("reorder."):
-                continue
-            for r in reorders:
-                add(Pipeline([r]).spec() + spec)
-        if not own[0] and not tpl.supports(mod0):
-            continue
-        out[tpl.name] = pipes
-    return out
-
-
-def _suggest(trial, name: str, dist):
-    from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
-
-    if isinstance(dist, CategoricalDistribution):
-        return trial.suggest_categorical(name, list(dist.choices))
-    if isinstance(dist, IntDistribution):
-        return trial.suggest_int(name, dist.low, dist.high, step=dist.step, log=dist.log)
-    if isinstance(dist, FloatDistribution):
-        return trial.suggest_float(name, dist.low, dist.high, step=dist.step, log=dist.log)
-    raise TypeError(f"unsupported distribution for {name!r}: {dist!r}")
-
-
-def _contains(dist, value) -> bool:
-    try:
-        return bool(dist._contains(dist.to_internal_repr(value)))
-    except Exception:
-        return False
 
 
 @dataclass
@@ -240,9 +144,9 @@ class _Heartbeat:
 
 
 class Tuner:
-    """Tunes one :class:`~spcompile.ir.SparseOp` on one target with an Optuna study.
+    """Tunes one :class:`~spcompile.core.ir.SparseOp` on one target with an Optuna study.
 
-    ``runner``: measures configs (default: :func:`spcompile.runner.make_runner`); tests inject
+    ``runner``: measures configs (default: :func:`spcompile.autotune.measure.make_runner`); tests inject
     fakes.  ``storage``: the tuning database (Optuna URL or SQLite path; default the embedded
     file).  ``objective``: "kernel_time" or "amortized" (with ``expected_calls``).
     ``similar``: how many similar matrices' best records seed the study.
@@ -282,18 +186,20 @@ class Tuner:
                                "on this machine")
         self._mod0 = SparseModule.from_op(op)
         self._dists = {}
-        from .schedules import get_template
+        from ..kernels import get_template
 
         from optuna.distributions import CategoricalDistribution
 
         for t in list(self.space):
-            dists = dict(get_template(t).space(self._mod0))
-            if "precision" in dists:
-                keep = [c for c in dists["precision"].choices if c in self.allowed]
+            tpl = get_template(t)
+            dists = dict(tpl.space(self._mod0))
+            pp = tpl.precision_param
+            if pp is not None and pp in dists:
+                keep = [c for c in dists[pp].choices if c in self.allowed]
                 if not keep:
                     del self.space[t]   # every variant computes below the allowed precision
                     continue
-                dists["precision"] = CategoricalDistribution(keep)
+                dists[pp] = CategoricalDistribution(keep)
             self._dists[t] = dists
         if not self.space:
             raise RuntimeError(f"no template on target {target!r} can run op={op.op!r} reduce={op.reduce!r} "
@@ -330,7 +236,7 @@ class Tuner:
 
     # -- configs <-> trial params ----------------------------------------------------------------
     def config_from_trial(self, trial) -> Config:
-        from .schedules import get_template
+        from ..kernels import get_template
 
         tname = trial.suggest_categorical("template", sorted(self.space))
         tpl = get_template(tname)
@@ -338,12 +244,12 @@ class Tuner:
         label = trial.suggest_categorical(f"{tname}:pipeline", list(pipes))
         params = dict(tpl.default_params(self._mod0))
         for pname, dist in self._dists[tname].items():
-            params[pname] = _suggest(trial, f"{tname}:{pname}", dist)
-        return Config(tname, params, tuple(pipes[label]), self.target, tpl.format)
+            params[pname] = suggest(trial, f"{tname}:{pname}", dist)
+        return tpl.make_config(params, pipes[label], self.target)
 
     def params_from_config(self, cfg: Config) -> dict | None:
         """Optuna params (for ``enqueue_trial``) reproducing ``cfg``; None if outside the space."""
-        from .passes import Pipeline
+        from ..passes import Pipeline
 
         if cfg.template not in self.space or cfg.target != self.target:
             return None
@@ -356,21 +262,20 @@ class Tuner:
             return None
         out = {"template": cfg.template, f"{cfg.template}:pipeline": label}
         for pname, dist in self._dists[cfg.template].items():
-            if pname in cfg.params and _contains(dist, cfg.params[pname]):
+            if pname in cfg.params and contains(dist, cfg.params[pname]):
                 out[f"{cfg.template}:{pname}"] = cfg.params[pname]
         return out
 
     def seed_configs(self) -> list[tuple[str, Config]]:
         """Known-good starting points: defaults, the papers' heuristics, similar matrices' bests."""
-        from .passes import Pipeline
-        from .schedules import get_template
+        from ..passes import Pipeline
+        from ..kernels import get_template
 
         seeds: list[tuple[str, Config]] = []
         for tname, pipes in self.space.items():
             tpl = get_template(tname)
             own = next(iter(pipes.values()))
-            seeds.append(("default", Config(tname, tpl.default_params(self._mod0), tuple(own), self.target,
-                                            tpl.format)))
+            seeds.append(("default", tpl.make_config(tpl.default_params(self._mod0), own, self.target)))
             mod = self._mod0
             if own:  # heuristics may need the format data the template's pipeline produces
                 try:
@@ -382,8 +287,8 @@ class Tuner:
             except Exception:
                 heur = []
             for p in heur:
-                seeds.append(("heuristic", Config(tname, {**tpl.default_params(self._mod0), **dict(p)},
-                                                  tuple(own), self.target, tpl.format)))
+                seeds.append(("heuristic", tpl.make_config({**tpl.default_params(self._mod0), **dict(p)},
+                                                           own, self.target)))
         if self.similar:
             try:
                 for dist, rec in self.db.similar(self.key, self.target_info, self.objective, self.similar):
@@ -398,7 +303,7 @@ class Tuner:
         seen = []
         for source, cfg in self.seed_configs():
             params = self.params_from_config(cfg)
-            if params is None or params in seen or config_precision(cfg) not in self.allowed:
+            if params is None or params in seen or cfg.precision not in self.allowed:
                 continue
             seen.append(params)
             self.study.enqueue_trial(params, user_attrs={"seed": source}, skip_if_exists=True)
@@ -629,8 +534,8 @@ def tune(A, op: str = "spmm", K: int | Sequence[int] | None = None, reduce: str 
     in the tuning database.  ``options`` go to :class:`Tuner` (runner, objective, expected_calls,
     seed, similar, trial_timeout, callbacks, ...).  Returns a :class:`TuneResult` (a list for
     several K); a KeyboardInterrupt stops after the current workload with ``interrupted=True``."""
-    from .compiler import make_op
-    from .runtime import resolve_target
+    from ..compile import make_op
+    from ..runtime import resolve_target
 
     target = resolve_target(target)
     Ks = list(K) if isinstance(K, (list, tuple)) else [K]
@@ -642,64 +547,3 @@ def tune(A, op: str = "spmm", K: int | Sequence[int] | None = None, reduce: str 
         if res.interrupted:
             break
     return results if isinstance(K, (list, tuple)) else results[0]
-
-
-def choose_config(sop: SparseOp, target: str, storage: str | None = None, tune: bool = False,
-                  trials: int | None = None, timeout: float | None = None, objective: str = "kernel_time",
-                  expected_calls: float | None = None, precision: str = "fp32", **options) -> tuple[Config, dict]:
-    """The decision :func:`spcompile.build` replays: the database's best valid record (a hit:
-    no tuning); on a miss the default heuristics, or tuning when ``tune``/``trials``/``timeout``
-    asks for it.  Returns ``(config, info)``; ``info`` says where the decision came from."""
-    from .compiler import default_config
-    from .database import normalize_url, sqlite_path
-    import os
-
-    obj = objective_name(objective, expected_calls, precision)
-    url = normalize_url(storage)
-    want_tune = bool(tune or trials or timeout)
-    db = None
-    path = sqlite_path(url)
-    if want_tune or path is None or os.path.exists(path):
-        try:
-            db = open_database(url)
-        except Exception as e:
-            if storage is not None or want_tune:
-                raise
-            db = None
-            db_error = str(e)
-    if db is not None:
-        try:
-            rec = db.lookup(sop.key(), target, obj)
-        except Exception as e:  # an unreadable default database must not break build()
-            if storage is not None:
-                raise
-            rec, db_error = None, str(e)
-        if rec is not None and config_precision(rec.config) in allowed_precisions(precision, sop.dtype):
-            return rec.config, {"source": "database", "storage": _safe_url(url), "objective": obj,
-                                "kernel_ms": rec.kernel_ms, "preprocess_ms": rec.preprocess_ms,
-                                "baseline_ms": rec.baseline_ms, "baseline_name": rec.baseline_name,
-                                "study": rec.study_name, "trial": rec.trial_number}
-    if want_tune:
-        res = Tuner(sop, target, storage=url, objective=objective, expected_calls=expected_calls,
-                    precision=precision, **options).run(trials, timeout)
-        if res.best_config is not None:
-            return res.best_config, {"source": "tuned", "storage": _safe_url(url), "objective": obj,
-                                     "kernel_ms": res.best_kernel_ms, "preprocess_ms": res.best_preprocess_ms,
-                                     "baseline_ms": res.baseline_ms, "baseline_name": res.baseline_name,
-                                     "study": res.study_name, "trials": res.n_trials}
-        cfg = default_config(sop, target)
-        return cfg, {"source": "heuristic", "reason": "tuning found no working config", "objective": obj}
-    info = {"source": "heuristic", "objective": obj}
-    if db is None and "db_error" in locals():
-        info["db_error"] = db_error[-300:]
-    return default_config(sop, target), info
-
-
-def _safe_url(url: str) -> str:
-    """The URL without its password (it goes into artifacts)."""
-    try:
-        from sqlalchemy.engine import make_url
-
-        return make_url(url).render_as_string(hide_password=True)
-    except Exception:
-        return url.split("@")[-1]

@@ -13,27 +13,20 @@ different row groups and combined in the same launch (see ``spmm_crc_cwm.cu``); 
 """
 from __future__ import annotations
 
-import math
-import os
 from typing import Any, Mapping
 
 import numpy as np
 
-from ..ir import SparseModule
-from ..runtime import cuda as rt
-from ..schedules.base import Template, csr_kernel_arrays, register_template, source_hash_of, unique_params
+from ...core.ir import SparseModule
+from ...runtime import cuda as rt
+from ..base import csr_kernel_arrays, register_template, unique_params
+from ..nvcc import _NvccKernel, _NvccTemplate
 
-_DIR = os.path.dirname(os.path.abspath(__file__))
 _REDUCE = {"sum": 0, "max": 1, "min": 2, "mean": 3}
 #: element types of X / Y / output the nvcc templates compile for (TN template code, bytes);
 #: the matrix values stay fp32 and all arithmetic is fp32 (one rounding of the output)
 _ELEM = {"float32": (0, 4), "float16": (1, 2), "bfloat16": (2, 2)}
 _SHORT = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
-
-
-def _source(fname: str) -> str:
-    with open(os.path.join(_DIR, fname)) as f:
-        return f.read()
 
 
 def _i32(a) -> np.ndarray:
@@ -97,80 +90,6 @@ def sddmm_partition(indptr: np.ndarray, row_ids: np.ndarray, nnz_per_warp: int) 
     seg_start = indptr[seg_row] + (within * lens[seg_row]) // nch[seg_row]
     seg_ptr = np.append(seg_start, indptr[-1] if m else 0)
     return {"seg_ptr": _i32(seg_ptr), "seg_xrow": _i32(np.asarray(row_ids, dtype=np.int64)[seg_row])}
-
-
-# ------------------------------------------------------------------------------------------
-# shared machinery of the nvcc-compiled templates
-# ------------------------------------------------------------------------------------------
-class _NvccTemplate(Template):
-    target = "cuda"
-    source_file = ""
-    instance_macro = ""
-    #: headers in this folder that ``source_file`` includes (``#include "name"``): inlined by
-    #: :meth:`source_text` (nvcc compiles a copy in a temporary folder) and part of the hash
-    headers: tuple = ()
-
-    def available(self) -> bool:
-        return rt.nvcc_available()
-
-    def source_hash(self) -> str:
-        return source_hash_of(type(self), self.version,
-                              paths=tuple(os.path.join(_DIR, f) for f in (self.source_file, *self.headers)))
-
-    def source_text(self) -> str:
-        """``source_file`` with its local headers inlined."""
-        src = _source(self.source_file)
-        for h in self.headers:
-            src = src.replace(f'#include "{h}"', _source(h))
-        return src
-
-    def render(self, instances: list[tuple[str, tuple]]) -> str:
-        """The template source plus one extern "C" wrapper per ``(name, template args)``."""
-        lines = [self.source_text(), ""]
-        lines += [f"{self.instance_macro}({n}, {', '.join(str(int(a)) for a in args)})" for n, args in instances]
-        return "\n".join(lines) + "\n"
-
-    def compile(self, instances, arch: int | None = None, name: str = "") -> str:
-        return rt.compile_cuda(self.render(instances), arch=arch, name=name or self.name.replace(".", "_"))
-
-    def supports(self, mod: SparseModule) -> bool:
-        A = mod.A
-        ok_size = max(A.nnz, A.shape[0] + 1, A.shape[1]) < 2**31 - 1
-        return super().supports(mod) and ok_size
-
-
-class _NvccKernel(rt.CUDAKernel):
-    """Kernel bound to a fatbin and matrix arrays; subclasses define the launch arguments."""
-
-    def __init__(self, template, params, arrays, files, meta, tpl):
-        super().__init__(template, params, arrays, files, meta)
-        self._tpl = tpl
-
-    def _load_functions(self):
-        import cupy
-
-        self.device_id = cupy.cuda.runtime.getDevice()
-        path = self.files["kernel.fatbin"]
-        if not rt.check_arch(int(self.meta["arch"]), self.device_id):
-            # an artifact for another GPU generation: rebuild the same variant here if we can
-            if not rt.nvcc_available():
-                raise RuntimeError(f"kernel was built for sm_{self.meta['arch']} and cannot run on this GPU "
-                                   f"(sm_{rt.device_arch(self.device_id)}); rebuild the module here")
-            arch = rt.device_arch(self.device_id)
-            path = self._tpl.compile([tuple(x) for x in self.meta["instances"]], arch=arch)
-            self.files = {**self.files, "kernel.fatbin": path}
-            self.meta = {**self.meta, "arch": arch}
-        mod = rt.load_module(path)
-        return [mod.get_function(n) for n, _ in self.meta["instances"]]
-
-    def _upload(self, names):
-        import cupy
-
-        # keep every uploaded array referenced by the kernel: the launch passes raw pointers
-        dev = self.__dict__.setdefault("_dev", {})
-        for k in names:
-            dev[k] = cupy.asarray(self.arrays[k])
-        return tuple(int(dev[k].data.ptr) for k in names)
 
 
 # ------------------------------------------------------------------------------------------
@@ -432,114 +351,3 @@ class CsrSddmm(_NvccTemplate):
 
     def load(self, params, arrays, files, meta):
         return SddmmKernel(self.name, params, arrays, files, meta, self)
-
-
-# ------------------------------------------------------------------------------------------
-# extern.cusparse — the vendor library as a candidate
-# ------------------------------------------------------------------------------------------
-class CusparseKernel(rt.CUDAKernel):
-    """cuSPARSE through PyTorch: ``torch.mm`` on a device CSR tensor built once (SpMM sum/mean,
-    mean by pre-scaled values) and ``torch.sparse.sampled_addmm`` (SDDMM)."""
-
-    def prepare(self):
-        import torch
-
-        self.device_id = torch.cuda.current_device()
-        dev = torch.device("cuda", self.device_id)
-        a = self.arrays
-        m, n = (int(v) for v in self.meta["shape"])
-        crow = torch.from_numpy(a["indptr"]).to(dev)
-        col = torch.from_numpy(a["indices"]).to(dev)
-        # torch.sparse needs A in the inputs' dtype: for 16-bit inputs the library's A is rounded
-        # to that dtype (cuSPARSE still accumulates in fp32)
-        tdt = getattr(torch, self.meta.get("dtype", "float32"))
-        vals = torch.from_numpy(a["data"]).to(dev).to(tdt)
-        if self.meta["op"] == "spmm":
-            self._A = torch.sparse_csr_tensor(crow, col, vals, (m, n), device=dev)
-        else:
-            self._A = torch.sparse_csr_tensor(crow, col, torch.ones_like(vals), (m, n), device=dev)
-            self._vals = vals
-        self._out_ok = True
-        self._torch = torch
-        self._ready = True
-
-    def run(self, kind, inputs, out, stream):
-        torch = self._torch
-        if kind != "torch":
-            # CuPy callers: order against CuPy's stream by synchronising around the library call
-            # (the vendor baseline only; our own kernels launch on the caller's stream directly)
-            rt._stream(stream).synchronize()
-            t_in = [torch.from_dlpack(x) for x in inputs]
-            t_out = torch.from_dlpack(out)
-            self._run(t_in, t_out)
-            torch.cuda.current_stream().synchronize()
-        else:
-            self._run(inputs, out)
-
-    def _run(self, inputs, out):
-        torch = self._torch
-        if self.meta["op"] == "spmm":
-            if self._out_ok:
-                try:
-                    torch.mm(self._A, inputs[0], out=out)
-                    return
-                except (RuntimeError, TypeError, NotImplementedError):
-                    self._out_ok = False
-            out.copy_(torch.sparse.mm(self._A, inputs[0]))
-        else:
-            X, Y = inputs
-            r = torch.sparse.sampled_addmm(self._A, X, Y.t(), beta=0.0, alpha=1.0)
-            torch.mul(r.values(), self._vals, out=out)
-
-    def launch(self, in_ptrs, out_ptr, stream):
-        raise NotImplementedError("extern.cusparse runs on framework arrays (run())")
-
-
-@register_template
-class Cusparse(Template):
-    """cuSPARSE (through torch.sparse) as a tuning candidate, so a tuned module is never slower
-    than the vendor library.  SpMM sum and mean, SDDMM.  Works on the original matrix (passes do
-    not apply to a library call)."""
-
-    name = "extern.cusparse"
-    version = "1"
-    target = "cuda"
-    priority = 5
-    ops = (("spmm", "sum"), ("spmm", "mean"), ("sddmm", None))
-    #: 16-bit inputs (checked on the H100, torch 2.11): torch.sparse.mm on CUDA takes CSR float16
-    #: and bfloat16, but A's values must then be in the input dtype too.  float16 A stays within the
-    #: 1e-2 tolerance; bfloat16 A (8-bit mantissa) does not (rel. error 1.5e-2 to 1.7e-2 on random
-    #: inputs), so bfloat16 is not offered.  torch.sparse.sampled_addmm has no 16-bit kernels ("not
-    #: implemented for 'Half'" / 'BFloat16'): SDDMM is fp32 only.
-    dtypes = ("float32", "float16")
-
-    def supports(self, mod):
-        if mod.op.dtype != "float32" and mod.op.op != "spmm":
-            return False
-        return super().supports(mod)
-
-    def available(self) -> bool:
-        import importlib.util
-
-        return importlib.util.find_spec("torch") is not None
-
-    def space(self, mod):
-        return {}
-
-    def default_params(self, mod):
-        return {}
-
-    def build(self, mod: SparseModule, params):
-        params = self.check_params(mod, params)
-        A = mod.op.A  # caller's order: the library needs no permutation folding
-        data = np.array(A.data, dtype=np.float32)
-        if mod.op.op == "spmm" and mod.op.reduce == "mean":
-            lens = np.diff(A.indptr.astype(np.int64))
-            data = (data / np.repeat(np.maximum(lens, 1), lens)).astype(np.float32)
-        arrays = {"indptr": np.array(A.indptr, dtype=np.int64), "indices": np.array(A.indices, dtype=np.int64),
-                  "data": data}
-        meta = {"op": mod.op.op, "reduce": mod.op.reduce, "shape": list(A.shape), "dtype": mod.op.dtype}
-        return CusparseKernel(self.name, params, arrays, {}, meta)
-
-    def load(self, params, arrays, files, meta):
-        return CusparseKernel(self.name, params, arrays, files, meta)

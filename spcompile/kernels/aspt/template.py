@@ -33,10 +33,11 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ..ir import SparseModule
-from ..runtime import cuda as rt
-from ..schedules.base import csr_kernel_arrays, register_template, unique_params
-from .templates import _NvccKernel, _NvccTemplate, _largest_vec
+from ...core.ir import SparseModule
+from ...runtime import cuda as rt
+from ..base import csr_kernel_arrays, register_template, unique_params
+from ..csr.template import _largest_vec
+from ..nvcc import _NvccKernel, _NvccTemplate
 
 __all__ = ["AsptTiled", "aspt_arrays", "emulate_aspt_spmm", "PANEL_HEIGHT"]
 

@@ -25,7 +25,7 @@ Row loops are written as ``for r in range(count): i = start + r``: a loop whose 
 the parallel variable lost its offset in TVM 0.27's lowering (rows were read from 0).
 
 The kernels work in the caller's order: ``indices`` are original column ids and ``row_ids`` /
-``nnz_ids`` say where outputs go (see :func:`~spcompile.schedules.base.csr_kernel_arrays`).
+``nnz_ids`` say where outputs go (see :func:`~spcompile.kernels.base.csr_kernel_arrays`).
 Scalar helpers are ``T.meta_var`` expressions and accumulators are ``global``-scope buffers on
 purpose: TVM lowers let-bound scalars and ``local`` buffers inside a parallel body to
 ``TVMBackendAllocWorkspace`` calls, while small ``global`` buffers become stack slots that LLVM
@@ -38,9 +38,9 @@ import math
 
 import numpy as np
 
-from ..ir import SparseModule
-from ..runtime import cpu as rt
-from .base import Kernel, Template, csr_kernel_arrays, register_template
+from ...core.ir import SparseModule
+from ...runtime import cpu as rt
+from ..base import Kernel, Template, csr_kernel_arrays, register_template
 
 PARALLEL_MIN_WORK = 600_000  # nnz * K below which the default runs on one thread (measured)
 

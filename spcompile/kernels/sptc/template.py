@@ -37,16 +37,18 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ..ir import SparseModule
-from ..runtime import cuda as rt
-from ..schedules.base import NATIVE_PRECISION, csr_kernel_arrays, register_template, unique_params
-from .templates import _NvccKernel, _NvccTemplate
+from ...core.ir import SparseModule
+from ...runtime import cuda as rt
+from ...core import numerics
+from ...core.numerics import NATIVE_PRECISION
+from ..base import csr_kernel_arrays, register_template, unique_params
+from ..nvcc import _NvccKernel, _NvccTemplate
 
 __all__ = ["SptcVnm", "sptc_arrays", "pack_arrays", "condense_windows", "PACKS", "emulate_sptc_spmm", "decode_tiles", "META_LAYOUT", "PRECISIONS",
            "fragment_index"]
 
-#: precision name -> (kernel code, reference.tolerance name)
-PRECISIONS = {"fp16": (1, "float16"), "bf16": (2, "bfloat16")}
+#: the MMA operand precisions of mma.sp (kernel code: :mod:`spcompile.core.numerics`)
+PRECISIONS = {p: numerics.PRECISIONS[p] for p in ("fp16", "bf16")}
 #: X / Y element type -> kernel code E; a 16-bit workload computes in its own precision only
 ELEMS = {"float32": 0, "float16": 1, "bfloat16": 2}
 
@@ -60,10 +62,7 @@ def precisions_for(dtype: str) -> list[str]:
 META_LAYOUT = "split16"
 
 
-def _bf16_bits(a: np.ndarray) -> np.ndarray:
-    u = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32).astype(np.uint64)
-    u = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
-    return u.astype(np.uint16)
+_bf16_bits = numerics.bf16_bits
 
 
 def _to_bits(v: np.ndarray, precision: str) -> np.ndarray:
@@ -76,7 +75,7 @@ def _from_bits(b: np.ndarray, precision: str) -> np.ndarray:
     b = np.asarray(b, dtype=np.uint16)
     if precision == "fp16":
         return b.view(np.float16).astype(np.float64)
-    return (b.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    return numerics.bf16_from_bits(b).astype(np.float64)
 
 
 def fragment_index():
@@ -496,6 +495,7 @@ class SptcVnm(_NvccTemplate):
     precision."""
 
     name = "sptc.vnm"
+    precision_param = "precision"
     version = "3"
     priority = 9
     ops = (("spmm", "sum"), ("spmm", "mean"))
@@ -554,7 +554,7 @@ class SptcVnm(_NvccTemplate):
         return f"sptc3_spmm_p{P}_nt{NT}_e{E}"
 
     def instances(self, precision: str, NT: int, dtype: str = "float32") -> list:
-        P, E = PRECISIONS[precision][0], ELEMS[dtype]
+        P, E = PRECISIONS[precision].code, ELEMS[dtype]
         if E and E != P:
             raise ValueError(f"sptc.vnm: {dtype} inputs need precision {NATIVE_PRECISION[dtype]!r}, "
                              f"got {precision!r}")
@@ -593,8 +593,7 @@ class SptcVnm(_NvccTemplate):
         ntiles = int(arrays["ccol"].size) // 32
         kept = mod.A.nnz - int(arrays["rem_vals"].size)
         meta = {"K": mod.op.K, "m": mod.A.shape[0], "precision": prec, "layout": META_LAYOUT, "pack": pack,
-                "dtype": dtype,
-                "tolerance_dtype": PRECISIONS[prec][1], "arch": arch, "tiles": ntiles,
+                "dtype": dtype, "arch": arch, "tiles": ntiles,
                 "items": int(arrays["items"].size) // 4, "remainder_nnz": int(arrays["rem_vals"].size),
                 "nnz_per_tile": float(kept / max(1, ntiles)),
                 "gathered_rows": int(np.count_nonzero(arrays["ccol"] >= 0)),

@@ -37,22 +37,23 @@ folded in (X rows of a TC block are original column ids, output rows go to ``row
 """
 from __future__ import annotations
 
-import os
 from typing import Any, Mapping
 
 import numpy as np
 
-from ..ir import SparseModule
-from ..runtime import cuda as rt
-from ..schedules.base import NATIVE_PRECISION, csr_kernel_arrays, register_template, unique_params
-from .templates import _NvccKernel, _NvccTemplate
+from ...core.ir import SparseModule
+from ...runtime import cuda as rt
+from ...core import numerics
+from ...core.numerics import NATIVE_PRECISION
+from ..base import csr_kernel_arrays, register_template, unique_params
+from ..nvcc import _NvccKernel, _NvccTemplate
 
 __all__ = ["TcWmmaSgt", "TcWmmaSgtSddmm", "tc_arrays", "emulate_tc_spmm", "mma_arrays", "emulate_mma_spmm",
            "split_windows", "sddmm_arrays", "emulate_tc_sddmm", "PRECISIONS", "INPUT_PRECISION",
            "WINDOW_REUSE", "round_to"]
 
-#: precision name -> (kernel code, MMA k, reference.tolerance name)
-PRECISIONS = {"tf32": (0, 8, "tf32"), "fp16": (1, 16, "float16"), "bf16": (2, 16, "bfloat16")}
+#: the MMA operand precisions of the tensor-core kernels (code, MMA k: :mod:`spcompile.core.numerics`)
+PRECISIONS = {p: numerics.PRECISIONS[p] for p in ("tf32", "fp16", "bf16")}
 #: workload dtype -> the only MMA precision offered for it (16-bit inputs are MMA operands as they
 #: are; fp32 inputs are converted in registers to any of PRECISIONS)
 INPUT_PRECISION = NATIVE_PRECISION
@@ -84,23 +85,11 @@ def _vec(K: int, ti: int) -> int:
 
 def round_to(a: np.ndarray, dtype: str) -> np.ndarray:
     """Values of ``a`` rounded to ``dtype`` (float16 / bfloat16 round to nearest even), as float64."""
-    a = np.asarray(a)
-    if dtype == "float16":
-        return a.astype(np.float16).astype(np.float64)
-    if dtype == "bfloat16":
-        return _bf16_to_f32(_bf16_bits(a.astype(np.float32))).astype(np.float64)
-    return a.astype(np.float32).astype(np.float64)
+    return numerics.round_to(a, dtype).astype(np.float64)
 
 
-def _bf16_bits(a: np.ndarray) -> np.ndarray:
-    """float32 -> bfloat16 bit patterns (uint16), round to nearest even."""
-    u = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32).astype(np.uint64)
-    u = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
-    return u.astype(np.uint16)
-
-
-def _bf16_to_f32(bits: np.ndarray) -> np.ndarray:
-    return (bits.astype(np.uint32) << 16).view(np.float32)
+_bf16_bits = numerics.bf16_bits
+_bf16_to_f32 = numerics.bf16_from_bits
 
 
 def tc_arrays(mod: SparseModule, precision: str = "tf32", dense_a: bool = True) -> dict[str, np.ndarray]:
@@ -195,11 +184,7 @@ def b_frag_rows(precision: str) -> np.ndarray:
     return np.stack([2 * _T, 2 * _T + 1, 2 * _T + 8, 2 * _T + 9], 1)
 
 
-def _tf32_round(a: np.ndarray) -> np.ndarray:
-    """float32 -> nearest tf32 (10-bit mantissa, ties away from zero: cvt.rna), as float32."""
-    u = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32).astype(np.uint64)
-    u = ((u + 0x1000) & 0xFFFFE000) & 0xFFFFFFFF
-    return u.astype(np.uint32).view(np.float32)
+_tf32_round = numerics.tf32_round
 
 
 def split_windows(win_block_ptr: np.ndarray, max_blocks: int) -> dict[str, np.ndarray]:
@@ -252,7 +237,7 @@ def mma_arrays(mod: SparseModule, precision: str = "tf32", max_blocks: int = 32)
     ``row_ids`` and the work items of :func:`split_windows`."""
     fmt = mod.formats["sgt"]
     BW = fmt.BLK_W
-    KS = PRECISIONS[precision][1]
+    KS = PRECISIONS[precision].mma_k
     if BW % KS:
         raise ValueError(f"precision {precision!r} needs a block width multiple of {KS}, got {BW}")
     ka = csr_kernel_arrays(mod, np.int32)
@@ -298,7 +283,7 @@ def emulate_mma_spmm(arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any], 
     m, BW, prec = int(meta["m"]), int(meta["BW"]), str(meta["precision"])
     dtype = str(meta.get("dtype", "float32"))
     NJ = 8 if input_type(dtype, prec) else 4
-    KS = PRECISIONS[prec][1]
+    KS = PRECISIONS[prec].mma_k
     S = BW // KS
     X = np.asarray(X, dtype=np.float64)
     K = X.shape[1]
@@ -437,6 +422,7 @@ class TcWmmaSgt(_NvccTemplate):
     once; split windows combine fp32 partials)."""
 
     name = "tc.wmma_sgt"
+    precision_param = "precision"
     version = "3"
     dtypes = ("float32", "float16", "bfloat16")
     priority = 10
@@ -470,7 +456,7 @@ class TcWmmaSgt(_NvccTemplate):
     def _precisions(self, mod) -> list[str]:
         fmt = mod.formats.get("sgt")
         bw = fmt.BLK_W if fmt is not None else 8
-        return [p for p in self._allowed_precisions(mod.op.dtype) if bw % PRECISIONS[p][1] == 0]
+        return [p for p in self._allowed_precisions(mod.op.dtype) if bw % PRECISIONS[p].mma_k == 0]
 
     def check_params(self, mod, params):
         full = super().check_params(mod, params)
@@ -544,14 +530,14 @@ class TcWmmaSgt(_NvccTemplate):
         return f"tc_spmm_p{P}_bw{BW}_t{TPW}_d{DENSE_A}_v{VEC}" + ("_x16" if TI else "")
 
     def instances(self, precision: str, BW: int, tpw: int, dense_a: int, vec: int, ti: int = 0) -> list:
-        P = PRECISIONS[precision][0]
+        P = PRECISIONS[precision].code
         inst = [(self.instance_name(P, BW, tpw, dense_a, vec, ti), (P, BW, tpw, dense_a, vec, ti))]
         if vec > 1:
             inst.append((self.instance_name(P, BW, tpw, dense_a, 1, ti), (P, BW, tpw, dense_a, 1, ti)))
         return inst
 
     def mma_instances(self, precision: str, BW: int, cg: int, unroll: int, vec: int, ti: int = 0) -> list:
-        P = PRECISIONS[precision][0]
+        P = PRECISIONS[precision].code
         name = lambda v: f"tc_mma_p{P}_bw{BW}_c{cg}_u{unroll}_v{v}" + ("_x16" if ti else "")  # noqa: E731
         inst = [(name(vec), (P, BW, cg, unroll, vec, ti))]
         if vec > 1:
@@ -562,7 +548,7 @@ class TcWmmaSgt(_NvccTemplate):
     def mma_ok(precision: str, BW: int, cg: int, unroll: int, ti: int = 0) -> bool:
         """Register budget: 16-byte X vectors in flight per lane (CG x U x k-steps x rows) <= 16;
         16-bit X (8 n-tiles per column group, 32 accumulators each): at most 2 column groups."""
-        KS = PRECISIONS[precision][1]
+        KS = PRECISIONS[precision].mma_k
         nr = 2 if precision == "tf32" else 4
         return cg * unroll * (BW // KS) * nr <= 16 and (not ti or cg <= 2)
 
@@ -587,9 +573,9 @@ class TcWmmaSgt(_NvccTemplate):
         prec = str(params["precision"])
         impl = str(params.get("impl", "mma"))
         W = int(params["warps_per_block"])
-        if prec not in PRECISIONS or fmt.BLK_W % PRECISIONS[prec][1]:
+        if prec not in PRECISIONS or fmt.BLK_W % PRECISIONS[prec].mma_k:
             raise ValueError(f"precision {prec!r} needs an SGT block width that is a multiple of "
-                             f"{PRECISIONS.get(prec, (0, '?'))[1]}, got BLK_W={fmt.BLK_W}")
+                             f"{getattr(PRECISIONS.get(prec), 'mma_k', '?')}, got BLK_W={fmt.BLK_W}")
         ti = input_type(dtype, prec)
         K = mod.op.K
         vec = _vec(K, ti)
@@ -597,7 +583,7 @@ class TcWmmaSgt(_NvccTemplate):
         if arch < 80:
             raise ValueError("tc.wmma_sgt needs sm_80 or newer (tf32 / bf16 tensor cores)")
         meta = {"K": K, "m": mod.A.shape[0], "BW": fmt.BLK_W, "windows": fmt.num_windows, "vec": vec,
-                "precision": prec, "tolerance_dtype": PRECISIONS[prec][2], "arch": arch, "impl": impl,
+                "precision": prec, "arch": arch, "impl": impl,
                 "dtype": dtype}
         if impl == "mma":
             cg, un, mb = int(params["col_groups"]), int(params["unroll"]), int(params["max_blocks"])
@@ -785,6 +771,7 @@ class TcWmmaSgtSddmm(_NvccTemplate):
     precision = the input type, 64-feature chunks, each output rounded once)."""
 
     name = "tc.wmma_sgt_sddmm"
+    precision_param = "precision"
     version = "2"
     dtypes = ("float32", "float16", "bfloat16")
     priority = 10
@@ -841,7 +828,7 @@ class TcWmmaSgtSddmm(_NvccTemplate):
         return unique_params(seeds)
 
     def instances(self, precision: str, BW: int, ku: int, vec: int, ti: int = 0) -> list:
-        P = PRECISIONS[precision][0]
+        P = PRECISIONS[precision].code
         name = lambda v: f"tc_sddmm_p{P}_bw{BW}_k{ku}_v{v}" + ("_x16" if ti else "")  # noqa: E731
         inst = [(name(vec), (P, BW, ku, vec, ti))]
         if vec > 1:
@@ -872,7 +859,7 @@ class TcWmmaSgtSddmm(_NvccTemplate):
         inst = self.instances(prec, fmt.BLK_W, ku, vec, ti)
         path = self.compile(inst, arch=arch, name=inst[0][0])
         meta = {"K": K, "m": mod.A.shape[0], "nnz": int(mod.A.nnz), "BW": fmt.BLK_W, "vec": vec,
-                "precision": prec, "tolerance_dtype": PRECISIONS[prec][2], "arch": arch, "dtype": dtype,
+                "precision": prec, "arch": arch, "dtype": dtype,
                 "instances": [[n, list(a)] for n, a in inst]}
         return TcSddmmKernel(self.name, params, arrays, {"kernel.fatbin": path}, meta, self)
 

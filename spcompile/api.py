@@ -1,0 +1,53 @@
+"""The public entry points: :func:`build`, :func:`load`, :func:`tune`.
+
+Decision order of :func:`build`: an explicit ``template``/``pipeline``/``params`` from the caller,
+else the tuning database's best record for this workload and target, else (or with
+``tune=True``) the autotuner, else the default heuristics of the highest-priority template
+(:mod:`spcompile.autotune.policy`).
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+from .autotune.policy import choose_config
+from .autotune.tuner import tune
+from .compile import build_from_config, check_dtype, default_config, make_op
+from .core.numerics import allowed_precisions
+from .kernels import get_template
+from .module import CompiledModule, load
+from .passes import PassContext, Pipeline
+from .runtime import resolve_target
+
+__all__ = ["build", "load", "tune"]
+
+
+def build(A, op: str = "spmm", K: int | None = None, reduce: str | None = None, *, target: str = "auto",
+          dtype: str = "float32", template: str | None = None, params: Mapping[str, Any] | None = None,
+          pipeline: Sequence | None = None, storage: str | None = None, tune: bool = False,
+          trials: int | None = None, timeout: float | None = None, ctx: PassContext | None = None,
+          precision: str = "fp32", **tune_options) -> CompiledModule:
+    """Compile ``A`` for ``op`` ("spmm" with reduce sum/max/min/mean, or "sddmm") at width ``K``.
+
+    ``target``: "auto" (cuda when a GPU is usable, else cpu), "cpu" or "cuda".
+    ``template`` / ``params`` / ``pipeline``: force a decision (skips the database and tuner).
+    ``storage``: Optuna storage URL of the tuning database (default: the embedded SQLite file).
+    ``tune`` / ``trials`` / ``timeout``: tune on a database miss instead of using heuristics.
+    ``precision``: the lowest arithmetic precision the chosen kernel may compute in: "fp32" (the
+    default: exact fp32 kernels only), "tf32", "fp16" or "bf16" (tensor-core templates, with fp32
+    accumulation).  An explicit ``template``/``params`` choice is built as given.
+    """
+    sop = make_op(A, op, K, reduce, dtype)
+    target = resolve_target(target)
+    allowed_precisions(precision)  # a clear error for a bad policy, whatever path is taken
+    check_dtype(sop, target, template)
+    if template is not None or params is not None or pipeline is not None:
+        if template is None:
+            template = default_config(sop, target).template
+            check_dtype(sop, target, template)
+        tpl = get_template(template)
+        cfg = tpl.make_config(dict(params or {}), Pipeline(pipeline or ()).spec(), target)
+        return build_from_config(sop, cfg, ctx)
+    cfg, info = choose_config(sop, target, storage=storage, tune=tune, trials=trials, timeout=timeout,
+                              precision=precision, **tune_options)
+    check_dtype(sop, target, cfg.template)
+    return build_from_config(sop, cfg, ctx, info)

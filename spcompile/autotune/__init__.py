@@ -1,0 +1,1 @@
+"""Autotuning: search space, measurement (the one Timer), tuning database, tuner, policy."""

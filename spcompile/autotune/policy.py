@@ -1,0 +1,71 @@
+"""Where a build's decision comes from: the database's best valid record, else tuning (when
+asked), else the default heuristics."""
+from __future__ import annotations
+
+import os
+
+from ..compile import default_config
+from ..core.config import Config
+from ..core.ir import SparseOp
+from ..core.numerics import allowed_precisions
+from .database import normalize_url, open_database, sqlite_path
+from .tuner import Tuner, objective_name
+
+__all__ = ["choose_config", "safe_url"]
+
+
+def choose_config(sop: SparseOp, target: str, storage: str | None = None, tune: bool = False,
+                  trials: int | None = None, timeout: float | None = None, objective: str = "kernel_time",
+                  expected_calls: float | None = None, precision: str = "fp32", **options) -> tuple[Config, dict]:
+    """The decision :func:`spcompile.build` replays: the database's best valid record (a hit:
+    no tuning); on a miss the default heuristics, or tuning when ``tune``/``trials``/``timeout``
+    asks for it.  Returns ``(config, info)``; ``info`` says where the decision came from."""
+    obj = objective_name(objective, expected_calls, precision)
+    url = normalize_url(storage)
+    want_tune = bool(tune or trials or timeout)
+    db = None
+    path = sqlite_path(url)
+    if want_tune or path is None or os.path.exists(path):
+        try:
+            db = open_database(url)
+        except Exception as e:
+            if storage is not None or want_tune:
+                raise
+            db = None
+            db_error = str(e)
+    if db is not None:
+        try:
+            rec = db.lookup(sop.key(), target, obj)
+        except Exception as e:  # an unreadable default database must not break build()
+            if storage is not None:
+                raise
+            rec, db_error = None, str(e)
+        if rec is not None and rec.config.precision in allowed_precisions(precision, sop.dtype):
+            return rec.config, {"source": "database", "storage": safe_url(url), "objective": obj,
+                                "kernel_ms": rec.kernel_ms, "preprocess_ms": rec.preprocess_ms,
+                                "baseline_ms": rec.baseline_ms, "baseline_name": rec.baseline_name,
+                                "study": rec.study_name, "trial": rec.trial_number}
+    if want_tune:
+        res = Tuner(sop, target, storage=url, objective=objective, expected_calls=expected_calls,
+                    precision=precision, **options).run(trials, timeout)
+        if res.best_config is not None:
+            return res.best_config, {"source": "tuned", "storage": safe_url(url), "objective": obj,
+                                     "kernel_ms": res.best_kernel_ms, "preprocess_ms": res.best_preprocess_ms,
+                                     "baseline_ms": res.baseline_ms, "baseline_name": res.baseline_name,
+                                     "study": res.study_name, "trials": res.n_trials}
+        cfg = default_config(sop, target)
+        return cfg, {"source": "heuristic", "reason": "tuning found no working config", "objective": obj}
+    info = {"source": "heuristic", "objective": obj}
+    if db is None and "db_error" in locals():
+        info["db_error"] = db_error[-300:]
+    return default_config(sop, target), info
+
+
+def safe_url(url: str) -> str:
+    """The URL without its password (it goes into artifacts)."""
+    try:
+        from sqlalchemy.engine import make_url
+
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:
+        return url.split("@")[-1]

@@ -1,0 +1,87 @@
+"""From a decision to a module: :func:`make_op` (the workload), :func:`default_config` (the
+heuristic decision) and :func:`build_from_config` (run the pipeline, build the template).
+
+This layer knows nothing of the tuner: :func:`spcompile.build` (``spcompile.api``) decides
+*which* config to build (explicit choice, database, tuner, heuristics) and calls down here.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from .core.formats import as_csr
+from .core.numerics import dtype_name
+from .core.ir import SparseModule, SparseOp, values_hash
+from .core.config import Config
+from .module import CompiledModule
+from .passes import PassContext, Pipeline
+from .kernels import get_template, list_templates
+
+__all__ = ["make_op", "default_config", "build_from_config", "check_dtype"]
+
+
+def make_op(A, op: str = "spmm", K: int | None = None, reduce: str | None = None,
+            dtype: str = "float32") -> SparseOp:
+    if K is None:
+        raise TypeError("K (the dense feature width) is required, e.g. build(A, op='spmm', K=64)")
+    return SparseOp(op, reduce, as_csr(A), K, dtype_name(dtype))
+
+
+def _templates_for_dtype(sop: SparseOp, target: str) -> list[str]:
+    return [t.name for t in list_templates(target, op=sop.op, reduce=sop.reduce)
+            if sop.dtype in t.dtypes]
+
+
+def check_dtype(sop: SparseOp, target: str, template: str | None) -> None:
+    """float16 / bfloat16 workloads only build with templates that declare them
+    (``Template.dtypes``, float32 only by default); a clear error otherwise."""
+    if sop.dtype == "float32":
+        return
+    if target == "cpu":
+        raise ValueError(f"unsupported dtype {sop.dtype!r} on target 'cpu': the CPU templates compute in "
+                         f"float32 only; {sop.dtype} inputs (fp32 accumulation) are supported on target='cuda' "
+                         f"by {_templates_for_dtype(sop, 'cuda') or 'no template'}")
+    if template is not None:
+        tpl = get_template(template)
+        if sop.dtype not in tpl.dtypes:
+            raise ValueError(f"unsupported dtype {sop.dtype!r} for template {tpl.name!r} (it supports "
+                             f"{list(tpl.dtypes)}); templates with {sop.dtype} "
+                             f"inputs for op={sop.op!r} reduce={sop.reduce!r}: "
+                             f"{_templates_for_dtype(sop, 'cuda') or 'none'}")
+
+
+def default_config(op: SparseOp, target: str) -> Config:
+    """The heuristic choice without tuning: the highest-priority available template for the op."""
+    mod = SparseModule.from_op(op)
+    for tpl in list_templates(target, op=op.op, reduce=op.reduce, available_only=True):
+        pipes = tpl.pipelines(mod)
+        if pipes and pipes[0]:
+            continue  # templates that need a preprocessing pipeline are left to the tuner
+        if tpl.supports(mod):
+            return tpl.make_config(tpl.default_params(mod), (), target)
+    raise RuntimeError(f"no template on target {target!r} supports op={op.op!r} reduce={op.reduce!r}")
+
+
+def build_from_config(op: SparseOp, config: Config, ctx: PassContext | None = None,
+                      tuning: Mapping[str, Any] | None = None, module: SparseModule | None = None) -> CompiledModule:
+    """Replay a decision: run its pipeline, build its template with its parameters.  ``module``:
+    the pipeline's output when the caller already has it (e.g. one pipeline run reused for
+    several templates or widths; its ``op`` must be ``op``)."""
+    tpl = get_template(config.template)
+    if tpl.target != config.target:
+        raise ValueError(f"template {tpl.name!r} is for target {tpl.target!r}, not {config.target!r}")
+    if not tpl.available():
+        raise RuntimeError(f"template {tpl.name!r} cannot be built on this machine (toolchain missing)")
+    pipeline = Pipeline(config.pipeline)
+    if module is not None and module.op is not op:
+        raise ValueError("module was produced for another op")
+    mod = module if module is not None else pipeline(SparseModule.from_op(op), ctx)
+    if not tpl.supports(mod):
+        raise ValueError(f"template {tpl.name!r} does not support op={op.op!r} reduce={op.reduce!r} "
+                         f"after pipeline {[p['name'] for p in pipeline.spec()]}")
+    params = tpl.check_params(mod, config.params)
+    kernel = tpl.build(mod, params)
+    # the options each pass actually ran with (PassContext overrides included), so that the
+    # config replays to exactly this module
+    ran = tuple({"name": r.name, "options": dict(r.options)} for r in mod.log)
+    cfg = tpl.make_config(params, ran, config.target)
+    return CompiledModule(op.key(), cfg, kernel, [r.to_dict() for r in mod.log], values_hash(op.A), tuning)

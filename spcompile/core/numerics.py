@@ -1,0 +1,180 @@
+"""Numbers: the element types a workload's dense inputs take (:class:`DType`) and the arithmetic
+precisions a kernel may compute in (:class:`Precision`) -- one table each, one vocabulary.
+
+* A *dtype* is what the caller's X / Y / output hold: ``"float32"``, ``"float16"``,
+  ``"bfloat16"`` (aliases such as ``"fp16"``, ``"half"``, numpy and torch dtypes are accepted by
+  :func:`dtype`).  The matrix values and all accumulation stay fp32.
+* A *precision* is the lowest precision a kernel's multiplications use: ``"fp32"`` (exact fp32
+  CUDA-core kernels), ``"tf32"``, ``"fp16"``, ``"bf16"`` (tensor-core operands).  A build's
+  *precision policy* (``build(precision=...)``) admits every precision down to the one named
+  (:func:`allowed_precisions`); a 16-bit workload always admits its own (its inputs already are
+  16-bit).
+* Each precision has a relative Frobenius-error tolerance against the float64 reference
+  (:func:`tolerance`); a kernel's result is checked at the tolerance of its own precision.
+
+Rounding helpers (:func:`round_to`, :func:`bf16_bits`, :func:`tf32_round`) live here, once.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["DType", "Precision", "DTYPES", "PRECISIONS", "dtype", "dtype_name", "precision",
+           "allowed_precisions", "tolerance", "round_to", "bf16_bits", "bf16_from_bits", "tf32_round",
+           "NATIVE_PRECISION"]
+
+
+@dataclass(frozen=True)
+class Precision:
+    """An arithmetic precision.  ``rank``: 0 is the most exact; ``code``: the kernel-template code
+    of the operand type (tensor-core templates); ``mma_k``: the k of one MMA step; ``bytes``:
+    operand size; ``tolerance``: relative error allowed against float64 (fp32 accumulation)."""
+
+    name: str
+    rank: int
+    tolerance: float
+    code: int
+    mma_k: int
+    bytes: int
+
+    def round(self, x) -> np.ndarray:
+        """float64 copy of ``x`` with every value rounded to this precision's operand type."""
+        return _ROUND[self.name](x)
+
+
+@dataclass(frozen=True)
+class DType:
+    """An element type of the dense inputs / output.  ``code``: the kernel-template code (TN / E),
+    ``short``: the suffix in kernel names, ``precision``: the precision a tensor-core kernel uses
+    on inputs of this type (their own)."""
+
+    name: str
+    short: str
+    code: int
+    bytes: int
+    precision: str
+
+    @property
+    def tolerance(self) -> float:
+        return PRECISIONS[self.precision].tolerance
+
+    @property
+    def is_16bit(self) -> bool:
+        return self.bytes == 2
+
+    def round(self, x) -> np.ndarray:
+        """float32 copy of ``x`` with every value exactly representable in this dtype."""
+        return round_to(x, self.name)
+
+
+PRECISIONS: dict[str, Precision] = {p.name: p for p in (
+    Precision("fp32", 0, 1e-5, -1, 1, 4),
+    Precision("tf32", 1, 2e-3, 0, 8, 4),
+    Precision("fp16", 2, 1e-2, 1, 16, 2),
+    Precision("bf16", 3, 1e-2, 2, 16, 2),
+)}
+DTYPES: dict[str, DType] = {d.name: d for d in (
+    DType("float32", "f32", 0, 4, "fp32"),
+    DType("float16", "f16", 1, 2, "fp16"),
+    DType("bfloat16", "bf16", 2, 2, "bf16"),
+)}
+#: a 16-bit workload's own precision (its inputs are MMA operands as they are)
+NATIVE_PRECISION = {d.name: d.precision for d in DTYPES.values() if d.is_16bit}
+
+_DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "f32": "float32", "half": "float16", "fp16": "float16",
+                  "f16": "float16", "bf16": "bfloat16"}
+_PRECISION_ALIASES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+
+
+def dtype_name(d) -> str:
+    """Normalise a dtype given as a string ("float16", "half", "bf16", ...), numpy dtype or torch
+    dtype to its canonical name (unknown names pass through: :func:`dtype` rejects them)."""
+    if isinstance(d, DType):
+        return d.name
+    if isinstance(d, str):
+        name = d
+    elif type(d).__module__.split(".")[0] == "torch":
+        name = str(d).replace("torch.", "")
+    else:
+        try:
+            name = np.dtype(d).name
+        except TypeError:
+            name = str(d)
+    return _DTYPE_ALIASES.get(name, name)
+
+
+def dtype(d) -> DType:
+    """The :class:`DType` of ``d`` (any spelling :func:`dtype_name` accepts); ValueError otherwise."""
+    name = dtype_name(d)
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unsupported dtype {d!r}; expected one of {tuple(DTYPES)}") from None
+
+
+def precision(p) -> Precision:
+    """The :class:`Precision` named ``p`` ("fp32", "tf32", "fp16", "bf16"; dtype names of the
+    16-bit types are accepted as aliases); ValueError otherwise."""
+    if isinstance(p, Precision):
+        return p
+    name = _PRECISION_ALIASES.get(str(p), str(p))
+    try:
+        return PRECISIONS[name]
+    except KeyError:
+        raise ValueError(f"precision must be one of {tuple(PRECISIONS)} (the lowest precision the module may "
+                         f"compute in; 'fp32' admits only exact fp32 kernels), got {p!r}") from None
+
+
+def allowed_precisions(policy: str | None, dtype_: str | None = None) -> tuple[str, ...]:
+    """Precisions a build under ``policy`` may use, most exact first; a 16-bit ``dtype_`` adds its own."""
+    pol = precision("fp32" if policy is None else policy)
+    out = tuple(p.name for p in PRECISIONS.values() if p.rank <= pol.rank)
+    native = NATIVE_PRECISION.get(dtype_name(dtype_) if dtype_ is not None else "")
+    return out + (native,) if native and native not in out else out
+
+
+def tolerance(name: str = "float32") -> float:
+    """Relative Frobenius-error tolerance of a result computed in precision or dtype ``name``."""
+    if name in DTYPES:
+        return DTYPES[name].tolerance
+    return precision(name).tolerance
+
+
+# -- rounding --------------------------------------------------------------------------------
+def bf16_bits(a) -> np.ndarray:
+    """float32 -> bfloat16 bit patterns (uint16), round to nearest even."""
+    u = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    u = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    return u.astype(np.uint16)
+
+
+def bf16_from_bits(bits) -> np.ndarray:
+    """bfloat16 bit patterns (uint16) -> float32 values."""
+    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def tf32_round(a) -> np.ndarray:
+    """float32 -> nearest tf32 (10-bit mantissa, ties away from zero: ``cvt.rna``), as float32."""
+    u = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    u = ((u + 0x1000) & 0xFFFFE000).astype(np.uint32)
+    return u.view(np.float32)
+
+
+def round_to(x, name: str) -> np.ndarray:
+    """float32 copy of ``x`` rounded to dtype or precision ``name`` (round to nearest even; tf32
+    as the tensor cores' ``cvt.rna``)."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    p = _PRECISION_ALIASES.get(name, name)
+    if p == "fp16":
+        return x.astype(np.float16).astype(np.float32)
+    if p == "bf16":
+        return bf16_from_bits(bf16_bits(x))
+    if p == "tf32":
+        return tf32_round(x)
+    if p == "fp32":
+        return x
+    raise ValueError(f"cannot round to {name!r}")
+
+
+_ROUND = {p: (lambda x, p=p: round_to(x, p).astype(np.float64)) for p in PRECISIONS}

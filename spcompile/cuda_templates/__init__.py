@@ -1,1 +1,0 @@
-"""CUDA C++ kernel templates (*.cu) and the Python that renders, compiles and launches them."""

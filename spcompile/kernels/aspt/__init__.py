@@ -1,0 +1,1 @@
+"""ASpT tiled SpMM: aspt.tiled."""

@@ -1,0 +1,1 @@
+"""CSR CUDA templates: csr.crc_cwm (GE-SpMM) and csr.sddmm."""

@@ -1,0 +1,1 @@
+"""Sparse tensor-core template (mma.sp on V:N:M): sptc.vnm."""

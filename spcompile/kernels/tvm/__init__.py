@@ -1,0 +1,1 @@
+"""TVM TensorIR schedules (CPU llvm and CUDA)."""

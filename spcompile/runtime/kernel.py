@@ -1,0 +1,33 @@
+"""The :class:`Kernel` base: a compiled kernel bound to its matrix data (what templates build
+and artifacts store)."""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import numpy as np
+
+__all__ = ["Kernel"]
+
+
+class Kernel:
+    """A compiled kernel bound to its matrix data.
+
+    ``arrays``: host numpy arrays the kernel needs (saved in artifacts, .npz).
+    ``files``: artifact file name -> local path of a binary (TVM library, cubin, PTX).
+    ``__call__(*inputs, out)`` runs on validated inputs already on the kernel's device and
+    writes ``out`` (same device), returning it.
+    """
+
+    template: str = ""
+    target: str = "cpu"
+
+    def __init__(self, template: str, params: Mapping[str, Any], arrays: Mapping[str, np.ndarray],
+                 files: Mapping[str, str] | None = None, meta: Mapping[str, Any] | None = None):
+        self.template = template
+        self.params = dict(params)
+        self.arrays = dict(arrays)
+        self.files = dict(files or {})
+        self.meta = dict(meta or {})
+
+    def __call__(self, *inputs, out):
+        raise NotImplementedError
