@@ -171,7 +171,8 @@ def _ref64(A, X, reduce="sum"):
 def test_mma_packing_emulation_16bit(name, dtype, prec, max_blocks, K, pipe):
     """impl "mma" with 16-bit X: the 8-values-per-lane column mapping (64 columns per group), the
     byte-permuted B pairs, the C layout, fp32 partials and one rounding of Y reproduce A @ X."""
-    from spcompile.kernels.tc.template import WINDOW_REUSE, emulate_mma_spmm, mma_arrays, round_to
+    from spcompile.passes.recipes import WINDOW_REUSE
+    from spcompile.kernels.tc.template import emulate_mma_spmm, mma_arrays, round_to
 
     A = MATRICES[name]()
     pre = list(WINDOW_REUSE) if pipe == "reuse" else list(pipe)
@@ -205,7 +206,8 @@ def test_tc_packing_emulation_16bit(dtype, prec, dense_a):
 def test_sddmm_packing_emulation_16bit(name, dtype, prec, K):
     """tc.wmma_sgt_sddmm with 16-bit X / Y: 64-feature chunks, words of the loaded vectors used as
     MMA operands, one rounding of each output, in the caller's nonzero order (after reordering)."""
-    from spcompile.kernels.tc.template import WINDOW_REUSE, emulate_tc_sddmm, round_to, sddmm_arrays
+    from spcompile.passes.recipes import WINDOW_REUSE
+    from spcompile.kernels.tc.template import emulate_tc_sddmm, round_to, sddmm_arrays
     from spcompile.core.formats import as_csr
 
     A = MATRICES[name]()
@@ -256,7 +258,8 @@ def test_16bit_precision_policy(dtype, prec):
 def test_window_reuse_pipeline():
     """rcm -> cluster.lsh(16-row clusters) -> tile.sgt builds for both templates, keeps A @ X exact
     (emulated) and does not add SGT blocks on clustered input."""
-    from spcompile.kernels.tc.template import WINDOW_REUSE, emulate_mma_spmm, mma_arrays
+    from spcompile.passes.recipes import WINDOW_REUSE
+    from spcompile.kernels.tc.template import emulate_mma_spmm, mma_arrays
 
     A = MATRICES["clustered"]()
     rng = np.random.default_rng(8)

@@ -21,6 +21,7 @@ import numpy as np
 
 from ..core.config import Config
 from ..core.ir import SparseModule
+from ..passes import recipes
 from ..runtime.kernel import Kernel
 
 
@@ -71,8 +72,9 @@ class Template:
         return ()
 
     def pipelines(self, mod: SparseModule) -> list[list[dict]]:
-        """Pass pipelines that prepare this template's format (the tuner offers these)."""
-        return [[]]
+        """Pass pipelines that prepare this template's format (the tuner offers these): the
+        recipes of :mod:`spcompile.passes.recipes` for ``format``."""
+        return recipes.pipelines_for(self.format, mod.op.op, mod.op.dtype)
 
     # -- search space ------------------------------------------------------------------------
     def space(self, mod: SparseModule) -> dict:

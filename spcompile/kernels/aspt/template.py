@@ -35,6 +35,7 @@ import numpy as np
 
 from ...core.ir import SparseModule
 from ...runtime import cuda as rt
+from ...passes.recipes import ASPT_PANEL_HEIGHT
 from ..base import csr_kernel_arrays, register_template, unique_params
 from ..csr.template import _largest_vec
 from ..nvcc import _NvccKernel, _NvccTemplate
@@ -45,7 +46,7 @@ __all__ = ["AsptTiled", "aspt_arrays", "emulate_aspt_spmm", "PANEL_HEIGHT"]
 #: blocks per SM at most this much each)
 _SMEM_CAP = 112 * 1024
 #: panel height of the offered pipelines
-PANEL_HEIGHT = 256
+PANEL_HEIGHT = ASPT_PANEL_HEIGHT
 _REDUCE = {"sum": 0, "mean": 0, "max": 1, "min": 2}
 
 
@@ -519,12 +520,6 @@ class AsptPanelKernel(AsptKernel):
         self._ready = True
 
 
-#: cluster.lsh round 1 in the offered pipeline is skipped when the dense-tile ratio (panel height
-#: PANEL_HEIGHT) is already above this: LSH only pays where the dense part is small (measured on
-#: the H100, docs/aspt_benchmark.md), and the skip keeps the pass cheap on large graphs whose
-#: panels are dense anyway (tu_collab, 24.5M entries: dense ratio 0.999, the ratio costs ~2 s, the
-#: clustering ~20 s)
-LSH_SKIP_DENSE_RATIO = 0.8
 
 
 @register_template
@@ -550,13 +545,6 @@ class AsptTiled(_NvccTemplate):
 
     def requires(self, mod):
         return ("aspt",)
-
-    def pipelines(self, mod):
-        opts = {"panel_height": PANEL_HEIGHT, "dense_threshold": 2}
-        return [[{"name": "tile.aspt", "options": dict(opts)}],
-                [{"name": "cluster.lsh", "options": {"panel_height": PANEL_HEIGHT,
-                                                     "skip_dense_ratio": LSH_SKIP_DENSE_RATIO}},
-                 {"name": "tile.aspt", "options": dict(opts)}]]
 
     def supports(self, mod):
         if not super().supports(mod):

@@ -509,17 +509,6 @@ class SptcVnm(_NvccTemplate):
     def requires(self, mod):
         return ("vnm",)
 
-    def pipelines(self, mod):
-        # rcm -> lsh: 16-row LSH clusters put rows with common neighbours into one window (the X rows
-        # a window gathers are shared by more of its rows: reuse +15-35 % over RCM alone on the
-        # shared graphs, docs/sptc_benchmark.md)
-        return [[{"name": "reorder.rcm"}, {"name": "format.vnm"}],
-                [{"name": "reorder.rcm"}, {"name": "cluster.lsh", "options": {"threshold_size": 16, "skip": False,
-                                                                               "round": 1}},
-                 {"name": "format.vnm"}],
-                [{"name": "reorder.vnm", "options": {"V": 1, "N": 2, "M": 4}}],
-                [{"name": "format.vnm"}]]
-
     def space(self, mod):
         from optuna.distributions import CategoricalDistribution as C
 

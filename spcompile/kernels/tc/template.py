@@ -28,7 +28,7 @@ and round the sum).  Both kernel sources include ``tc_frag.cuh`` (conversions, m
 guarded vector loads / stores), inlined by ``_NvccTemplate.source_text`` (``headers``).  Every launch goes through
 ``rt.Launch``.
 
-Pipelines: ``tile.sgt`` alone (16x8 and 16x16 blocks), and :data:`WINDOW_REUSE` + ``tile.sgt``:
+Pipelines: ``tile.sgt`` alone (16x8 and 16x16 blocks), and :data:`spcompile.passes.recipes.WINDOW_REUSE` + ``tile.sgt``:
 RCM then 16-row LSH clusters, which put rows with common neighbours in the same window (more
 nonzeros per gathered X row, fewer TC blocks).
 
@@ -50,17 +50,13 @@ from ..nvcc import _NvccKernel, _NvccTemplate
 
 __all__ = ["TcWmmaSgt", "TcWmmaSgtSddmm", "tc_arrays", "emulate_tc_spmm", "mma_arrays", "emulate_mma_spmm",
            "split_windows", "sddmm_arrays", "emulate_tc_sddmm", "PRECISIONS", "INPUT_PRECISION",
-           "WINDOW_REUSE", "round_to"]
+           "round_to"]
 
 #: the MMA operand precisions of the tensor-core kernels (code, MMA k: :mod:`spcompile.core.numerics`)
 PRECISIONS = {p: numerics.PRECISIONS[p] for p in ("tf32", "fp16", "bf16")}
 #: workload dtype -> the only MMA precision offered for it (16-bit inputs are MMA operands as they
 #: are; fp32 inputs are converted in registers to any of PRECISIONS)
 INPUT_PRECISION = NATIVE_PRECISION
-#: passes in front of tile.sgt that cluster rows with common neighbours into the same 16-row
-#: window (more nonzeros per gathered X row and per TC block): RCM, then LSH clusters of 16 rows
-WINDOW_REUSE = [{"name": "reorder.rcm", "options": {}},
-                {"name": "cluster.lsh", "options": {"threshold_size": 16, "skip": False, "round": 1}}]
 
 
 def input_type(dtype: str, precision: str) -> int:
@@ -435,12 +431,6 @@ class TcWmmaSgt(_NvccTemplate):
     def requires(self, mod):
         return ("sgt",)
 
-    def pipelines(self, mod):
-        p16 = [{"name": "tile.sgt", "options": {"shape": "fp16"}}]
-        reuse = [*WINDOW_REUSE, *p16]
-        if mod.op.dtype != "float32":               # 16-bit MMA: 16-wide blocks only
-            return [p16, reuse]
-        return [[{"name": "tile.sgt", "options": {"shape": "tf32"}}], p16, reuse]
 
     def supports(self, mod):
         if not super().supports(mod):
@@ -784,12 +774,6 @@ class TcWmmaSgtSddmm(_NvccTemplate):
     def requires(self, mod):
         return ("sgt",)
 
-    def pipelines(self, mod):
-        p16 = [{"name": "tile.sgt", "options": {"shape": "sddmm"}}]
-        reuse = [*WINDOW_REUSE, *p16]
-        if mod.op.dtype != "float32":               # 16-bit MMA: 16-wide blocks only
-            return [p16, reuse]
-        return [p16, [{"name": "tile.sgt", "options": {"shape": "tf32"}}], reuse]
 
     def supports(self, mod):
         if not super().supports(mod):
