@@ -1,29 +1,155 @@
-"""Shared machinery of the nvcc-compiled templates: render one parametrised ``.cu`` source
-plus ``extern "C"`` instances, compile it (cached), load the binary on the device."""
+"""The nvcc template base: what every CUDA C++ template family shares.
+
+A family is one folder under ``spcompile/kernels/`` holding its ``.cu`` source, ``template.py``
+(an :class:`NvccTemplate` and an :class:`NvccKernel` subclass), ``packer.py`` (the host arrays
+its kernels read) and ``emulate.py`` (a numpy emulation of the kernels over those arrays, for
+tests on machines without a GPU), plus one line in :mod:`spcompile.kernels.builtin`.
+
+The base owns the skeleton: parameters checked (defaults filled in, unknown names refused, each
+value checked against :meth:`NvccTemplate.checks`), arrays packed, the instances rendered (the
+source plus one ``extern "C"`` wrapper per instance, with an unaligned ``VEC = 1`` variant where
+the family has one) and compiled (cached on disk), the meta recorded, the kernel made; loading a
+kernel from an artifact; rebuilding a binary made for another GPU generation; uploading the
+arrays once; binding every launch argument by the parameter names of the rendered signature
+(:class:`~spcompile.runtime.cuda.LaunchPlan`); choosing the aligned or the fallback launch per
+call.
+"""
 from __future__ import annotations
 
 import inspect
 import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import numpy as np
 
 from ..core.ir import SparseModule
+from ..core.numerics import DTYPES
 from ..runtime import cuda as rt
 from .base import Template, source_hash_of
 
-__all__ = ["_NvccTemplate", "_NvccKernel"]
+__all__ = ["NvccTemplate", "NvccKernel", "LaunchSpec", "AtLeast", "_NvccTemplate", "_NvccKernel"]
+
+
+@dataclass(frozen=True)
+class AtLeast:
+    """Allowed values of an integer parameter: every integer >= ``low``."""
+
+    low: int
+
+    def __contains__(self, v) -> bool:
+        return isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= self.low
+
+    def __str__(self) -> str:
+        return f"an integer >= {self.low}"
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """Grid, block, dynamic shared memory and the scalar arguments (by parameter name) of one
+    launch; the matrix arrays and workspaces are bound by their names."""
+
+    grid: tuple
+    block: tuple
+    smem: int = 0
+    args: Mapping[str, Any] = field(default_factory=dict)
 
 
 # ------------------------------------------------------------------------------------------
-class _NvccTemplate(Template):
+class NvccTemplate(Template):
+    """Base of the nvcc-compiled templates.  A family sets ``name``, ``version``, ``ops``,
+    ``dtypes``, ``source_file`` (its ``.cu``), ``instance_macro`` (the macro of the source that
+    defines one ``extern "C"`` entry point), ``kernel_class`` and ``fallback_param``, and defines
+    :meth:`space` / :meth:`default_params` (as every template), :meth:`checks`, :meth:`pack`,
+    :meth:`instance_args` and :meth:`instance`."""
+
     target = "cuda"
     source_file = ""
     instance_macro = ""
     #: headers in this folder that ``source_file`` includes (``#include "name"``): inlined by
     #: :meth:`source_text` (nvcc compiles a copy in a temporary folder) and part of the hash
     headers: tuple = ()
+    #: the :class:`NvccKernel` subclass built and loaded
+    kernel_class: type | None = None
+    #: the compile-time argument of :meth:`instance` that is the vector width: the build adds the
+    #: same instance with width 1, launched when a per-call pointer is not aligned to the vector
+    #: (None: the family has no such fallback)
+    fallback_param: str | None = None
+    #: the oldest GPU generation the kernels run on (compute capability as an int, 0: any)
+    min_arch: int = 0
 
+    # -- what a family defines ---------------------------------------------------------------
+    def checks(self, mod: SparseModule) -> dict:
+        """Allowed values of each parameter: ``{name: collection or AtLeast(n)}``."""
+        return {}
+
+    def pack(self, mod: SparseModule, params: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        """The host arrays the kernels read, named as their parameters (the family's packer)."""
+        raise NotImplementedError
+
+    def instance_args(self, mod: SparseModule, params: Mapping[str, Any]) -> dict:
+        """The keyword arguments of :meth:`instance` for a checked parameter set."""
+        raise NotImplementedError
+
+    def instance(self, **args) -> tuple[str, tuple]:
+        """``(entry point name, template arguments of instance_macro)`` of one instance."""
+        raise NotImplementedError
+
+    def extra_meta(self, mod: SparseModule, params: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> dict:
+        """Family-specific values the kernel needs at load time besides the common ones."""
+        return {}
+
+    # -- skeleton ----------------------------------------------------------------------------
     def available(self) -> bool:
         return rt.nvcc_available()
 
+    def supports(self, mod: SparseModule) -> bool:
+        A = mod.A
+        ok_size = max(A.nnz, A.shape[0] + 1, A.shape[1]) < 2**31 - 1
+        return super().supports(mod) and ok_size
+
+    def validate(self, mod: SparseModule, params: Mapping[str, Any]) -> None:
+        """ValueError naming every parameter whose value :meth:`checks` does not allow, or an
+        input dtype the template does not compute for."""
+        if mod.op.dtype not in self.dtypes:
+            raise ValueError(f"{self.name} supports dtypes {list(self.dtypes)}, not {mod.op.dtype!r}")
+        bad = [f"{k}={params[k]!r} (must be {allowed if isinstance(allowed, AtLeast) else 'one of ' + str(list(allowed))})"
+               for k, allowed in self.checks(mod).items() if k in params and params[k] not in allowed]
+        if bad:
+            raise ValueError(f"invalid {self.name} parameters for {mod.op.dtype} inputs: {', '.join(bad)}")
+
+    def instances(self, *args, **kwargs) -> list[tuple[str, tuple]]:
+        """The instance of :meth:`instance`'s arguments, then (where the family has one and the
+        vector width is above 1) its ``VEC = 1`` alignment fallback."""
+        bound = inspect.signature(self.instance).bind(*args, **kwargs)
+        bound.apply_defaults()
+        a = dict(bound.arguments)
+        out = [self.instance(**a)]
+        if self.fallback_param is not None and int(a[self.fallback_param]) > 1:
+            out.append(self.instance(**{**a, self.fallback_param: 1}))
+        return out
+
+    def build(self, mod: SparseModule, params: Mapping[str, Any], *, compile: bool = True):
+        """The kernel of ``params`` on ``mod``.  ``compile=False`` leaves out the binary (for
+        inspecting the arrays and launches on machines without nvcc; such a kernel cannot run)."""
+        params = self.check_params(mod, params)
+        self.validate(mod, params)
+        arch = rt.device_arch()
+        if arch < self.min_arch:
+            raise ValueError(f"{self.name} needs sm_{self.min_arch} or newer, this GPU is sm_{arch}")
+        arrays = self.pack(mod, params)
+        args = self.instance_args(mod, params)
+        inst = self.instances(**args)
+        meta = {"K": mod.op.K, "m": mod.A.shape[0], "dtype": mod.op.dtype, "arch": arch,
+                **({"vec": int(args[self.fallback_param])} if self.fallback_param else {}),
+                **self.extra_meta(mod, params, arrays), "instances": [[n, list(a)] for n, a in inst]}
+        files = {"kernel.fatbin": self.compile(inst, arch=arch, name=inst[0][0])} if compile else {}
+        return self.kernel_class(self.name, params, arrays, files, meta, self)
+
+    def load(self, params, arrays, files, meta):
+        return self.kernel_class(self.name, params, arrays, files, meta, self)
+
+    # -- source ------------------------------------------------------------------------------
     def source_dir(self) -> str:
         """The folder of the template's family (its .cu / .cuh files sit beside its module)."""
         return os.path.dirname(os.path.abspath(inspect.getfile(type(self))))
@@ -33,9 +159,12 @@ class _NvccTemplate(Template):
             return f.read()
 
     def source_hash(self) -> str:
+        """Hash of the template module, its sources and its packer (the arrays' layout)."""
         d = self.source_dir()
-        return source_hash_of(type(self), self.version,
-                              paths=tuple(os.path.join(d, f) for f in (self.source_file, *self.headers)))
+        files = [self.source_file, *self.headers]
+        if os.path.isfile(os.path.join(d, "packer.py")):
+            files.append("packer.py")
+        return source_hash_of(type(self), self.version, paths=tuple(os.path.join(d, f) for f in files))
 
     def source_text(self) -> str:
         """``source_file`` with its local headers inlined."""
@@ -53,34 +182,68 @@ class _NvccTemplate(Template):
     def compile(self, instances, arch: int | None = None, name: str = "") -> str:
         return rt.compile_cuda(self.render(instances), arch=arch, name=name or self.name.replace(".", "_"))
 
-    def supports(self, mod: SparseModule) -> bool:
-        A = mod.A
-        ok_size = max(A.nnz, A.shape[0] + 1, A.shape[1]) < 2**31 - 1
-        return super().supports(mod) and ok_size
+    def signatures(self, instances) -> list[rt.KernelSignature]:
+        """The entry point signature of each instance, read from the rendered source."""
+        src = self.render(instances)
+        return [rt.kernel_signature(src, n) for n, _ in instances]
 
 
-class _NvccKernel(rt.CUDAKernel):
-    """Kernel bound to a fatbin and matrix arrays; subclasses define the launch arguments."""
+class NvccKernel(rt.CUDAKernel):
+    """A kernel of an :class:`NvccTemplate`: its binary, host arrays and meta.  A family names
+    the entry point's per-call pointer parameters (``inputs``, ``output``) and defines
+    :meth:`launch_spec` (and :meth:`workspaces` when its kernels need device scratch memory);
+    the base does the rest."""
+
+    #: the entry point's parameters that receive the call's inputs (in order) and output
+    inputs: tuple[str, ...] = ("X",)
+    output: str = "Y"
+    #: the per-call pointers the vector instance needs aligned to its width (default: all)
+    aligned: tuple[str, ...] | None = None
 
     def __init__(self, template, params, arrays, files, meta, tpl):
         super().__init__(template, params, arrays, files, meta)
         self._tpl = tpl
 
-    def _load_functions(self):
+    # -- what a family defines ---------------------------------------------------------------
+    def launch_spec(self, vec: int) -> LaunchSpec:
+        """Grid, block, shared memory and scalar arguments of the instance of width ``vec``."""
+        raise NotImplementedError
+
+    def workspaces(self) -> dict[str, tuple[int, Any]]:
+        """Device scratch arrays bound by name: ``{name: (elements, dtype)}``, zero-filled once."""
+        return {}
+
+    def empty(self) -> bool:
+        """True when a call has nothing to do (no launch)."""
+        return False
+
+    # -- skeleton ----------------------------------------------------------------------------
+    def instance_vecs(self) -> list[int]:
+        """The vector width of each instance of ``meta["instances"]`` (main, then fallback)."""
+        v = int(self.meta.get("vec", 1))
+        return [v if i == 0 else 1 for i in range(len(self.meta["instances"]))]
+
+    def _binary(self) -> str:
+        """The fatbin for the current device: the built one, or the same instances compiled here
+        for this GPU's generation (an artifact made for another; needs nvcc)."""
         import cupy
 
         self.device_id = cupy.cuda.runtime.getDevice()
-        path = self.files["kernel.fatbin"]
-        if not rt.check_arch(int(self.meta["arch"]), self.device_id):
-            # an artifact for another GPU generation: rebuild the same variant here if we can
-            if not rt.nvcc_available():
-                raise RuntimeError(f"kernel was built for sm_{self.meta['arch']} and cannot run on this GPU "
-                                   f"(sm_{rt.device_arch(self.device_id)}); rebuild the module here")
-            arch = rt.device_arch(self.device_id)
-            path = self._tpl.compile([tuple(x) for x in self.meta["instances"]], arch=arch)
+        if "kernel.fatbin" not in self.files:
+            raise RuntimeError(f"{self.template} kernel was built without its binary (compile=False)")
+        inst = [(n, tuple(a)) for n, a in self.meta["instances"]]
+        path, arch = rt.binary_for_device(self.files["kernel.fatbin"], int(self.meta["arch"]), self.device_id,
+                                          lambda arch: self._tpl.compile(inst, arch=arch, name=inst[0][0]))
+        if arch != int(self.meta["arch"]):
             self.files = {**self.files, "kernel.fatbin": path}
             self.meta = {**self.meta, "arch": arch}
-        mod = rt.load_module(path)
+        return path
+
+    def _load_module(self):
+        return rt.load_module(self._binary())
+
+    def _load_functions(self):
+        mod = self._load_module()
         return [mod.get_function(n) for n, _ in self.meta["instances"]]
 
     def _upload(self, names):
@@ -92,4 +255,49 @@ class _NvccKernel(rt.CUDAKernel):
             dev[k] = cupy.asarray(self.arrays[k])
         return tuple(int(dev[k].data.ptr) for k in names)
 
+    def _device_arguments(self) -> dict[str, int]:
+        """Every array uploaded and every workspace allocated once: name -> device pointer."""
+        import cupy
 
+        ptrs = dict(zip(self.arrays, self._upload(tuple(self.arrays))))
+        for k, (n, dt) in self.workspaces().items():
+            self._dev[k] = cupy.zeros(max(1, int(n)), dtype=dt)
+            ptrs[k] = int(self._dev[k].data.ptr)
+        return ptrs
+
+    def make_plans(self, functions, device: Mapping[str, int]) -> list[rt.LaunchPlan]:
+        """One :class:`LaunchPlan` per instance: ``device`` pointers and the spec's scalars bound
+        by name, the inputs and output per call.  Needs no GPU (``functions`` may be None)."""
+        inst = [(n, tuple(a)) for n, a in self.meta["instances"]]
+        sigs = self._tpl.signatures(inst)
+        fns = functions if functions is not None else [None] * len(inst)
+        plans = []
+        for fn, sig, vec in zip(fns, sigs, self.instance_vecs()):
+            spec = self.launch_spec(vec)
+            plans.append(rt.LaunchPlan(fn, sig, spec.grid, spec.block, spec.smem, bound={**device, **spec.args},
+                                       per_call=(*self.inputs, self.output)))
+        return plans
+
+    def prepare(self):
+        plans = self.make_plans(self._load_functions(), self._device_arguments())
+        self._plans = (plans[0], plans[-1])
+        per_call = (*self.inputs, self.output)
+        self._aligned_idx = tuple(per_call.index(n) for n in (self.aligned or per_call))
+        vec = int(self.meta.get("vec", 1))
+        self._amask = DTYPES[self.meta.get("dtype", "float32")].bytes * vec - 1 if len(plans) > 1 else 0
+        self._empty = self.empty()
+        self._ready = True
+
+    def launch(self, in_ptrs, out_ptr, stream):
+        if self._empty:
+            return
+        ptrs = (*in_ptrs, out_ptr)
+        bits = 0
+        for i in self._aligned_idx:
+            bits |= ptrs[i]
+        self._plans[1 if bits & self._amask else 0](ptrs, stream)
+
+
+# the names the tc / sptc / aspt families subclass
+_NvccTemplate = NvccTemplate
+_NvccKernel = NvccKernel

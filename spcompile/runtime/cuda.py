@@ -29,11 +29,13 @@ import ctypes
 import functools
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
 import threading
+from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -41,7 +43,8 @@ import numpy as np
 from .kernel import Kernel
 
 __all__ = ["CUDAKernel", "call", "compile_cuda", "nvcc_path", "nvcc_available", "nvcc_version",
-           "device_arch", "cache_dir", "load_module", "to_device", "DEFAULT_ARCH", "CompileError", "Launch"]
+           "device_arch", "cache_dir", "load_module", "to_device", "DEFAULT_ARCH", "CompileError", "LaunchPlan",
+           "Launch", "KernelSignature", "kernel_signature", "binary_for_device"]
 
 #: arch compiled for when no GPU is visible (the project's target, the H100)
 DEFAULT_ARCH = 90
@@ -81,8 +84,6 @@ def nvcc_version() -> str:
         return "unknown"
     # the release ("13.0") keys the cache: patch builds of one release emit the same code, and a
     # cache filled on a CPU machine stays valid on a GPU machine with the same release
-    import re
-
     m = re.search(r"release (\d+\.\d+)", out)
     return m.group(1) if m else out.strip()[-80:]
 
@@ -220,31 +221,42 @@ def ensure_dynamic_smem(fn, nbytes: int) -> None:
 
 
 
-_LIBCUDA: Any = None
+# -- the driver API through ctypes (the one binding layer) ----------------------------------
+class _Driver:
+    """The CUDA driver functions the launch path uses, from ``libcuda`` through ctypes, with their
+    argument types set once."""
+
+    def __init__(self, lib):
+        c_int, c_uint, c_void_p = ctypes.c_int, ctypes.c_uint, ctypes.c_void_p
+        self.launch_kernel = self._fn(lib, "cuLaunchKernel", [c_void_p] + [c_uint] * 7 + [c_void_p] * 3)
+        self.device_get = self._fn(lib, "cuDeviceGet", [ctypes.POINTER(c_int), c_int])
+        self.primary_ctx_retain = self._fn(lib, "cuDevicePrimaryCtxRetain", [ctypes.POINTER(c_void_p), c_int])
+        self.ctx_set_current = self._fn(lib, "cuCtxSetCurrent", [c_void_p])
+
+    @staticmethod
+    def _fn(lib, name, argtypes):
+        f = getattr(lib, name)
+        f.restype = ctypes.c_int
+        f.argtypes = argtypes
+        return f
 
 
 @functools.lru_cache(maxsize=None)
-def _driver():
-    """The CUDA driver library through ctypes, or None."""
+def _driver() -> _Driver | None:
+    """The driver binding, or None (no ``libcuda``, or a library without these symbols)."""
     try:
-        return ctypes.CDLL("libcuda.so.1")
-    except OSError:
+        return _Driver(ctypes.CDLL("libcuda.so.1"))
+    except (OSError, AttributeError):
         return None
 
 
-def _libcuda():
-    """``cuLaunchKernel`` of the driver through ctypes (argtypes fixed once), or None."""
-    global _LIBCUDA
-    if _LIBCUDA is None:
-        lib = None if os.environ.get("SPCOMPILE_CUPY_LAUNCH") else _driver()
-        try:
-            f = lib.cuLaunchKernel
-            f.restype = ctypes.c_int
-            f.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
-            _LIBCUDA = f
-        except AttributeError:  # no driver (lib is None) or no such symbol
-            _LIBCUDA = False
-    return _LIBCUDA or None
+def _driver_launch():
+    """``cuLaunchKernel`` through ctypes, or None: launches then go through CuPy (also when
+    ``SPCOMPILE_CUPY_LAUNCH`` is set)."""
+    if os.environ.get("SPCOMPILE_CUPY_LAUNCH"):
+        return None
+    drv = _driver()
+    return drv.launch_kernel if drv is not None else None
 
 
 _CTX_SET = threading.local()
@@ -254,68 +266,215 @@ def _make_context_current() -> bool:
     """Make the current device's primary context current for this thread in the *driver* API.
 
     The CUDA runtime (used by torch and CuPy) keeps its primary context without necessarily making
-    it the thread's current driver context, which ``cuLaunchKernel`` needs.  Done once per thread;
+    it the thread's current driver context, which ``cuLaunchKernel`` needs.  Tried once per thread;
     returns False when it cannot be done (the CuPy launch path is used instead)."""
     if getattr(_CTX_SET, "done", False):
         return False
     _CTX_SET.done = True
+    drv = _driver()
+    if drv is None:
+        return False
     try:
         import cupy
 
-        lib = _driver()
         dev = ctypes.c_int()
-        if lib.cuDeviceGet(ctypes.byref(dev), ctypes.c_int(cupy.cuda.runtime.getDevice())) != 0:
+        if drv.device_get(ctypes.byref(dev), cupy.cuda.runtime.getDevice()) != 0:
             return False
         ctx = ctypes.c_void_p()
-        if lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev) != 0:
+        if drv.primary_ctx_retain(ctypes.byref(ctx), dev.value) != 0:
             return False
-        return lib.cuCtxSetCurrent(ctx) == 0
+        return drv.ctx_set_current(ctx) == 0
     except Exception:
         return False
 
 
-class Launch:
-    """One prepared kernel launch: function, grid, block, dynamic shared memory and the argument
-    list with ``None`` placeholders for the per-call device pointers (inputs, output, in order).
+# -- kernel signatures ----------------------------------------------------------------------
+#: C parameter types -> (ctypes type of the argument buffer, numpy type of CuPy's argument tuple)
+ARG_TYPES: dict[str, tuple[Any, Any]] = {
+    "ptr": (ctypes.c_uint64, int),
+    "int32": (ctypes.c_int32, np.int32), "uint32": (ctypes.c_uint32, np.uint32),
+    "int64": (ctypes.c_int64, np.int64), "uint64": (ctypes.c_uint64, np.uint64),
+    "float32": (ctypes.c_float, np.float32), "float64": (ctypes.c_double, np.float64),
+}
+_C_SCALARS = {
+    "int": "int32", "signed": "int32", "signed int": "int32", "int32_t": "int32",
+    "unsigned": "uint32", "unsigned int": "uint32", "uint32_t": "uint32",
+    "long": "int64", "long int": "int64", "long long": "int64", "long long int": "int64", "int64_t": "int64",
+    "unsigned long": "uint64", "unsigned long long": "uint64", "uint64_t": "uint64", "size_t": "uint64",
+    "float": "float32", "double": "float64",
+}
+_QUALIFIERS = {"const", "volatile", "__restrict__", "__restrict", "restrict"}
+_ENTRY = r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\s*\([^()]*\)\s*)?'
 
-    The argument buffer is built once (ctypes values of the kernel's parameter types: Python ints
-    are 64-bit pointers, ``np.int32`` / ``np.float32`` 4-byte values, ``np.int64`` 8-byte), so a
-    call only writes the new pointers and calls ``cuLaunchKernel`` -- about a microsecond from
-    Python, against several for CuPy's generic argument packing, which remains the fallback (no
-    libcuda, another thread without the context current, or ``SPCOMPILE_CUPY_LAUNCH=1``)."""
 
-    __slots__ = ("fn", "grid", "block", "smem", "args", "_slots", "_vals", "_params", "_handle", "_launch")
+@dataclass(frozen=True)
+class KernelSignature:
+    """Parameter names and types of a kernel entry point, in order; each type is a key of
+    :data:`ARG_TYPES` ("ptr" for every pointer)."""
 
-    def __init__(self, fn, grid, block, args: Sequence[Any], smem: int = 0):
-        self.fn, self.grid, self.block, self.smem = fn, tuple(int(g) for g in grid), tuple(int(b) for b in block), int(smem)
-        self.args = list(args)
-        vals, slots = [], []
-        for i, a in enumerate(self.args):
-            if a is None:
-                slots.append(i)
-                vals.append(ctypes.c_uint64(0))
-            elif isinstance(a, np.int32):
-                vals.append(ctypes.c_int32(int(a)))
-            elif isinstance(a, np.float32):
-                vals.append(ctypes.c_float(float(a)))
-            elif isinstance(a, (int, np.integer)):
-                vals.append(ctypes.c_uint64(int(a) & 0xFFFFFFFFFFFFFFFF))
-            else:
-                raise TypeError(f"unsupported kernel argument type {type(a).__name__}")
-        self._slots = tuple(vals[i] for i in slots)
+    name: str
+    params: tuple[tuple[str, str], ...]
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(n for n, _ in self.params)
+
+
+def _strip_source(src: str) -> str:
+    """``src`` without comments and with macro line continuations joined."""
+    src = re.sub(r"/\*.*?\*/", " ", src, flags=re.S)
+    src = re.sub(r"//[^\n]*?(\\?)\n", lambda m: m.group(1) + "\n", src)
+    return src.replace("\\\n", " ")
+
+
+def _balanced(text: str, start: int) -> str:
+    """The text inside the parentheses that open at ``text[start]``."""
+    depth = 0
+    for i in range(start, len(text)):
+        depth += {"(": 1, ")": -1}.get(text[i], 0)
+        if depth == 0:
+            return text[start + 1:i]
+    raise ValueError("unbalanced parentheses in a kernel signature")
+
+
+def _split_top(text: str) -> list[str]:
+    parts, depth, cur = [], 0, []
+    for ch in text:
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if ch == "," and depth == 0:
+            parts.append("".join(cur))
+            cur = []
+        else:
+            cur.append(ch)
+    parts.append("".join(cur))
+    return [p.strip() for p in parts if p.strip()]
+
+
+def _param(decl: str, kernel: str) -> tuple[str, str]:
+    m = re.match(r"^(.*?)\b([A-Za-z_]\w*)\s*$", decl, flags=re.S)
+    if not m or not m.group(1).strip():
+        raise ValueError(f"cannot read parameter {decl!r} of kernel {kernel!r}")
+    ctype, name = m.group(1), m.group(2)
+    if "*" in ctype:
+        return name, "ptr"
+    words = " ".join(w for w in ctype.split() if w not in _QUALIFIERS)
+    if words not in _C_SCALARS:
+        raise ValueError(f"kernel {kernel!r}: parameter {name!r} has type {words!r}, which launches "
+                         f"do not support (pointers and {sorted(_C_SCALARS)})")
+    return name, _C_SCALARS[words]
+
+
+def _macros(src: str) -> dict[str, tuple[list[str], str]]:
+    """Function-like macros of ``src`` (continuations joined): name -> (parameters, body)."""
+    out = {}
+    for d in re.finditer(r"^\s*#\s*define\s+([A-Za-z_]\w*)\(", src, flags=re.M):
+        ptext = _balanced(src, d.end() - 1)
+        start = d.end() + len(ptext) + 1
+        end = src.find("\n", start)
+        out[d.group(1)] = (_split_top(ptext), src[start:end if end >= 0 else len(src)])
+    return out
+
+
+def _expand(text: str, macros: Mapping[str, tuple[list[str], str]]) -> str:
+    """``text`` with the function-like ``macros`` expanded (arguments substituted, ``##`` pasted,
+    rescanned until none is left)."""
+    call = re.compile(r"\b(" + "|".join(map(re.escape, macros)) + r")\s*\(") if macros else None
+    for _ in range(32):
+        m = call.search(text) if call else None
+        if m is None:
+            return text
+        params, body = macros[m.group(1)]
+        inner = _balanced(text, m.end() - 1)
+        subst = dict(zip(params, _split_top(inner)))
+        if subst:
+            body = re.sub(r"\b(" + "|".join(map(re.escape, subst)) + r")\b", lambda t: subst[t.group(1)], body)
+        text = text[:m.start()] + re.sub(r"\s*##\s*", "", body) + text[m.end() + len(inner) + 1:]
+    raise ValueError("macro expansion does not end")
+
+
+def kernel_signature(source: str, name: str) -> KernelSignature:
+    """The signature of kernel ``name`` in CUDA ``source``: an ``extern "C" __global__`` function
+    defined there, or one that the source's instance lines (``MACRO(args)`` at the start of a
+    line, ``MACRO`` a function-like macro of the source) define once their macros are expanded.
+    ValueError when it is not found or a parameter has a type launches do not support."""
+    src = _strip_source(source)
+    entry = re.compile(_ENTRY + re.escape(name) + r"\s*\(")
+    text, m = src, entry.search(src)
+    if m is None:
+        macros = _macros(src)
+        lines = [ln for ln in src.splitlines() if re.match(r"\s*([A-Za-z_]\w*)\s*\(", ln)
+                 and re.match(r"\s*([A-Za-z_]\w*)", ln).group(1) in macros]
+        text = _expand("\n".join(lines), macros)
+        m = entry.search(text)
+    if m is None:
+        raise ValueError(f"no extern \"C\" __global__ signature of kernel {name!r} in the source")
+    body = _balanced(text, m.end() - 1)
+    return KernelSignature(name, tuple(_param(p, name) for p in _split_top(body) if p != "void"))
+
+
+# -- launching ------------------------------------------------------------------------------
+class LaunchPlan:
+    """One prepared kernel launch: function, grid, block, dynamic shared memory and the arguments,
+    bound by the parameter names of the kernel's signature (:func:`kernel_signature`).
+
+    ``bound`` gives the fixed arguments (device pointers as ints, scalars) once; ``per_call``
+    names the pointer parameters each call passes, in the order a call gives them.  Every
+    parameter must be named exactly once; the ctypes type of each comes from its C type.  The
+    argument buffer is built here, so a call only writes the new pointers and calls
+    ``cuLaunchKernel`` (about a microsecond from Python); CuPy's launch is the fallback (no
+    libcuda, a thread whose driver context cannot be made current, ``SPCOMPILE_CUPY_LAUNCH=1``)."""
+
+    __slots__ = ("fn", "signature", "grid", "block", "smem", "per_call", "_vals", "_slots", "_slot_idx",
+                 "_cupy_args", "_params", "_handle", "_launch")
+
+    def __init__(self, fn, signature: KernelSignature, grid: Sequence[int], block: Sequence[int], smem: int = 0, *,
+                 bound: Mapping[str, Any], per_call: Sequence[str]):
+        names = signature.names
+        per_call = tuple(per_call)
+        unknown = sorted((set(bound) | set(per_call)) - set(names))
+        twice = sorted(set(bound) & set(per_call)) or sorted({n for n in per_call if per_call.count(n) > 1})
+        missing = [n for n in names if n not in bound and n not in per_call]
+        if unknown or twice or missing:
+            what = "; ".join(f"{label} {lst}" for label, lst in (("unknown", unknown), ("bound twice", twice),
+                                                                 ("missing", missing)) if lst)
+            raise ValueError(f"kernel {signature.name}: {what} (its parameters: {list(names)})")
+        types = dict(signature.params)
+        for n in per_call:
+            if types[n] != "ptr":
+                raise TypeError(f"kernel {signature.name}: per-call argument {n!r} is a {types[n]}, not a pointer")
+        self.fn, self.signature, self.smem = fn, signature, int(smem)
+        self.grid, self.block = tuple(int(g) for g in grid), tuple(int(b) for b in block)
+        self.per_call = per_call
+        vals, cupy_args = [], []
+        for n, t in signature.params:
+            v = 0 if n in per_call else _check_arg(signature.name, n, t, bound[n])
+            ct, nt = ARG_TYPES[t]
+            vals.append(ct(v))
+            cupy_args.append(nt(v))
         self._vals = vals
+        self._slot_idx = tuple(names.index(n) for n in per_call)
+        self._slots = tuple(vals[i] for i in self._slot_idx)
+        self._cupy_args = cupy_args
         self._params = (ctypes.c_void_p * max(1, len(vals)))(*[ctypes.addressof(v) for v in vals])
         handle = getattr(fn, "ptr", None)      # cupy Function
-        if handle is None:                      # cupy RawKernel (what RawModule.get_function returns)
+        if handle is None and fn is not None:  # cupy RawKernel (what RawModule.get_function returns)
             try:
                 handle = getattr(fn.kernel, "ptr", None)
             except Exception:
                 handle = None
         self._handle = int(handle) if handle else None
-        self._launch = _libcuda() if self._handle else None
+        self._launch = _driver_launch() if self._handle else None
+
+    def arguments(self, ptrs: Sequence[int] = ()) -> list[tuple[str, str, Any]]:
+        """``(name, type, value)`` of every parameter in signature order, as the argument buffer
+        holds them (with ``ptrs`` written into the per-call slots when given)."""
+        for v, p in zip(self._slots, ptrs):
+            v.value = p
+        return [(n, t, ARG_TYPES[t][0].from_address(self._params[i]).value)
+                for i, (n, t) in enumerate(self.signature.params)]
 
     def __call__(self, ptrs: Sequence[int], stream: int) -> None:
-        """Launch with the per-call pointers ``ptrs`` (one per placeholder) on ``stream``."""
+        """Launch with the per-call pointers ``ptrs`` (in ``per_call`` order) on ``stream``."""
         launch = self._launch
         if launch is not None:
             for v, p in zip(self._slots, ptrs):
@@ -327,10 +486,55 @@ class Launch:
             if rc == 0:
                 return
             if rc != 201:
-                raise RuntimeError(f"cuLaunchKernel failed with CUresult {rc}")
-        it = iter(ptrs)
-        args = tuple(next(it) if a is None else a for a in self.args)
-        self.fn(self.grid, self.block, args, shared_mem=self.smem, stream=_stream(stream))
+                raise RuntimeError(f"cuLaunchKernel({self.signature.name}) failed with CUresult {rc}")
+        args = list(self._cupy_args)
+        for i, p in zip(self._slot_idx, ptrs):
+            args[i] = p
+        self.fn(self.grid, self.block, tuple(args), shared_mem=self.smem, stream=_stream(stream))
+
+
+_RANGES = {"int32": (-2**31, 2**31 - 1), "uint32": (0, 2**32 - 1), "int64": (-2**63, 2**63 - 1),
+           "uint64": (0, 2**64 - 1), "ptr": (0, 2**64 - 1)}
+
+
+def _check_arg(kernel: str, name: str, ctype: str, value):
+    """``value`` as the Python number parameter ``name`` of type ``ctype`` takes; TypeError /
+    ValueError for a value of another kind or out of the type's range."""
+    if ctype.startswith("float"):
+        if not isinstance(value, (int, float, np.integer, np.floating)) or isinstance(value, bool):
+            raise TypeError(f"kernel {kernel}: argument {name!r} ({ctype}) got {type(value).__name__}")
+        return float(value)
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
+        raise TypeError(f"kernel {kernel}: argument {name!r} ({ctype}) got {type(value).__name__}")
+    lo, hi = _RANGES[ctype]
+    if not lo <= int(value) <= hi:
+        raise ValueError(f"kernel {kernel}: argument {name!r} = {int(value)} does not fit {ctype}")
+    return int(value)
+
+
+def Launch(fn, grid, block, args: Sequence[Any], smem: int = 0) -> LaunchPlan:
+    """A :class:`LaunchPlan` from positional arguments, for templates that do not bind by name yet:
+    ``None`` marks a per-call pointer (in order), ``np.int32`` / ``np.float32`` are 4-byte values,
+    other ints 8-byte (pointers)."""
+    params, bound, per_call = [], {}, []
+    for i, a in enumerate(args):
+        n = f"a{i}"
+        if a is None:
+            params.append((n, "ptr"))
+            per_call.append(n)
+            continue
+        if isinstance(a, np.int32):
+            t = "int32"
+        elif isinstance(a, np.float32):
+            t = "float32"
+        elif isinstance(a, (int, np.integer)):
+            t, a = "ptr", int(a) & 0xFFFFFFFFFFFFFFFF
+        else:
+            raise TypeError(f"unsupported kernel argument type {type(a).__name__}")
+        params.append((n, t))
+        bound[n] = a
+    return LaunchPlan(fn, KernelSignature(getattr(fn, "__name__", "kernel"), tuple(params)), grid, block, smem,
+                      bound=bound, per_call=per_call)
 
 
 # -- kernels --------------------------------------------------------------------------------
@@ -455,6 +659,20 @@ def check_arch(built_arch: int, device: int) -> bool:
     older; a newer major runs the PTX through the driver's JIT)."""
     arch = _device_arch(device)
     return arch >= built_arch and (arch // 10 == built_arch // 10 or arch // 10 > built_arch // 10)
+
+
+def binary_for_device(path: str, built_arch: int, device: int, rebuild=None) -> tuple[str, int]:
+    """The binary to load on ``device``: ``path`` when its arch (``built_arch``) runs there
+    (:func:`check_arch`), else ``rebuild(arch)`` -- the same kernels compiled here for the
+    device's arch -- when nvcc is installed.  Returns ``(path, arch)``; RuntimeError when the
+    binary cannot run and cannot be rebuilt."""
+    if check_arch(int(built_arch), device):
+        return path, int(built_arch)
+    arch = device_arch(device)
+    if rebuild is None or not nvcc_available():
+        raise RuntimeError(f"kernel was built for sm_{built_arch} and cannot run on this GPU (sm_{arch}); "
+                           f"rebuild the module here")
+    return rebuild(arch), arch
 
 
 def meta_json(d: Mapping[str, Any]) -> dict:

@@ -1,4 +1,6 @@
-"""CUDA C++ templates: ``csr.crc_cwm`` (GE-SpMM SpMM), ``csr.sddmm`` and ``extern.cusparse``.
+"""The csr family of CUDA C++ templates: ``csr.crc_cwm`` (GE-SpMM SpMM) and ``csr.sddmm``, on
+the :class:`~spcompile.kernels.nvcc.NvccTemplate` base; arrays from ``packer.py``, numpy
+emulation of both kernels in ``emulate.py``.
 
 Each CUDA template has ONE parametrised source (``*.cu`` beside this file).  Parameters that shape
 registers and unrolled loops are C++ template arguments; for a parameter set we render the source
@@ -13,29 +15,20 @@ different row groups and combined in the same launch (see ``spmm_crc_cwm.cu``); 
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
-
-import numpy as np
-
-from ...core.ir import SparseModule
-from ...runtime import cuda as rt
-from ..base import csr_kernel_arrays, register_template, unique_params
-from ..nvcc import _NvccKernel, _NvccTemplate
+from ...core.numerics import DTYPES
+from ..base import register_template, unique_params
+from ..nvcc import AtLeast, LaunchSpec, NvccKernel, NvccTemplate
+from .packer import pack_sddmm, pack_spmm, sddmm_partition, spmm_partition  # noqa: F401 (public here too)
 
 _REDUCE = {"sum": 0, "max": 1, "min": 2, "mean": 3}
-#: element types of X / Y / output the nvcc templates compile for (TN template code, bytes);
+#: the element types of X / Y / output the kernels compile for (template argument TN = DTYPES code);
 #: the matrix values stay fp32 and all arithmetic is fp32 (one rounding of the output)
-_ELEM = {"float32": (0, 4), "float16": (1, 2), "bfloat16": (2, 2)}
-_SHORT = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
-
-
-def _i32(a) -> np.ndarray:
-    return np.ascontiguousarray(a, dtype=np.int32)
+_SHORT = {d.code: d.short for d in DTYPES.values()}
 
 
 def _vec_choices(dtype: str) -> list[int]:
     """Vector widths (elements) up to 16 bytes per load for ``dtype``."""
-    return [1, 2, 4, 8] if _ELEM[dtype][1] == 2 else [1, 2, 4]
+    return [1, 2, 4, 8] if DTYPES[dtype].bytes == 2 else [1, 2, 4]
 
 
 def _largest_vec(K: int, vec: int) -> int:
@@ -46,94 +39,37 @@ def _largest_vec(K: int, vec: int) -> int:
 
 
 # ------------------------------------------------------------------------------------------
-# row partition (vectorised)
-# ------------------------------------------------------------------------------------------
-def spmm_partition(indptr: np.ndarray, row_ids: np.ndarray, max_seg: int) -> dict[str, np.ndarray]:
-    """Cut rows into segments of at most ``max_seg`` nonzeros (0: whole rows).  Returns the arrays
-    of ``spmm_crc_cwm.cu``: seg_ptr, seg_out, seg_slot, grp_ptr, slot_grp, grp_out, grp_len."""
-    indptr = np.asarray(indptr, dtype=np.int64)
-    m = indptr.size - 1
-    lens = np.diff(indptr)
-    if max_seg and max_seg > 0:
-        nch = np.maximum(1, -(-lens // int(max_seg)))
-    else:
-        nch = np.ones(m, dtype=np.int64)
-    nseg = int(nch.sum())
-    seg_row = np.repeat(np.arange(m, dtype=np.int64), nch)
-    first = np.cumsum(nch) - nch
-    within = np.arange(nseg, dtype=np.int64) - first[seg_row]
-    seg_start = indptr[seg_row] + (within * lens[seg_row]) // nch[seg_row]   # balanced slices
-    seg_ptr = np.append(seg_start, indptr[-1] if m else 0)
-    split_seg = nch[seg_row] > 1
-    seg_slot = np.full(nseg, -1, dtype=np.int64)
-    seg_slot[split_seg] = np.arange(int(split_seg.sum()))
-    split_rows = np.flatnonzero(nch > 1)
-    grp_ptr = np.concatenate([[0], np.cumsum(nch[split_rows])])
-    slot_grp = np.repeat(np.arange(split_rows.size), nch[split_rows])
-    row_ids = np.asarray(row_ids, dtype=np.int64)
-    return {"seg_ptr": _i32(seg_ptr), "seg_out": _i32(row_ids[seg_row]), "seg_slot": _i32(seg_slot),
-            "grp_ptr": _i32(grp_ptr), "slot_grp": _i32(slot_grp), "grp_out": _i32(row_ids[split_rows]),
-            "grp_len": _i32(lens[split_rows])}
-
-
-def sddmm_partition(indptr: np.ndarray, row_ids: np.ndarray, nnz_per_warp: int) -> dict[str, np.ndarray]:
-    """Segments of at most ``nnz_per_warp`` nonzeros of one row (empty rows have none)."""
-    indptr = np.asarray(indptr, dtype=np.int64)
-    m = indptr.size - 1
-    lens = np.diff(indptr)
-    npw = max(1, int(nnz_per_warp))
-    nch = -(-lens // npw)
-    nseg = int(nch.sum())
-    seg_row = np.repeat(np.arange(m, dtype=np.int64), nch)
-    first = np.cumsum(nch) - nch
-    within = np.arange(nseg, dtype=np.int64) - first[seg_row]
-    seg_start = indptr[seg_row] + (within * lens[seg_row]) // nch[seg_row]
-    seg_ptr = np.append(seg_start, indptr[-1] if m else 0)
-    return {"seg_ptr": _i32(seg_ptr), "seg_xrow": _i32(np.asarray(row_ids, dtype=np.int64)[seg_row])}
-
-
-# ------------------------------------------------------------------------------------------
 # csr.crc_cwm — GE-SpMM
 # ------------------------------------------------------------------------------------------
-class CrcCwmKernel(_NvccKernel):
-    def prepare(self):
-        import cupy
+class CrcCwmKernel(NvccKernel):
+    """Launch of ``spmm_crc_cwm.cu``: row groups of G lanes over segments, blockIdx.y over column
+    tiles; split rows combine through the ``part`` / ``counters`` workspaces."""
 
-        fns = self._load_functions()
-        self._fn = fns[0]
-        self._fn1 = fns[-1]                          # VEC=1 instance (alignment fallback)
-        p, K = self.params, int(self.meta["K"])
-        G, CF, VEC = int(p["group"]), int(p["cf"]), int(self.meta["vec"])
+    inputs, output = ("X",), "Y"
+
+    def _tiles(self, vec: int) -> int:
+        p = self.params
+        return -(-int(self.meta["K"]) // (int(p["group"]) * vec * int(p["cf"])))
+
+    def workspaces(self):
+        K, a = int(self.meta["K"]), self.arrays
+        return {"part": (a["slot_grp"].size * K, "float32"),
+                "counters": (a["grp_len"].size * self._tiles(1), "int32")}   # VEC = 1 has the most tiles
+
+    def launch_spec(self, vec):
+        p = self.params
         nseg = int(self.arrays["seg_out"].size)
-        wpb, rpw = int(p["warps_per_block"]), int(p["rows_per_warp"])
-        threads = 32 * wpb
-        groups = threads // G
-        bx = -(-nseg // (groups * rpw))
-        ty, ty1 = -(-K // (G * VEC * CF)), -(-K // (G * CF))
-        ngrp = int(self.arrays["grp_len"].size)
-        nslot = int(self.arrays["slot_grp"].size)
-        pre = self._upload(("seg_ptr", "seg_out", "seg_slot", "indices", "data"))
-        post_arr = self._upload(("grp_ptr", "slot_grp", "grp_out", "grp_len"))
-        self._part = cupy.empty(max(1, nslot * K), dtype=cupy.float32)
-        self._counters = cupy.zeros(max(1, ngrp * max(ty, ty1)), dtype=cupy.int32)
-        args = pre + (None, None, int(self._part.data.ptr), int(self._counters.data.ptr), *post_arr,
-                      np.int32(nseg), np.int32(K), np.int32(rpw))
-        block, smem = (threads, 1, 1), threads * 8
-        self._launch = rt.Launch(self._fn, (bx, ty, 1), block, args, smem)
-        self._launch1 = rt.Launch(self._fn1, (bx, ty1, 1), block, args, smem)   # unaligned X / Y
-        self._amask = _ELEM[self.meta.get("dtype", "float32")][1] * VEC - 1
-        self._empty = nseg == 0
-        self._ready = True
+        threads, rpw = 32 * int(p["warps_per_block"]), int(p["rows_per_warp"])
+        groups = threads // int(p["group"])
+        return LaunchSpec(grid=(-(-nseg // (groups * rpw)), self._tiles(vec), 1), block=(threads, 1, 1),
+                          smem=threads * 8, args={"nseg": nseg, "K": int(self.meta["K"]), "segs_per_group": rpw})
 
-    def launch(self, in_ptrs, out_ptr, stream):
-        if self._empty:
-            return
-        x = in_ptrs[0]
-        (self._launch1 if (x | out_ptr) & self._amask else self._launch)((x, out_ptr), stream)
+    def empty(self):
+        return self.arrays["seg_out"].size == 0
 
 
 @register_template
-class CrcCwm(_NvccTemplate):
+class CrcCwm(NvccTemplate):
     """GE-SpMM (SC'20) CSR SpMM with sum/max/min/mean: coalesced row caching in shared memory,
     coarse-grained warp merging (CF), vector loads, sub-warp row groups for narrow K, split long
     rows for load balance, and ``unroll`` nonzeros' X loads in flight before accumulating.  Any
@@ -146,6 +82,8 @@ class CrcCwm(_NvccTemplate):
     ops = tuple(("spmm", r) for r in ("sum", "max", "min", "mean"))
     source_file = "spmm_crc_cwm.cu"
     instance_macro = "SPC_SPMM_INSTANCE"
+    kernel_class = CrcCwmKernel
+    fallback_param = "vec"
 
     def space(self, mod):
         from optuna.distributions import CategoricalDistribution as C
@@ -156,7 +94,7 @@ class CrcCwm(_NvccTemplate):
 
     @staticmethod
     def heuristic(K: int, max_row: int, mean_row: float, dtype: str = "float32") -> dict:
-        vec = _largest_vec(K, 16 // _ELEM[dtype][1])
+        vec = _largest_vec(K, 16 // DTYPES[dtype].bytes)
         lanes = -(-K // vec)
         group = next(g for g in (4, 8, 16, 32) if g >= min(lanes, 32))
         cf = min(8, max(1, -(-K // (group * vec))))
@@ -178,7 +116,7 @@ class CrcCwm(_NvccTemplate):
         for ms in (0, 32, 64, 256, 1024):
             seeds.append({**d, "max_seg": ms})
         # few rows with long-ish rows (small dense-ish graphs): short slices give parallelism
-        vmax = 16 // _ELEM[mod.op.dtype][1]
+        vmax = 16 // DTYPES[mod.op.dtype].bytes
         vec4 = _largest_vec(K, vmax)
         cf4 = min(4, max(1, -(-K // (32 * vec4))))
         cf4 = 1 << (cf4 - 1).bit_length() if cf4 > 1 else 1
@@ -205,73 +143,47 @@ class CrcCwm(_NvccTemplate):
                         seeds.append({**d, "group": g, "vec": vec4, "cf": 1, "max_seg": ms, "unroll": 8})
         return unique_params(seeds)
 
+    def checks(self, mod):
+        return {"cf": (1, 2, 4, 8), "vec": _vec_choices(mod.op.dtype), "group": (4, 8, 16, 32),
+                "unroll": (1, 2, 4, 8), "warps_per_block": (1, 2, 4, 8), "rows_per_warp": AtLeast(1),
+                "max_seg": AtLeast(0)}
+
+    def pack(self, mod, params):
+        return pack_spmm(mod, int(params["max_seg"]))
+
+    def instance_args(self, mod, params):
+        return {"reduce": mod.op.reduce, "cf": int(params["cf"]), "vec": _largest_vec(mod.op.K, int(params["vec"])),
+                "group": int(params["group"]), "unroll": int(params["unroll"]), "dtype": mod.op.dtype}
+
     @staticmethod
     def instance_name(TN, R, CF, VEC, G, U) -> str:
-        t = ("f32", "f16", "bf16")[TN]
-        return f"spmm_crc_cwm_{t}_r{R}_cf{CF}_v{VEC}_g{G}_u{U}"
+        return f"spmm_crc_cwm_{_SHORT[TN]}_r{R}_cf{CF}_v{VEC}_g{G}_u{U}"
 
-    def instances(self, reduce: str, cf: int, vec: int, group: int, unroll: int = 4,
-                  dtype: str = "float32") -> list:
-        R, TN = _REDUCE[reduce], _ELEM[dtype][0]
-        inst = [(self.instance_name(TN, R, cf, vec, group, unroll), (TN, R, cf, vec, group, unroll))]
-        if vec > 1:
-            inst.append((self.instance_name(TN, R, cf, 1, group, unroll), (TN, R, cf, 1, group, unroll)))
-        return inst
-
-    def build(self, mod: SparseModule, params: Mapping[str, Any]):
-        params = self.check_params(mod, params)
-        K = mod.op.K
-        dtype = mod.op.dtype
-        if dtype not in self.dtypes:
-            raise ValueError(f"csr.crc_cwm supports dtypes {list(self.dtypes)}, not {dtype!r}")
-        cf, group, unroll = int(params["cf"]), int(params["group"]), int(params["unroll"])
-        if (cf not in (1, 2, 4, 8) or group not in (4, 8, 16, 32) or int(params["vec"]) not in _vec_choices(dtype)
-                or unroll not in (1, 2, 4, 8)):
-            raise ValueError(f"invalid csr.crc_cwm parameters {params} for dtype {dtype}")
-        if int(params["warps_per_block"]) not in (1, 2, 4, 8) or int(params["rows_per_warp"]) < 1:
-            raise ValueError(f"invalid csr.crc_cwm parameters {params}")
-        vec = _largest_vec(K, int(params["vec"]))
-        ka = csr_kernel_arrays(mod, np.int32)
-        arrays = {"indices": _i32(ka["indices"]), "data": ka["data"],
-                  **spmm_partition(ka["indptr"], ka["row_ids"], int(params["max_seg"]))}
-        inst = self.instances(mod.op.reduce, cf, vec, group, unroll, dtype)
-        arch = rt.device_arch()
-        path = self.compile(inst, arch=arch, name=inst[0][0])
-        meta = {"K": K, "vec": vec, "arch": arch, "dtype": dtype, "instances": [[n, list(a)] for n, a in inst]}
-        return CrcCwmKernel(self.name, params, arrays, {"kernel.fatbin": path}, meta, self)
-
-    def load(self, params, arrays, files, meta):
-        return CrcCwmKernel(self.name, params, arrays, files, meta, self)
+    def instance(self, reduce: str, cf: int, vec: int, group: int, unroll: int = 4, dtype: str = "float32"):
+        R, TN = _REDUCE[reduce], DTYPES[dtype].code
+        return self.instance_name(TN, R, cf, vec, group, unroll), (TN, R, cf, vec, group, unroll)
 
 
 # ------------------------------------------------------------------------------------------
 # csr.sddmm
 # ------------------------------------------------------------------------------------------
-class SddmmKernel(_NvccKernel):
-    def prepare(self):
-        fns = self._load_functions()
-        self._fn, self._fn1 = fns[0], fns[-1]
-        p, K = self.params, int(self.meta["K"])
-        nseg = int(self.arrays["seg_xrow"].size)
-        wpb = int(p["warps_per_block"])
-        args = self._upload(("seg_ptr", "seg_xrow", "indices", "data", "nnz_ids")) + (
-            None, None, None, np.int32(nseg), np.int32(K))
-        grid, block = (max(1, -(-nseg // wpb)), 1, 1), (32 * wpb, 1, 1)
-        self._launch = rt.Launch(self._fn, grid, block, args)
-        self._launch1 = rt.Launch(self._fn1, grid, block, args)
-        self._amask = _ELEM[self.meta.get("dtype", "float32")][1] * int(self.meta["vec"]) - 1
-        self._empty = nseg == 0
-        self._ready = True
+class SddmmKernel(NvccKernel):
+    """Launch of ``sddmm_csr.cu``: a warp per segment; only X and Y are read with vector loads."""
 
-    def launch(self, in_ptrs, out_ptr, stream):
-        if self._empty:
-            return
-        x, y = in_ptrs
-        (self._launch1 if (x | y) & self._amask else self._launch)((x, y, out_ptr), stream)
+    inputs, output = ("X", "Y"), "out"
+    aligned = ("X", "Y")
+
+    def launch_spec(self, vec):
+        nseg, wpb = int(self.arrays["seg_xrow"].size), int(self.params["warps_per_block"])
+        return LaunchSpec(grid=(max(1, -(-nseg // wpb)), 1, 1), block=(32 * wpb, 1, 1),
+                          args={"nseg": nseg, "K": int(self.meta["K"])})
+
+    def empty(self):
+        return self.arrays["seg_xrow"].size == 0
 
 
 @register_template
-class CsrSddmm(_NvccTemplate):
+class CsrSddmm(NvccTemplate):
     """CSR SDDMM: a warp per bounded run of one row's nonzeros (X row reused from registers),
     G-lane groups per nonzero with VEC-wide coalesced loads and shuffle reductions, XC column
     chunks per lane (K tiling).  Any K >= 1.  X / Y / output in float32, float16 or bfloat16
@@ -284,6 +196,8 @@ class CsrSddmm(_NvccTemplate):
     ops = (("sddmm", None),)
     source_file = "sddmm_csr.cu"
     instance_macro = "SPC_SDDMM_INSTANCE"
+    kernel_class = SddmmKernel
+    fallback_param = "vec"
 
     def space(self, mod):
         from optuna.distributions import CategoricalDistribution as C
@@ -293,7 +207,7 @@ class CsrSddmm(_NvccTemplate):
 
     @staticmethod
     def heuristic(K: int, dtype: str = "float32") -> dict:
-        vec = _largest_vec(K, 16 // _ELEM[dtype][1])
+        vec = _largest_vec(K, 16 // DTYPES[dtype].bytes)
         lanes = -(-K // vec)
         group = 32 if lanes >= 32 else next(g for g in (4, 8, 16, 32) if g >= lanes)
         xc = min(4, max(1, -(-K // (group * vec))))
@@ -316,38 +230,21 @@ class CsrSddmm(_NvccTemplate):
         seeds.append({**d, "warps_per_block": 8})
         return unique_params(seeds)
 
+    def checks(self, mod):
+        return {"group": (4, 8, 16, 32), "k_chunks": (1, 2, 4, 8), "vec": _vec_choices(mod.op.dtype),
+                "warps_per_block": (1, 2, 4, 8), "nnz_per_warp": AtLeast(1)}
+
+    def pack(self, mod, params):
+        return pack_sddmm(mod, int(params["nnz_per_warp"]))
+
+    def instance_args(self, mod, params):
+        return {"group": int(params["group"]), "vec": _largest_vec(mod.op.K, int(params["vec"])),
+                "xc": int(params["k_chunks"]), "dtype": mod.op.dtype}
+
     @staticmethod
     def instance_name(TN, G, VEC, XC) -> str:
-        t = ("f32", "f16", "bf16")[TN]
-        return f"sddmm_csr_{t}_g{G}_v{VEC}_xc{XC}"
+        return f"sddmm_csr_{_SHORT[TN]}_g{G}_v{VEC}_xc{XC}"
 
-    def instances(self, group: int, vec: int, xc: int, dtype: str = "float32") -> list:
-        TN = _ELEM[dtype][0]
-        inst = [(self.instance_name(TN, group, vec, xc), (TN, group, vec, xc))]
-        if vec > 1:
-            inst.append((self.instance_name(TN, group, 1, xc), (TN, group, 1, xc)))
-        return inst
-
-    def build(self, mod: SparseModule, params: Mapping[str, Any]):
-        params = self.check_params(mod, params)
-        K = mod.op.K
-        dtype = mod.op.dtype
-        if dtype not in self.dtypes:
-            raise ValueError(f"csr.sddmm supports dtypes {list(self.dtypes)}, not {dtype!r}")
-        group, xc = int(params["group"]), int(params["k_chunks"])
-        if group not in (4, 8, 16, 32) or xc not in (1, 2, 4, 8) or int(params["vec"]) not in _vec_choices(dtype):
-            raise ValueError(f"invalid csr.sddmm parameters {params} for dtype {dtype}")
-        if int(params["warps_per_block"]) not in (1, 2, 4, 8) or int(params["nnz_per_warp"]) < 1:
-            raise ValueError(f"invalid csr.sddmm parameters {params}")
-        vec = _largest_vec(K, int(params["vec"]))
-        ka = csr_kernel_arrays(mod, np.int32)
-        arrays = {"indices": _i32(ka["indices"]), "data": ka["data"], "nnz_ids": _i32(ka["nnz_ids"]),
-                  **sddmm_partition(ka["indptr"], ka["row_ids"], int(params["nnz_per_warp"]))}
-        inst = self.instances(group, vec, xc, dtype)
-        arch = rt.device_arch()
-        path = self.compile(inst, arch=arch, name=inst[0][0])
-        meta = {"K": K, "vec": vec, "arch": arch, "dtype": dtype, "instances": [[n, list(a)] for n, a in inst]}
-        return SddmmKernel(self.name, params, arrays, {"kernel.fatbin": path}, meta, self)
-
-    def load(self, params, arrays, files, meta):
-        return SddmmKernel(self.name, params, arrays, files, meta, self)
+    def instance(self, group: int, vec: int, xc: int, dtype: str = "float32"):
+        TN = DTYPES[dtype].code
+        return self.instance_name(TN, group, vec, xc), (TN, group, vec, xc)
