@@ -4,6 +4,7 @@ A representative set of instances per template (every reduction x every coarseni
 vector width, every row-group width; for SDDMM every group x vector width x K chunks) is rendered
 into ONE translation unit per template and arch, so a broken instantiation fails the test."""
 import os
+import re
 import subprocess
 
 import pytest
@@ -73,7 +74,7 @@ def test_compile_cache_and_build_without_gpu(tmp_path, monkeypatch):
     # the partition covers every nonzero exactly once, long rows split into slices
     A2 = sp.csr_matrix(A)
     lens = np.diff(A2.indptr)
-    from spcompile.kernels.csr.template import spmm_partition
+    from spcompile.kernels.csr.packer import spmm_partition
 
     part = spmm_partition(np.array([0, 0, 10000, 10003]), np.array([2, 0, 1]), 256)
     assert part["seg_ptr"][0] == 0 and part["seg_ptr"][-1] == 10003
@@ -88,3 +89,45 @@ def test_render_is_one_source():
     a = t.render(t.instances("sum", 1, 1, 32))
     b = t.render(t.instances("max", 8, 4, 16))
     assert a.split("SPC_SPMM_INSTANCE(spmm")[0] == b.split("SPC_SPMM_INSTANCE(spmm")[0]
+
+
+_PTX_BITS = {"ptr": 64, "int32": 32, "uint32": 32, "int64": 64, "uint64": 64, "float32": 32, "float64": 64}
+
+
+def _ptx_entries(ptx: str) -> dict[str, list[int]]:
+    """Parameter sizes in bits of every ``.entry`` of a PTX module, in order."""
+    out = {}
+    for m in re.finditer(r"\.entry\s+(\w+)\s*\((.*?)\)", ptx, flags=re.S):
+        out[m.group(1)] = [int(b) for b in re.findall(r"\.param\s+\.[bsuf](\d+)", m.group(2))]
+    return out
+
+
+@pytest.mark.parametrize("name,instances", [
+    ("csr.crc_cwm", [("sum", 2, 4, 32, 2, "float32"), ("mean", 1, 8, 8, 4, "bfloat16")]),
+    ("csr.sddmm", [(8, 4, 2, "float32"), (16, 8, 1, "float16")]),
+    ("sptc.vnm", [("fp16", 4, "float32")]),
+    ("aspt.tiled", [(4, 2, 1, "sum", "tasks"), (2, 1, 1, "max", "panel", 2)]),
+    ("tc.wmma_sgt_sddmm", [("tf32", 8, 2, 4, 0)]),
+])
+def test_parsed_signatures_match_the_compiled_entries(tmp_path, name, instances):
+    """The parameter list LaunchPlan reads from the rendered source has the order and sizes of
+    the entry points nvcc compiles (PTX ``.param`` lists): a misread signature would make every
+    launch pass its arguments in the wrong slots."""
+    t = get_template(name)
+    inst = sorted({i for args in instances for i in (t.all_instances(*args) if name == "sptc.vnm"
+                                                     else t.instances(*args))})
+    src = tmp_path / "k.cu"
+    src.write_text(t.render(inst))
+    out = tmp_path / "k.ptx"
+    r = subprocess.run([rt.nvcc_path(), "-ptx", "-std=c++17", "-arch=sm_90", "-o", str(out), str(src)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-4000:]
+    entries = _ptx_entries(out.read_text())
+    source = t.render(inst)
+    checked = 0
+    for entry, bits in entries.items():
+        sig = rt.kernel_signature(source, entry)
+        assert [_PTX_BITS[ty] for _, ty in sig.params] == bits, entry
+        checked += 1
+    names = {n for n, _ in inst}
+    assert checked >= len(names) and all(any(e.startswith(n) for e in entries) for n in names)

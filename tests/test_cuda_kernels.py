@@ -69,7 +69,7 @@ def test_fast_call_path_checks_and_threads():
     ref = (A.astype(np.float64) @ X.double().cpu().numpy())
     y0 = mod(X)                                  # full path, sets up the fast path
     assert mod._fast is not None
-    assert mod.kernel._launch._launch is not None, "driver launch path not in use"
+    assert mod.kernel._plans[0]._launch is not None, "driver launch path not in use"
     y1 = mod(X)                                  # fast path
     out = torch.full((257, 33), float("nan"), device="cuda")
     assert mod(X, out=out) is out

@@ -223,16 +223,13 @@ class NvccKernel(rt.CUDAKernel):
         v = int(self.meta.get("vec", 1))
         return [v if i == 0 else 1 for i in range(len(self.meta["instances"]))]
 
-    def _binary(self) -> str:
-        """The fatbin for the current device: the built one, or the same instances compiled here
-        for this GPU's generation (an artifact made for another; needs nvcc)."""
-        import cupy
-
-        self.device_id = cupy.cuda.runtime.getDevice()
+    def _binary(self, device: int) -> str:
+        """The fatbin for ``device``: the built one, or the same instances compiled here for that
+        GPU's generation (an artifact made for another one; needs nvcc)."""
         if "kernel.fatbin" not in self.files:
             raise RuntimeError(f"{self.template} kernel was built without its binary (compile=False)")
         inst = [(n, tuple(a)) for n, a in self.meta["instances"]]
-        path, arch = rt.binary_for_device(self.files["kernel.fatbin"], int(self.meta["arch"]), self.device_id,
+        path, arch = rt.binary_for_device(self.files["kernel.fatbin"], int(self.meta["arch"]), device,
                                           lambda arch: self._tpl.compile(inst, arch=arch, name=inst[0][0]))
         if arch != int(self.meta["arch"]):
             self.files = {**self.files, "kernel.fatbin": path}
@@ -240,7 +237,10 @@ class NvccKernel(rt.CUDAKernel):
         return path
 
     def _load_module(self):
-        return rt.load_module(self._binary())
+        import cupy
+
+        self.device_id = cupy.cuda.runtime.getDevice()
+        return rt.load_module(self._binary(self.device_id))
 
     def _load_functions(self):
         mod = self._load_module()
@@ -279,9 +279,12 @@ class NvccKernel(rt.CUDAKernel):
         return plans
 
     def prepare(self):
-        plans = self.make_plans(self._load_functions(), self._device_arguments())
-        self._plans = (plans[0], plans[-1])
+        self.use_plans(self.make_plans(self._load_functions(), self._device_arguments()))
+
+    def use_plans(self, plans: list) -> None:
+        """Launch through ``plans`` (the main instance's, then the fallback's) from now on."""
         per_call = (*self.inputs, self.output)
+        self._plans = (plans[0], plans[-1])
         self._aligned_idx = tuple(per_call.index(n) for n in (self.aligned or per_call))
         vec = int(self.meta.get("vec", 1))
         self._amask = DTYPES[self.meta.get("dtype", "float32")].bytes * vec - 1 if len(plans) > 1 else 0

@@ -441,7 +441,7 @@ class LaunchPlan:
         types = dict(signature.params)
         for n in per_call:
             if types[n] != "ptr":
-                raise TypeError(f"kernel {signature.name}: per-call argument {n!r} is a {types[n]}, not a pointer")
+                raise TypeError(f"kernel {signature.name}: per-call argument {n!r} has type {types[n]}, not a pointer")
         self.fn, self.signature, self.smem = fn, signature, int(smem)
         self.grid, self.block = tuple(int(g) for g in grid), tuple(int(b) for b in block)
         self.per_call = per_call

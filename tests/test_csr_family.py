@@ -1,0 +1,297 @@
+"""The csr family on the nvcc template base (CPU: no GPU, no nvcc needed).
+
+* The packers run through the numpy emulation of each kernel (``kernels/csr/emulate.py``: the
+  kernel's segments, writes, column coverage of its launch and split-row combine, into a
+  NaN-filled output) reproduce the float64 reference: SpMM sum / max / min / mean with split long
+  rows, empty rows, K = 1, K not a multiple of the vector width, both the vector instance and its
+  VEC = 1 fallback, after row / column reorderings; SDDMM likewise.  The emulation itself catches
+  broken packings (missing segment, missing slot, too few column tiles, a vector past K).
+* Each kernel's launch plans bind every parameter by name: arrays and workspaces to their device
+  pointers, scalars to the kernel's values, the call's pointers in their slots.
+* Parameter checks, the per-call choice of the aligned or fallback launch, the rebuild of a
+  binary made for another GPU generation, and the rendered CUDA of the csr templates (the
+  kernel cache key) byte for byte.
+"""
+import hashlib
+import itertools
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+
+from spcompile.compile import make_op
+from spcompile.core import numerics, reference
+from spcompile.core.formats import as_csr
+from spcompile.core.ir import SparseModule
+from spcompile.kernels import get_template
+from spcompile.kernels.csr import emulate as em
+from spcompile.kernels.csr.packer import spmm_partition
+from spcompile.kernels.nvcc import LaunchSpec
+from spcompile.passes import Pipeline
+from spcompile.runtime import cuda as rt
+
+from conftest import random_matrix
+
+REDUCES = ("sum", "max", "min", "mean")
+PIPES = {"none": [], "rcm": ["reorder.rcm"], "degree": ["reorder.degree"]}
+
+
+def _matrices():
+    return {
+        "random": random_matrix(300, 257, density=0.03, seed=0),          # empty rows + a 257-long row
+        "tall": random_matrix(700, 40, density=0.05, seed=1, long_row=False),
+        "tiny": sp.csr_matrix(np.array([[0, 2.0, 0], [0, 0, 0], [1.0, 0, -3.0]], dtype=np.float32)),
+        "nothing": sp.csr_matrix((6, 5), dtype=np.float32),
+    }
+
+
+def _mod(A, op, K, reduce=None, pipe="none", dtype="float32"):
+    return Pipeline(list(PIPES[pipe]))(SparseModule.from_op(make_op(A, op, K, reduce, dtype=dtype)))
+
+
+def _close(got, ref, tol=1e-5):
+    assert got.shape == ref.shape
+    assert np.isfinite(got).all(), "unwritten (NaN) outputs"
+    scale = max(1.0, float(np.abs(ref).max(initial=0.0)))
+    err = float(np.abs(got - ref).max(initial=0.0)) / scale
+    assert err <= tol, err
+
+
+# ------------------------------------------------------------------------------------------
+# emulation against the float64 reference
+# ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("reduce", REDUCES)
+@pytest.mark.parametrize("pipe", sorted(PIPES))
+def test_spmm_emulation_matches_reference(reduce, pipe):
+    t = get_template("csr.crc_cwm")
+    rng = np.random.default_rng(7)
+    n_split = 0
+    for (name, A), K in itertools.product(_matrices().items(), (1, 3, 6, 33, 64)):
+        mod = _mod(A, "spmm", K, reduce, pipe)
+        X = rng.standard_normal((A.shape[1], K)).astype(np.float32)
+        ref = reference.spmm(as_csr(A), X, reduce)
+        for max_seg, (group, vec, cf) in itertools.product((0, 8, 256), ((32, 4, 1), (8, 2, 2), (4, 4, 8), (16, 1, 4))):
+            k = t.build(mod, {**t.default_params(mod), "max_seg": max_seg, "group": group, "vec": vec, "cf": cf},
+                        compile=False)
+            n_split += int(k.arrays["grp_len"].size)
+            for fallback in (False, True):
+                _close(em.emulate_kernel(k, X, fallback=fallback), ref)
+    assert n_split > 0   # split rows were exercised
+
+
+@pytest.mark.parametrize("pipe", sorted(PIPES))
+def test_sddmm_emulation_matches_reference(pipe):
+    t = get_template("csr.sddmm")
+    rng = np.random.default_rng(8)
+    for (name, A), K in itertools.product(_matrices().items(), (1, 3, 6, 33, 64, 130)):
+        mod = _mod(A, "sddmm", K, None, pipe)
+        X = rng.standard_normal((A.shape[0], K)).astype(np.float32)
+        Y = rng.standard_normal((A.shape[1], K)).astype(np.float32)
+        ref = reference.sddmm(as_csr(A), X, Y)
+        for npw, (group, vec, xc) in itertools.product((1, 8, 256), ((32, 4, 1), (8, 2, 2), (4, 4, 8), (16, 1, 4))):
+            k = t.build(mod, {**t.default_params(mod), "nnz_per_warp": npw, "group": group, "vec": vec,
+                              "k_chunks": xc}, compile=False)
+            for fallback in (False, True):
+                _close(em.emulate_kernel(k, X, Y, fallback=fallback), ref)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_16bit_emulation_within_dtype_tolerance(dtype):
+    A = random_matrix(200, 150, density=0.04, seed=2)
+    rng = np.random.default_rng(3)
+    K = 40
+    X = numerics.round_to(rng.standard_normal((150, K)), dtype)
+    tol = numerics.DTYPES[dtype].tolerance
+    for reduce in REDUCES:
+        mod = _mod(A, "spmm", K, reduce, dtype=dtype)
+        t = get_template("csr.crc_cwm")
+        k = t.build(mod, {**t.default_params(mod), "max_seg": 16}, compile=False)
+        assert k.meta["vec"] == 8 and k.meta["instances"][0][0].startswith(f"spmm_crc_cwm_{numerics.DTYPES[dtype].short}")
+        ref = reference.spmm(as_csr(A), X, reduce)
+        assert reference.rel_error(em.emulate_kernel(k, X), ref) < tol
+
+
+def test_emulation_catches_broken_packing():
+    A = random_matrix(120, 90, density=0.05, seed=4)
+    K = 16
+    X = np.random.default_rng(0).standard_normal((90, K)).astype(np.float32)
+    t = get_template("csr.crc_cwm")
+    mod = _mod(A, "spmm", K, "sum")
+    k = t.build(mod, {**t.default_params(mod), "max_seg": 8, "group": 4, "vec": 4, "cf": 1}, compile=False)
+    ref = reference.spmm(as_csr(A), X, "sum")
+    _close(em.emulate_kernel(k, X), ref)
+    a = k.arrays
+    # a segment lost: its row stays NaN
+    cut = {**a, "seg_ptr": a["seg_ptr"][:-1], "seg_out": a["seg_out"][:-1], "seg_slot": a["seg_slot"][:-1]}
+    assert np.isnan(em.emulate_spmm(cut, X, "sum", 120)).any()
+    # a slice of a split row reports to the wrong group: that row is never combined
+    wrong = {**a, "slot_grp": np.where(np.arange(a["slot_grp"].size) == 0, a["slot_grp"].max(), a["slot_grp"])}
+    assert a["grp_len"].size >= 2 and np.isnan(em.emulate_spmm(wrong, X, "sum", 120)).any()
+    # one column tile too few: the last columns stay NaN
+    assert np.isnan(em.emulate_spmm(a, X, "sum", 120, em.spmm_columns(K, 4, 4, 1, 0))).all()
+    assert np.isnan(em.emulate_spmm(a, X, "sum", 120, em.spmm_columns(K, 4, 2, 1, 1)))[:, 8:].all()
+    # a vector width that does not divide K would write past the row
+    with pytest.raises(ValueError, match="reaches past K"):
+        em.spmm_columns(6, 4, 4, 1, 1)
+    with pytest.raises(ValueError, match="reaches past K"):
+        em.sddmm_columns(6, 8, 4, 1)
+
+
+def test_partition_covers_every_nonzero_once():
+    indptr = np.array([0, 0, 10000, 10003, 10003, 10300])
+    part = spmm_partition(indptr, np.array([4, 0, 1, 2, 3]), 256)
+    seg = part["seg_ptr"]
+    assert seg[0] == 0 and seg[-1] == 10300 and np.all(np.diff(seg) >= 0) and np.all(np.diff(seg) <= 256)
+    assert list(part["grp_out"]) == [0, 3] and list(part["grp_len"]) == [10000, 297]
+    assert (part["seg_slot"] >= 0).sum() == 40 + 2 and list(np.diff(part["grp_ptr"])) == [40, 2]
+    assert sorted(part["seg_out"][part["seg_slot"] < 0]) == [1, 2, 4]   # whole rows, the empty one too
+
+
+# ------------------------------------------------------------------------------------------
+# launch plans: every parameter bound by name
+# ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("template,op", [("csr.crc_cwm", "spmm"), ("csr.sddmm", "sddmm")])
+@pytest.mark.parametrize("K", [1, 33, 64])
+def test_plan_arguments_follow_the_signature(template, op, K):
+    A = random_matrix(300, 257, density=0.03, seed=5)
+    t = get_template(template)
+    mod = _mod(A, op, K, "mean" if op == "spmm" else None)
+    params = {**t.default_params(mod), **({"max_seg": 16, "rows_per_warp": 2} if op == "spmm" else {})}
+    k = t.build(mod, params, compile=False)
+    names = [*k.arrays, *k.workspaces()]
+    dev = {n: 0x7F0000000000 + 0x10000 * i for i, n in enumerate(names)}
+    calls = tuple(0x7E0000000000 + 0x100 * i for i in range(len(k.inputs) + 1))
+    plans = k.make_plans(None, dev)
+    assert len(plans) == len(k.meta["instances"]) == (2 if k.meta["vec"] > 1 else 1)
+    src = t.render([(n, tuple(a)) for n, a in k.meta["instances"]])
+    nseg = int(k.arrays["seg_ptr"].size) - 1
+    scalars = {"nseg": nseg, "K": K, "segs_per_group": params.get("rows_per_warp")}
+    for plan, (iname, _) in zip(plans, k.meta["instances"]):
+        args = plan.arguments(calls)
+        assert [(n, t_) for n, t_, _ in args] == list(rt.kernel_signature(src, iname).params)
+        per_call = dict(zip((*k.inputs, k.output), calls))
+        for n, ctype, v in args:
+            if n in per_call:
+                assert (ctype, v) == ("ptr", per_call[n])
+            elif n in dev:
+                assert (ctype, v) == ("ptr", dev[n])
+            else:
+                assert (ctype, v) == ("int32", scalars[n]), n
+        # every array and workspace reaches the kernel; the grid covers every segment
+        assert {n for n, _, _ in args} >= set(names)
+        spec = plan.block[0] // 32 * (32 // int(params.get("group", 32)) if op == "spmm" else 1)
+        assert plan.grid[0] * spec * int(params.get("rows_per_warp", 1)) >= nseg
+
+
+class _Recorder:
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, ptrs, stream):
+        self.calls.append((tuple(ptrs), stream))
+
+
+@pytest.mark.parametrize("dtype,elem", [("float32", 4), ("float16", 2)])
+def test_each_call_chooses_aligned_or_fallback_launch(dtype, elem):
+    A = random_matrix(50, 40, density=0.1, seed=6)
+    t = get_template("csr.crc_cwm")
+    mod = _mod(A, "spmm", 32, "sum", dtype=dtype)
+    k = t.build(mod, {**t.default_params(mod), "vec": 4}, compile=False)
+    main, fb = _Recorder(), _Recorder()
+    k.use_plans([main, fb])
+    base = 1 << 20
+    k.launch((base,), base + 4096, 9)
+    k.launch((base + elem,), base, 9)            # X one element off a 4-wide vector
+    k.launch((base,), base + 2 * elem, 9)        # Y off
+    k.launch((base + 4 * elem,), base + 8 * elem, 9)
+    assert main.calls == [((base, base + 4096), 9), ((base + 4 * elem, base + 8 * elem), 9)]
+    assert fb.calls == [((base + elem, base), 9), ((base, base + 2 * elem), 9)]
+
+    s = get_template("csr.sddmm")
+    smod = _mod(A, "sddmm", 32)
+    sk = s.build(smod, {**s.default_params(smod), "vec": 4}, compile=False)
+    main, fb = _Recorder(), _Recorder()
+    sk.use_plans([main, fb])
+    sk.launch((base, base), base + 4, 3)            # out needs no vector alignment
+    sk.launch((base, base + 4), base, 3)
+    assert main.calls == [((base, base, base + 4), 3)] and fb.calls == [((base, base + 4, base), 3)]
+    empty = s.build(_mod(sp.csr_matrix((4, 4), dtype=np.float32), "sddmm", 32), s.default_params(smod),
+                    compile=False)
+    empty.use_plans([main, fb])
+    empty.launch((base, base), base, 3)
+    assert len(main.calls) == 1 and len(fb.calls) == 1
+
+
+def test_launch_spec_shapes():
+    A = random_matrix(300, 257, density=0.03, seed=0)
+    t = get_template("csr.crc_cwm")
+    mod = _mod(A, "spmm", 100, "sum")
+    k = t.build(mod, {**t.default_params(mod), "group": 8, "vec": 4, "cf": 2, "warps_per_block": 4,
+                      "rows_per_warp": 2, "max_seg": 32}, compile=False)
+    nseg = k.arrays["seg_out"].size
+    assert k.launch_spec(4) == LaunchSpec((-(-nseg // 32), 2, 1), (128, 1, 1), 1024,
+                                          {"nseg": nseg, "K": 100, "segs_per_group": 2})
+    assert k.launch_spec(1).grid[1] == 7
+    ws = k.workspaces()
+    assert ws["part"] == (k.arrays["slot_grp"].size * 100, "float32")
+    assert ws["counters"] == (k.arrays["grp_len"].size * 7, "int32") and k.arrays["grp_len"].size > 0
+
+
+# ------------------------------------------------------------------------------------------
+# parameter checks, arch rebuild, rendered source
+# ------------------------------------------------------------------------------------------
+def test_invalid_parameters_are_named():
+    A = random_matrix(30, 20, density=0.2, seed=1)
+    t = get_template("csr.crc_cwm")
+    mod = _mod(A, "spmm", 8, "sum")
+    with pytest.raises(ValueError, match=r"cf=3 \(must be one of \[1, 2, 4, 8\]\), vec=8 \(must be one of "
+                                         r"\[1, 2, 4\]\), rows_per_warp=0 \(must be an integer >= 1\)"):
+        t.build(mod, {"cf": 3, "vec": 8, "rows_per_warp": 0}, compile=False)
+    with pytest.raises(ValueError, match=r"max_seg=-1"):
+        t.build(mod, {"max_seg": -1}, compile=False)
+    with pytest.raises(ValueError, match="unknown parameter"):
+        t.build(mod, {"tile": 4}, compile=False)
+    s = get_template("csr.sddmm")
+    smod = _mod(A, "sddmm", 8)
+    with pytest.raises(ValueError, match=r"nnz_per_warp=0 \(must be an integer >= 1\)"):
+        s.build(smod, {"nnz_per_warp": 0}, compile=False)
+    # 16-bit inputs allow 8-wide vectors
+    h = _mod(A, "spmm", 8, "sum", dtype="float16")
+    assert t.build(h, {"vec": 8}, compile=False).meta["vec"] == 8
+
+
+def test_binary_rebuilt_for_another_arch(monkeypatch):
+    A = random_matrix(30, 20, density=0.2, seed=1)
+    t = get_template("csr.crc_cwm")
+    mod = _mod(A, "spmm", 16, "max")
+    k = t.build(mod, t.default_params(mod), compile=False)
+    with pytest.raises(RuntimeError, match="without its binary"):
+        k._binary(0)
+    compiled = []
+    monkeypatch.setattr(t, "compile", lambda inst, arch=None, name="": compiled.append((inst, arch)) or "/new.fatbin")
+    monkeypatch.setattr(rt, "_device_arch", lambda device: 80)
+    monkeypatch.setattr(rt, "device_arch", lambda device=None: 80)
+    monkeypatch.setattr(rt, "nvcc_available", lambda: True)
+    k = t.load(k.params, k.arrays, {"kernel.fatbin": "/old.fatbin"}, {**k.meta, "arch": 90})
+    assert k._binary(0) == "/new.fatbin"
+    assert compiled == [([(n, tuple(a)) for n, a in k.meta["instances"]], 80)]
+    assert k.meta["arch"] == 80 and k.files["kernel.fatbin"] == "/new.fatbin"
+    assert k._binary(0) == "/new.fatbin" and len(compiled) == 1     # now built for this arch
+
+
+#: sha256 of the rendered source (the on-disk kernel cache key) of csr instances; a change here
+#: invalidates every cached csr kernel binary -- update only for an intended kernel change
+RENDER_SHA256 = {
+    ("csr.crc_cwm", ("sum", 1, 4, 32, 2, "float32")): "1169a7c0d41a5e55d562e70befddeee5b65486744a780269eb40e02f726cf6f2",
+    ("csr.crc_cwm", ("mean", 4, 8, 4, 8, "bfloat16")): "fdc93e9add2e44db0d6084963f5ec992f45c846acca31fadccfbb20bc715d643",
+    ("csr.crc_cwm", ("max", 2, 1, 8, 4, "float16")): "b666a93813193c5e3f0b57c0dac30ccb8e95a7d3fed354ef220ae15692f22232",
+    ("csr.sddmm", (32, 4, 4, "float32")): "eecf94ec0fbbf1c1f99226e9935a8abdd1459621b7f5a45903befc1a280aad50",
+    ("csr.sddmm", (8, 2, 2, "float16")): "3b4b0bfaafc150306b0b6f2c27416d39fc484d6d881aae94f8949df8db3cd34a",
+}
+
+
+def test_rendered_source_unchanged():
+    for (name, args), want in RENDER_SHA256.items():
+        t = get_template(name)
+        got = hashlib.sha256(t.render(t.instances(*args)).encode()).hexdigest()
+        assert got == want, f"rendered source of {name}{args} changed: cached kernels are rebuilt"
