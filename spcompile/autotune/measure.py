@@ -19,7 +19,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import numpy as np
 
@@ -29,7 +29,7 @@ from ..core.ir import SparseModule, SparseOp
 from ..core.config import Config
 from ..module import CompiledModule
 
-__all__ = ["MeasureResult", "Runner", "CPURunner", "CUDARunner", "make_runner", "build_timed", "make_inputs"]
+__all__ = ["Timer", "Timing", "MODES", "Pruned", "DeadlineExceeded", "MeasureResult", "Runner", "CPURunner", "CUDARunner", "make_runner", "build_timed", "make_inputs"]
 
 #: result statuses
 OK, PRUNED, COMPILE_ERROR, RUN_ERROR, WRONG_RESULT, TIMEOUT = (
@@ -62,6 +62,313 @@ class MeasureResult:
         return {"status": self.status, "kernel_ms": self.kernel_s * 1e3 if math.isfinite(self.kernel_s) else None,
                 "preprocess_ms": self.preprocess_s * 1e3, "compile_ms": self.compile_s * 1e3,
                 "rel_error": self.rel_error, "error": self.error[-2000:], "name": self.name}
+
+
+# ---------------------------------------------------------------------------------------------
+# The one timing rule
+# ---------------------------------------------------------------------------------------------
+#: timing modes per target; the first is the default
+MODES = {"cuda": ("graph", "launches", "cold_l2"), "cpu": ("autorange",)}
+
+
+class Pruned(Exception):
+    """Raised by :meth:`Timer.time` when the calibration estimate is above ``prune_above``."""
+
+    def __init__(self, estimate: float):
+        super().__init__(f"estimated {estimate:.3g} s per call")
+        self.estimate = estimate
+
+
+class DeadlineExceeded(Exception):
+    """Raised by :meth:`Timer.time` when ``deadline`` passes between repeats."""
+
+
+@dataclass
+class Timing:
+    """What :meth:`Timer.time` measured: ``seconds`` is the median of ``samples`` (seconds per call,
+    one per timed repeat of ``calls_per_sample`` calls); ``mode`` is the mode actually used and
+    ``note`` says why it differs from the one asked for ("" when it does not)."""
+
+    seconds: float
+    samples: list
+    mode: str
+    calls_per_sample: int
+    target: str = ""
+    note: str = ""
+
+    def to_dict(self) -> dict:
+        return {"seconds": self.seconds, "samples": list(self.samples), "mode": self.mode,
+                "calls_per_sample": self.calls_per_sample, "target": self.target, "note": self.note}
+
+
+class _TorchGPU:
+    """Events, capture and L2 flushing through torch (the GPU image's usual case)."""
+
+    name = "torch"
+
+    def __init__(self):
+        import torch
+
+        self.torch = torch
+        self._flush_buf = None
+
+    def synchronize(self):
+        self.torch.cuda.synchronize()
+
+    def warm(self, body):
+        # torch's advice for code that will be captured: warm up on a side stream
+        torch = self.torch
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            body()
+        torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
+
+    def events(self):
+        E = self.torch.cuda.Event
+        return E(enable_timing=True), E(enable_timing=True)
+
+    def elapsed_s(self, start, end) -> float:
+        end.synchronize()
+        return start.elapsed_time(end) * 1e-3
+
+    def capture(self, body):
+        torch = self.torch
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            body()
+        torch.cuda.synchronize()
+        return g.replay
+
+    def l2_bytes(self) -> int:
+        props = self.torch.cuda.get_device_properties(self.torch.cuda.current_device())
+        return int(getattr(props, "L2_cache_size", 0) or 0)
+
+    def flush_l2(self):
+        if self._flush_buf is None:
+            n = max(2 * self.l2_bytes(), 64 << 20)
+            self._flush_buf = self.torch.empty(n // 4, dtype=self.torch.float32, device="cuda")
+        self._flush_buf.fill_(0.0)
+
+
+class _CupyGPU:
+    """The same through CuPy (when torch is not importable)."""
+
+    name = "cupy"
+
+    def __init__(self):
+        import cupy
+
+        self.cp = cupy
+        self._flush_buf = None
+
+    def synchronize(self):
+        self.cp.cuda.runtime.deviceSynchronize()
+
+    def warm(self, body):
+        body()
+        self.synchronize()
+
+    def events(self):
+        return self.cp.cuda.Event(), self.cp.cuda.Event()
+
+    def elapsed_s(self, start, end) -> float:
+        end.synchronize()
+        return self.cp.cuda.get_elapsed_time(start, end) * 1e-3
+
+    def capture(self, body):
+        cp = self.cp
+        stream = cp.cuda.Stream(non_blocking=True)
+        with stream:
+            stream.begin_capture()
+            try:
+                body()
+            finally:
+                graph = stream.end_capture()
+        stream.synchronize()
+
+        def replay():
+            graph.launch(cp.cuda.get_current_stream())
+        return replay
+
+    def l2_bytes(self) -> int:
+        cp = self.cp
+        try:
+            return int(cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id).get("l2CacheSize", 0))
+        except Exception:  # noqa: BLE001 - the 64 MiB floor below covers every current GPU
+            return 0
+
+    def flush_l2(self):
+        if self._flush_buf is None:
+            n = max(2 * self.l2_bytes(), 64 << 20)
+            self._flush_buf = self.cp.empty(n // 4, dtype=self.cp.float32)
+        self._flush_buf.fill(0)
+
+
+def _gpu_backend():
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return _TorchGPU()
+    except ImportError:
+        pass
+    try:
+        return _CupyGPU()
+    except ImportError:
+        raise RuntimeError("timing on target 'cuda' needs torch (with CUDA) or CuPy") from None
+
+
+class Timer:
+    """The one timing rule of spcompile: the runner, the tuner, the benchmarks and the docs time
+    with it.
+
+    ``Timer(target, mode=None)``: target ``"cuda"`` or ``"cpu"``; ``mode`` None picks the default.
+
+    * ``"graph"`` (CUDA default; what a deployed module costs): warm-up calls, then N calls
+      (rotating over the input sets; N chosen so that one replay lasts at least ``min_sample_s``,
+      at most ``max_calls``) captured in one CUDA graph and replayed ``repeats`` times, each replay
+      timed between CUDA events.  Capture goes through ``torch.cuda.CUDAGraph`` when torch is
+      importable, else CuPy stream capture.  The calls must launch on the framework's current
+      stream (spcompile modules called with torch tensors or CuPy arrays do).  When capture fails
+      the timer falls back to ``"launches"`` and says why in ``Timing.note``.
+    * ``"launches"``: the same N calls launched back to back between events.
+    * ``"cold_l2"``: the L2 cache flushed (a buffer of at least twice its size written) before
+      each single timed call; a cold-cache number, not comparable with the other two.
+    * ``"autorange"`` (CPU, the only mode): one calibrated loop -- the number of calls per repeat
+      grows until a repeat lasts at least ``min_sample_s`` -- timed with ``time.perf_counter``.
+
+    Every mode reports the median over ``repeats`` of the seconds per call.
+    """
+
+    def __init__(self, target: str, mode: str | None = None, *, repeats: int | None = None, warmup: int = 3,
+                 min_sample_s: float | None = None, max_calls: int = 1000, backend=None):
+        if target not in MODES:
+            raise ValueError(f"no timer for target {target!r}; expected one of {sorted(MODES)}")
+        mode = MODES[target][0] if mode is None else mode
+        if mode not in MODES[target]:
+            raise ValueError(f"timing mode {mode!r} is not one of target {target!r}'s: {list(MODES[target])}")
+        self.target = target
+        self.mode = mode
+        self.repeats = max(1, int(repeats if repeats is not None else (30 if mode == "cold_l2" else 10)))
+        self.warmup = max(0, int(warmup))
+        self.min_sample_s = float(min_sample_s if min_sample_s is not None else (2e-3 if target == "cpu" else 1e-3))
+        self.max_calls = max(1, int(max_calls))
+        self._backend = backend
+
+    def __repr__(self):
+        return f"Timer({self.target!r}, mode={self.mode!r}, repeats={self.repeats})"
+
+    def _gpu(self):
+        if self._backend is None:
+            self._backend = _gpu_backend()
+        return self._backend
+
+    def time(self, fn: Callable[[int], Any], n_sets: int = 1, *, prune_above: float | None = None,
+             deadline: float | None = None) -> Timing:
+        """Time ``fn(i)`` (one call on input set ``i`` in ``range(n_sets)``).  ``prune_above``:
+        raise :class:`Pruned` when the calibration's per-call estimate exceeds it (seconds);
+        ``deadline``: a ``time.perf_counter()`` value after which :class:`DeadlineExceeded` is
+        raised between repeats."""
+        n_sets = max(1, int(n_sets))
+        if self.target == "cpu":
+            return self._autorange(fn, n_sets, prune_above, deadline)
+        return self._cuda(fn, n_sets, prune_above, deadline)
+
+    @staticmethod
+    def _check(deadline):
+        if deadline is not None and time.perf_counter() > deadline:
+            raise DeadlineExceeded("timing ran past its deadline")
+
+    def _done(self, samples, mode, calls, note="") -> Timing:
+        return Timing(float(statistics.median(samples)), samples, mode, calls, self.target, note)
+
+    def _autorange(self, fn, n_sets, prune_above, deadline) -> Timing:
+        clock = time.perf_counter
+        k = 0
+        for _ in range(self.warmup):
+            fn(k % n_sets)
+            k += 1
+
+        def loop(number):
+            nonlocal k
+            t0 = clock()
+            for _ in range(number):
+                fn(k % n_sets)
+                k += 1
+            return (clock() - t0) / number
+
+        number = 1
+        while True:   # calibrate: 1, 2, 5, 10, 20, 50, ... calls until one repeat is long enough
+            per_call = loop(number)
+            if prune_above is not None and per_call > prune_above:
+                raise Pruned(per_call)
+            if per_call * number >= self.min_sample_s or number >= self.max_calls:
+                break
+            self._check(deadline)
+            want = math.ceil(self.min_sample_s / max(per_call, 1e-9) - 1e-6)
+            number = min(self.max_calls, max(want, 2 * number))
+        samples = []
+        for _ in range(self.repeats):
+            self._check(deadline)
+            samples.append(loop(number))
+        return self._done(samples, "autorange", number)
+
+    def _cuda(self, fn, n_sets, prune_above, deadline) -> Timing:
+        gpu = self._gpu()
+        warm = max(self.warmup, n_sets)
+        gpu.warm(lambda: [fn(i % n_sets) for i in range(warm)])
+        start, end = gpu.events()
+
+        def launches(number, first=0):
+            start.record()
+            for j in range(number):
+                fn((first + j) % n_sets)
+            end.record()
+            return gpu.elapsed_s(start, end) / number
+
+        if self.mode == "cold_l2":
+            samples = []
+            for r in range(self.repeats):
+                self._check(deadline)
+                gpu.flush_l2()
+                samples.append(launches(1, r))
+                if r == 0 and prune_above is not None and samples[0] > prune_above:
+                    raise Pruned(samples[0])
+            return self._done(samples, "cold_l2", 1)
+
+        per_call = launches(n_sets)        # calibration: one pass over the input sets
+        if prune_above is not None and per_call > prune_above:
+            raise Pruned(per_call)
+        number = int(min(self.max_calls, max(n_sets, math.ceil(self.min_sample_s / max(per_call, 1e-9) - 1e-6))))
+        mode, note = self.mode, ""
+        if mode == "graph":
+            def body():
+                for j in range(number):
+                    fn(j % n_sets)
+            try:
+                replay = gpu.capture(body)
+                replay()                    # one untimed replay (uploads the graph)
+                gpu.synchronize()
+            except Exception as e:  # noqa: BLE001 - any capture failure falls back, with its reason
+                mode = "launches"
+                note = f"CUDA graph capture failed ({type(e).__name__}: {str(e)[:300]}); timed back-to-back launches"
+                gpu.synchronize()
+            else:
+                samples = []
+                for _ in range(self.repeats):
+                    self._check(deadline)
+                    start.record()
+                    replay()
+                    end.record()
+                    samples.append(gpu.elapsed_s(start, end) / number)
+                return self._done(samples, "graph", number)
+        samples = []
+        for r in range(self.repeats):
+            self._check(deadline)
+            samples.append(launches(number, r * number))
+        return self._done(samples, mode, number, note)
 
 
 class Runner(Protocol):
