@@ -236,3 +236,128 @@ def test_gpu_capture_failure_is_reported(cuda_spmm):
     assert t.mode == "launches" and "capture failed" in t.note and t.seconds > 0
     # the device is still usable afterwards, and graph mode works again
     assert Timer("cuda", repeats=3).time(lambda i: mod(X[i], out=Y[i]), n_sets=3).mode == "graph"
+
+
+# -- the runner's worker process -----------------------------------------------------------------
+from spcompile.autotune.measure import CPURunner, MeasureResult  # noqa: E402
+from spcompile.compile import make_op  # noqa: E402
+from spcompile.core.config import Config  # noqa: E402
+from spcompile.kernels import base as kbase  # noqa: E402
+from spcompile.kernels.base import Kernel, Template  # noqa: E402
+
+
+class _ScriptedKernel(Kernel):
+    """Correct SpMM-sum (scipy), after doing what ``mode`` says."""
+
+    def __init__(self, S, mode, **kw):
+        super().__init__(**kw)
+        self.S, self.mode = S, mode
+
+    def __call__(self, X, out):
+        if self.mode == "hang_run":
+            time.sleep(60)
+        elif self.mode == "exit":
+            import os
+
+            os._exit(7)          # the process dies mid-measurement (like a crashing kernel)
+        out[...] = self.S @ X
+        return out
+
+
+class _Scripted(Template):
+    """A test-only template whose build or kernel hangs, crashes or works, by parameter; it is
+    importable (module level), so the runner's worker registers it too."""
+
+    name = "test.scripted"
+    target = "cpu"
+    priority = -100
+    ops = (("spmm", "sum"),)
+
+    def default_params(self, mod):
+        return {"mode": "ok"}
+
+    def build(self, mod, params):
+        if params["mode"] == "hang_build":
+            time.sleep(60)
+        return _ScriptedKernel(mod.op.A.to_scipy(), params["mode"], template=self.name, params=params, arrays={})
+
+
+@pytest.fixture
+def scripted():
+    kbase.register_template(_Scripted)
+    yield
+    with kbase._LOCK:
+        kbase._TEMPLATES.pop(_Scripted.name, None)
+
+
+def _cfg(mode):
+    return Config(_Scripted.name, {"mode": mode}, (), "cpu")
+
+
+def test_worker_stops_a_hung_build_or_kernel_and_the_next_trial_runs(scripted):
+    op = make_op(sp.random(80, 80, density=0.05, format="csr", random_state=1, dtype=np.float32), "spmm", 8)
+    with CPURunner(repeats=3, warmup=1, min_sample_s=2e-4) as runner:
+        assert runner.isolate
+        ok = runner.measure(op, _cfg("ok"), timeout=30)
+        assert ok.ok and ok.mode == "autorange" and ok.kernel_s > 0 and ok.rel_error < 1e-6, ok.error
+        first = runner._worker.proc.pid
+        for mode in ("hang_build", "hang_run"):
+            t0 = time.perf_counter()
+            res = runner.measure(op, _cfg(mode), timeout=0.5)
+            took = time.perf_counter() - t0
+            assert res.status == "timeout" and "stopped" in res.error and not res.ok
+            assert took < 0.5 + 0.55 + 1.5, took      # timeout + the slack + killing
+            assert runner._worker is None             # the hung worker is gone ...
+        again = runner.measure(op, _cfg("ok"), timeout=30)
+        assert again.ok, again.error                  # ... and a fresh one serves the next trial
+        assert runner._worker.proc.pid != first
+
+
+def test_worker_crash_is_a_run_error_not_fatal(scripted):
+    op = make_op(sp.random(60, 60, density=0.05, format="csr", random_state=2, dtype=np.float32), "spmm", 4)
+    runner = CPURunner(repeats=2, warmup=0, min_sample_s=1e-4)
+    try:
+        res = runner.measure(op, _cfg("exit"), timeout=30)
+        assert res.status == "run_error" and "died" in res.error and "exit code 7" in res.error
+        assert runner.measure(op, _cfg("ok"), timeout=30).ok
+    finally:
+        runner.close()
+
+
+def test_worker_gets_the_op_once_and_is_reused(scripted, monkeypatch):
+    from spcompile.autotune import measure as m
+
+    sent = []
+    orig = m._Worker.request
+
+    def spy(self, request, op, config, wait):
+        before = self._op
+        out = orig(self, request, op, config, wait)
+        sent.append(before is None or before[0] is not op)
+        return out
+
+    monkeypatch.setattr(m._Worker, "request", spy)
+    A = sp.random(50, 50, density=0.1, format="csr", random_state=3, dtype=np.float32)
+    op1, op2 = make_op(A, "spmm", 4), make_op(A, "spmm", 8)
+    with CPURunner(repeats=2, warmup=0, min_sample_s=1e-4) as runner:
+        for op in (op1, op1, op1, op2, op2):
+            assert runner.measure(op, _cfg("ok"), timeout=30).ok
+        assert runner._worker.proc.pid  # one worker served all five
+        base = runner.baseline(op1)
+        assert base.ok and base.name == "scipy.csr_matmul" and base.mode == "autorange"
+    assert sent == [True, False, False, True, False, True]
+    assert runner._worker is None
+
+
+def test_in_process_runner_and_result_records_the_mode(scripted):
+    op = make_op(sp.random(40, 40, density=0.1, format="csr", random_state=4, dtype=np.float32), "spmm", 4)
+    runner = CPURunner(repeats=2, warmup=0, min_sample_s=1e-4, isolate=False)
+    res = runner.measure(op, _cfg("ok"))
+    assert res.ok and runner._worker is None
+    d = res.to_dict()
+    assert d["timing_mode"] == "autorange" and d["timing_note"] == ""
+    with pytest.raises(ValueError, match="timing mode"):
+        CPURunner(mode="graph")
+    # pruning: the calibration estimate against the best so far
+    pr = runner.measure(op, _cfg("ok"), prune_above=1e-12)
+    assert pr.status == "pruned" and pr.kernel_s > 3e-12

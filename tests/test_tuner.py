@@ -256,7 +256,7 @@ def test_cpu_runner_failures_are_data(broken_template):
 
 def test_real_cpu_templates_tune_then_build_hits_the_database(db):
     A = graph(200, density=0.03, seed=5)
-    runner = CPURunner(repeats=3, warmup=1, min_repeat_s=5e-4)
+    runner = CPURunner(repeats=3, warmup=1, min_sample_s=5e-4)
     res = tune(A, "spmm", K=16, target="cpu", trials=4, storage=db, runner=runner, seed=0)
     assert res.best_config is not None and res.n_complete >= 1
     assert res.baseline_name == "scipy.csr_matmul" and res.baseline_ms > 0
