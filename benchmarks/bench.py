@@ -505,6 +505,18 @@ def summarize(rows) -> dict:
                     "worst": {"graph": worst[1], "speedup": worst[0]},
                     "below_1x": sum(1 for x, _, _ in pairs if x < 1.0),
                     "geomean_floor_fraction": _finite(common.geomean(ff))}
+        # each template alone (its fastest oracle configuration) over the same-run baseline
+        per_t: dict = {}
+        for r in rk:
+            ref = r["columns"].get(r.get("speedup_over") or "", {})
+            for t, v in (r["columns"].get("oracle") or {}).get("per_template", {}).items():
+                if _ok(ref):
+                    per_t.setdefault(t, []).append((ref["seconds"] / v["seconds"], r["graph"]))
+        if per_t:
+            d["oracle_per_template"] = {
+                t: {"graphs": len(v), "geomean": _finite(common.geomean([x for x, _ in v])),
+                    "wins": sum(1 for x, _ in v if x > 1.0), "worst": {"graph": min(v)[1], "speedup": min(v)[0]}}
+                for t, v in sorted(per_t.items())}
         tw = [r["columns"]["tuned"]["tune_wall_s"] for r in rk if "tune_wall_s" in r["columns"].get("tuned", {})]
         if tw:
             d["tune_wall_s"] = {"median": statistics.median(tw), "max": max(tw), "total": sum(tw)}
@@ -575,6 +587,9 @@ def markdown(doc) -> str:
                               f"{_f(v['geomean_over_200k'])} ({v['graphs_over_200k']})",
                               f"{_f(v['worst']['speedup'])} ({v['worst']['graph']})", v["below_1x"],
                               _f(v["geomean_floor_fraction"])])
+        for t, v in d.get("oracle_per_template", {}).items():
+            srows.append([K, f"{t} alone (oracle)", "baseline", v["graphs"], _f(v["geomean"]), "-",
+                          f"{_f(v['worst']['speedup'])} ({v['worst']['graph']})", v["graphs"] - v["wins"], "-"])
         if "tune_wall_s" in d:
             tw = d["tune_wall_s"]
             srows.append([K, "tuning wall time", "-", d["graphs"], f"median {tw['median']:.1f} s",
@@ -589,7 +604,7 @@ def markdown(doc) -> str:
     head += [f"floor frac {c}" for c in ours] + ["tuned config"]
     trows = []
     for r in rows:
-        cells = [r["graph"], r["nnz"], r["K"], f"{r['floor_s'] * 1e6:.1f}"]
+        cells = [r["graph"], r["nnz"], r["K"], _f(r["floor_s"] * 1e6, ".1f")]
         cells += [_us(r["columns"].get(c)) for c in cols if c.startswith("baseline")]
         for c in ours:
             rec = r["columns"].get(c)
