@@ -361,3 +361,23 @@ def test_in_process_runner_and_result_records_the_mode(scripted):
     # pruning: the calibration estimate against the best so far
     pr = runner.measure(op, _cfg("ok"), prune_above=1e-12)
     assert pr.status == "pruned" and pr.kernel_s > 3e-12
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not cuda_available(), reason="no usable CUDA GPU")
+def test_gpu_runner_measures_in_its_worker_by_graph_replay():
+    from spcompile.autotune.measure import CUDARunner
+    from spcompile.compile import default_config
+
+    A = sp.random(20000, 20000, density=5e-4, format="csr", random_state=5, dtype=np.float32)
+    op = make_op(A, "spmm", 32)
+    cfg = default_config(op, "cuda")
+    with CUDARunner() as runner:
+        res = runner.measure(op, cfg, timeout=300)
+        assert res.ok and res.mode == "graph" and res.note == "", (res.status, res.error, res.note)
+        assert res.rel_error <= 1e-5 and 0 < res.kernel_s < 0.1
+        base = runner.baseline(op)
+        assert base.ok and base.name and base.mode == "graph", (base.status, base.error)
+    with CUDARunner(mode="cold_l2", isolate=False) as cold:
+        rc = cold.measure(op, cfg, timeout=300)
+        assert rc.ok and rc.mode == "cold_l2" and len(rc.samples) == 30
