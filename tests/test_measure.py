@@ -381,3 +381,20 @@ def test_gpu_runner_measures_in_its_worker_by_graph_replay():
     with CUDARunner(mode="cold_l2", isolate=False) as cold:
         rc = cold.measure(op, cfg, timeout=300)
         assert rc.ok and rc.mode == "cold_l2" and len(rc.samples) == 30
+
+
+def test_worker_reports_a_template_it_cannot_get():
+    class Local(_Scripted):    # defined in a function: cannot be sent to the worker
+        name = "test.local_only"
+
+    kbase.register_template(Local)
+    try:
+        op = make_op(sp.random(30, 30, density=0.1, format="csr", random_state=6, dtype=np.float32), "spmm", 4)
+        with CPURunner(repeats=2, warmup=0, min_sample_s=1e-4) as runner:
+            res = runner.measure(op, Config(Local.name, {"mode": "ok"}, (), "cpu"), timeout=30)
+            assert res.status == "run_error" and "not registered in the measuring worker" in res.error
+            inproc = CPURunner(repeats=2, warmup=0, min_sample_s=1e-4, isolate=False)
+            assert inproc.measure(op, Config(Local.name, {"mode": "ok"}, (), "cpu")).ok
+    finally:
+        with kbase._LOCK:
+            kbase._TEMPLATES.pop(Local.name, None)

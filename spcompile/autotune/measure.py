@@ -796,6 +796,14 @@ def _registrations(config: Config | None) -> list[tuple]:
     return out
 
 
+def _picklable(obj) -> bool:
+    try:
+        pickle.dumps(obj)
+    except Exception:  # noqa: BLE001 - e.g. a class defined inside a function
+        return False
+    return True
+
+
 def _register(items) -> None:
     from ..kernels import base as kbase
     from ..passes import base as pbase
@@ -816,6 +824,8 @@ def _worker_main(conn, runner_cls, settings) -> None:
     """The worker's loop: ``op`` messages install the op; ``measure`` / ``baseline`` requests are
     answered with a :class:`MeasureResult`.  Ctrl-C is left to the parent, which stops us."""
     import signal
+
+    from ..kernels import base as kbase
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     runner = runner_cls(**settings, isolate=False)
@@ -838,6 +848,11 @@ def _worker_main(conn, runner_cls, settings) -> None:
             op = ops[token]
             if request[0] == "measure":
                 _, config, timeout, prune_above = request
+                if config.template not in kbase._TEMPLATES:
+                    raise ValueError(f"template {config.template!r} is not registered in the measuring worker "
+                                     "process: register it in a module the worker can import (a template class "
+                                     "defined at a module's top level is sent over), or measure in-process with "
+                                     "Runner(isolate=False)")
                 res = runner.measure(op, config, timeout=timeout, prune_above=prune_above)
             else:
                 res = runner.baseline(op)
@@ -896,7 +911,7 @@ class _Worker:
                 token = next(self._tokens)
                 self.conn.send(("op", token, op))
                 self._op = (op, token)
-            regs = [r for r in _registrations(config) if (r[0], r[1]) not in self._registered]
+            regs = [r for r in _registrations(config) if (r[0], r[1]) not in self._registered and _picklable(r)]
             self.conn.send(("request", self._op[1], regs, request))
             self._registered.update((r[0], r[1]) for r in regs)
             deadline = None if wait is None else time.monotonic() + wait
@@ -908,9 +923,7 @@ class _Worker:
                     return self.conn.recv()
                 if not self.proc.is_alive():
                     raise EOFError
-        except (EOFError, OSError, pickle.PicklingError) as e:
-            if isinstance(e, pickle.PicklingError):
-                raise
+        except (EOFError, OSError):
             self.proc.join(1.0)
             raise _WorkerDied(_exit_reason(self.proc.exitcode)) from None
 

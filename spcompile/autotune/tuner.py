@@ -13,6 +13,16 @@ the search goes on; configs that are clearly slower than the best so far are ``P
 first timing; a config already measured is not measured again.  Successful trials are written to
 the tuning database with upsert-if-better semantics; a failed config is never stored.
 
+Timing: every trial is timed by the runner's :class:`~spcompile.autotune.measure.Timer` mode
+(on CUDA by default CUDA-graph replay of ``mod(X, out=Y)``).  The study, each trial's result and
+each database record say which mode measured them; a mode other than the target's default
+(e.g. ``CUDARunner(mode="cold_l2")``) gets its own study and its own record label
+(``kernel_time~cold_l2``), so its numbers are never compared with default-mode ones.
+
+The loop (:meth:`Tuner.run`): while the :class:`StopRule` lets it go on, ask the sampler for a
+config, evaluate it (measure it, unless the same config was measured or pruned before), record
+the verdict.
+
 Budgets: ``trials`` counts the trials of the *study* that got a verdict (so a resumed or shared
 study continues where it stopped, and several workers on one storage share one budget) and
 ``timeout`` bounds this call's wall time.  Workers send heartbeats; a killed worker's trial goes
@@ -206,8 +216,9 @@ class _Heartbeat:
 class Tuner:
     """Tunes one :class:`~spcompile.core.ir.SparseOp` on one target with an Optuna study.
 
-    ``runner``: measures configs (default: :func:`spcompile.autotune.measure.make_runner`); tests inject
-    fakes.  ``storage``: the tuning database (Optuna URL or SQLite path; default the embedded
+    ``runner``: measures configs (default: :func:`spcompile.autotune.measure.make_runner`, measuring
+    in a worker process that :meth:`run` stops when it returns; a runner passed in is left to its
+    owner to ``close()``); tests inject fakes.  ``storage``: the tuning database (Optuna URL or SQLite path; default the embedded
     file).  ``objective``: "kernel_time" or "amortized" (with ``expected_calls``).
     ``similar``: how many similar matrices' best records seed the study.
     ``callbacks``: functions called with a dict per event ("start", "trial", "end").
