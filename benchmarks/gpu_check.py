@@ -5,8 +5,9 @@ template's seeds plus every coarsening factor with split rows): random matrices 
 and one 10k-nonzero row, inputs as torch CUDA tensors, CuPy arrays and numpy arrays in turn, the
 output poisoned with NaN before every run, compared with the float64 reference.  Then 16-bit inputs
 (float16 / bfloat16, fp32 accumulation: every reduction, odd K and K=1, torch and CuPy arrays, at
-the fp16/bf16 tolerance against the float64 reference of the rounded inputs), a few shared graphs,
-save/load of a CUDA module, and the per-call overhead of the module.
+the fp16/bf16 tolerance against the float64 reference of the rounded inputs), the smallest graphs of
+the graph folder, and save/load of a CUDA module.  (Per-call overhead: ``benchmarks/bench.py
+--call-overhead``.)
 
     python benchmarks/gpu_check.py --out DIR            # full check, JSON log in DIR
     python benchmarks/gpu_check.py --quick              # small, for compute-sanitizer memcheck
@@ -15,17 +16,18 @@ save/load of a CUDA module, and the per-call overhead of the module.
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import sys
 import tempfile
-import time
 
 import numpy as np
 import scipy.sparse as sp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import common  # noqa: E402
 
 from spcompile.core import numerics, reference  # noqa: E402
 from spcompile.compile import build_from_config, make_op  # noqa: E402
@@ -299,42 +301,12 @@ def check_save_load(log):
     return 0 if ok else 1
 
 
-def call_overhead(log):
-    """Host time per call of mod(X, out=Y) on a tiny matrix (module overhead), and of mod(X)."""
-    import torch
-
-    A = random_matrix(7, m=64, n=64, density=0.1, long_row=0)
-    X = torch.randn(64, 32, device="cuda")
-    Y = torch.empty(64, 32, device="cuda")
-    res = {}
-    for tname in ("csr.crc_cwm", "extern.cusparse"):
-        sop = make_op(A, "spmm", 32, "sum")
-        tpl = get_template(tname)
-        cm = build_from_config(sop, Config(tname, tpl.default_params(SparseModule.from_op(sop)), (), "cuda"))
-        for _ in range(100):
-            cm(X, out=Y)
-        torch.cuda.synchronize()
-        n = 2000
-        t0 = time.perf_counter()
-        for _ in range(n):
-            cm(X, out=Y)
-        t1 = time.perf_counter()
-        for _ in range(n):
-            cm(X)
-        t2 = time.perf_counter()
-        torch.cuda.synchronize()
-        res[tname] = {"us_per_call_out": (t1 - t0) / n * 1e6, "us_per_call_alloc": (t2 - t1) / n * 1e6}
-    # the raw launch floor: cupy kernel launch alone
-    k = cm.kernel
-    log.append({"call_overhead_us": res})
-    return res
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--precompile", action="store_true")
-    ap.add_argument("--graphs", type=int, default=6, help="shared graphs to check (smallest first)")
+    ap.add_argument("--graphs", type=int, default=6, help="graphs of --data to check (fewest nonzeros first)")
+    ap.add_argument("--data", default=None, help="graph folder (default $SPCOMPILE_GRAPHS, else ../shared/data/graphs)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     if a.precompile:
@@ -354,15 +326,10 @@ def main(argv=None):
         for seed in (0, 1):
             fails += check_matrix(random_matrix(seed), f"random{seed}", False, log)
         fails += check_half(random_matrix(2), "random2-16bit", log)
-        gdir = os.environ.get("SPCOMPILE_GRAPHS")
-        if gdir:
-            paths = sorted(glob.glob(os.path.join(gdir, "*.npz")), key=os.path.getsize)[: a.graphs]
-            for p in paths:
-                fails += check_matrix(sp.load_npz(p).tocsr().astype(np.float32), os.path.basename(p)[:-4], True, log,
-                                      kinds=("torch",))
+        if a.graphs and os.path.isdir(a.data or common.default_graph_dir()):
+            for name, path, _ in common.find_graphs(data_dir=a.data)[: a.graphs]:
+                fails += check_matrix(common.load_matrix(path), name, True, log, kinds=("torch",))
         fails += check_save_load(log)
-        ov = call_overhead(log)
-        print("call overhead (us):", json.dumps(ov))
     n = len([r for r in log if "ok" in r])
     print(f"gpu_check: {n - fails}/{n} passed, {fails} failed")
     if a.out:

@@ -256,7 +256,7 @@ def test_cpu_runner_failures_are_data(broken_template):
 
 def test_real_cpu_templates_tune_then_build_hits_the_database(db):
     A = graph(200, density=0.03, seed=5)
-    runner = CPURunner(repeats=3, warmup=1, min_repeat_s=5e-4)
+    runner = CPURunner(repeats=3, warmup=1, min_sample_s=5e-4)
     res = tune(A, "spmm", K=16, target="cpu", trials=4, storage=db, runner=runner, seed=0)
     assert res.best_config is not None and res.n_complete >= 1
     assert res.baseline_name == "scipy.csr_matmul" and res.baseline_ms > 0
@@ -424,3 +424,62 @@ def test_pruned_config_is_not_measured_again(db, monkeypatch):
     finally:
         with sched_base._LOCK:
             sched_base._TEMPLATES.pop(_Tiny.name, None)
+
+
+def test_stop_rule():
+    from spcompile.autotune.tuner import StopRule
+
+    r = StopRule(trials=10, timeout=5.0, max_duplicates=3, wait_limit=2.0)
+    go = dict(elapsed=0.0, done=0, running=0, duplicate_streak=0, waited=0.0)
+    assert r.reason(**go) == ""
+    assert r.reason(**{**go, "elapsed": 5.0}) == "timeout"
+    assert r.reason(**{**go, "done": 10}) == "budget"
+    assert r.reason(**{**go, "done": 8, "running": 2}) == "wait"          # the rest runs elsewhere
+    assert r.reason(**{**go, "done": 8, "running": 2, "waited": 2.5}) == "waiting for other workers"
+    assert r.reason(**{**go, "duplicate_streak": 3}) == "search space exhausted"
+    assert StopRule().reason(**{**go, "done": 10 ** 6}) == ""             # no budget: only duplicates stop
+
+
+def test_run_with_a_stop_rule(db):
+    from spcompile.autotune.tuner import StopRule
+
+    op = make_op(graph(), "spmm", 16)
+    runner = FakeRunner()
+    res = Tuner(op, "cpu", storage=db, runner=runner, seed=0).run(stop=StopRule(trials=5))
+    assert res.n_trials == 5 and res.stop_reason == "budget" and len(runner.calls) <= 5
+    res2 = Tuner(op, "cpu", storage=db, runner=FakeRunner(), seed=0).run(stop=StopRule(max_duplicates=0))
+    assert res2.stop_reason == "search space exhausted" and res2.n_trials == 5
+
+
+class ModeRunner(FakeRunner):
+    """A fake runner that says which Timer mode it measures with."""
+
+    def __init__(self, mode, **kw):
+        super().__init__(**kw)
+        self.mode = mode
+
+    def measure(self, op, cfg, **kw):
+        res = super().measure(op, cfg, **kw)
+        res.mode = self.mode
+        return res
+
+
+def test_timing_mode_is_recorded_and_kept_apart(db):
+    op = make_op(graph(), "spmm", 16)
+    cold = Tuner(op, "cpu", storage=db, runner=ModeRunner("cold_l2"), seed=0)
+    rc = cold.run(trials=4)
+    assert rc.timing_mode == "cold_l2" and rc.objective == "kernel_time~cold_l2"
+    assert cold.study.user_attrs["timing_mode"] == "cold_l2" and "cold_l2" in cold.study_name
+    trials = [t for t in cold.study.get_trials() if t.state == TV.COMPLETE]
+    assert trials and all(t.user_attrs["result"]["timing_mode"] == "cold_l2" for t in trials)
+    recs = open_database(db).records()
+    assert recs and all(r.objective == "kernel_time~cold_l2" and r.extra["timing_mode"] == "cold_l2" for r in recs)
+    # the default mode's study and records are others: a cold number is never compared with them
+    assert open_database(db).lookup(op.key(), "cpu", "kernel_time") is None
+    warm = Tuner(op, "cpu", storage=db, runner=ModeRunner("autorange"), seed=0)
+    rw = warm.run(trials=4)
+    assert rw.timing_mode == "autorange" and rw.objective == "kernel_time" and warm.study_name != cold.study_name
+    assert open_database(db).lookup(op.key(), "cpu", "kernel_time").extra["timing_mode"] == "autorange"
+    # a study measured in one mode takes no trials measured in another
+    with pytest.raises(ValueError, match="timing mode 'cold_l2'"):
+        Tuner(op, "cpu", storage=db, runner=ModeRunner("autorange"), study_name=cold.study_name).run(trials=6)

@@ -1,35 +1,47 @@
-"""Runners: build a configuration, check it against the float64 reference, then time it.
+"""Measurement: the one timing rule (:class:`Timer`) and the runners that build, check and time
+a configuration for the tuner.
 
-Protocol (what the tuner needs; tests inject fakes)::
+:class:`Timer` is how spcompile times anything -- the runner, the tuner, the benchmarks and the
+docs all use it.  On CUDA its default ("graph") is what a deployed module costs: many calls of
+``mod(X, out=Y)`` captured in one CUDA graph and replayed between events; "launches" times the
+same calls launched back to back, "cold_l2" single calls after flushing the L2 cache.  On the
+CPU it is one calibrated loop ("autorange").  Each reports the median of repeats, per call.
 
-    runner.measure(op, config, *, timeout=None, prune_above=None) -> MeasureResult
-    runner.baseline(op) -> MeasureResult          # .name says what was measured
-
-Measurement rules: the result is checked (output poisoned with NaN first) before any timing
-counts; warm-up calls; the median of repeats; inputs rotated over several sets (and on CUDA
-the L2 cache flushed) so that a small graph does not time the cache; preprocessing (the pass
-pipeline) timed separately from the kernel.  A compile error, launch error, timeout or wrong
-result gives ``MeasureResult(ok=False, status=..., error=...)`` — never an exception.
+A runner (:class:`CPURunner`, :class:`CUDARunner`) checks the result first (output poisoned
+with NaN, compared with the float64 reference) and only then times it, with the input sets
+rotated; the pass pipeline (preprocessing) and the template build are timed apart.  By default
+it measures in a worker process that a timeout or a crash stops for real.  A compile error,
+launch error, timeout, crash or wrong result gives ``MeasureResult(ok=False, status=...,
+error=...)`` -- never an exception.
 """
 from __future__ import annotations
 
+import itertools
 import math
+import os
+import pickle
 import statistics
-import threading
 import time
 import traceback
+import warnings
+import weakref
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
+from ..compile import build_from_config
 from ..core import numerics, reference
-from ..core.numerics import round_to
-from ..core.ir import SparseModule, SparseOp
 from ..core.config import Config
+from ..core.ir import SparseModule, SparseOp
+from ..core.numerics import round_to
+from ..kernels import get_template
 from ..module import CompiledModule
+from ..passes import Pipeline
 
-__all__ = ["MeasureResult", "Runner", "CPURunner", "CUDARunner", "make_runner", "build_timed", "make_inputs"]
+__all__ = ["Timer", "Timing", "MODES", "Pruned", "DeadlineExceeded", "MeasureResult", "Runner", "CPURunner",
+           "CUDARunner", "make_runner", "build_timed", "make_inputs",
+           "OK", "PRUNED", "COMPILE_ERROR", "RUN_ERROR", "WRONG_RESULT", "TIMEOUT"]
 
 #: result statuses
 OK, PRUNED, COMPILE_ERROR, RUN_ERROR, WRONG_RESULT, TIMEOUT = (
@@ -41,7 +53,8 @@ class MeasureResult:
     """One measurement: ``ok`` with kernel seconds (median per call), or a failure ``status``
     ("compile_error", "run_error", "wrong_result", "timeout") with its ``error`` text.
     ``status == "pruned"`` means timing was cut short because the config was clearly slow;
-    ``kernel_s`` is then the estimate that showed it."""
+    ``kernel_s`` is then the estimate that showed it.  ``mode`` is the :class:`Timer` mode that
+    measured it; ``note`` says why it differs from the mode asked for."""
 
     status: str
     kernel_s: float = math.inf
@@ -53,6 +66,8 @@ class MeasureResult:
     name: str = ""
     config: Config | None = None
     extra: dict = field(default_factory=dict)
+    mode: str = ""     # the Timer mode that measured it (or would have)
+    note: str = ""     # why the Timer used another mode than asked ("" when it did not)
 
     @property
     def ok(self) -> bool:
@@ -61,25 +76,315 @@ class MeasureResult:
     def to_dict(self) -> dict:
         return {"status": self.status, "kernel_ms": self.kernel_s * 1e3 if math.isfinite(self.kernel_s) else None,
                 "preprocess_ms": self.preprocess_s * 1e3, "compile_ms": self.compile_s * 1e3,
-                "rel_error": self.rel_error, "error": self.error[-2000:], "name": self.name}
+                "rel_error": self.rel_error, "error": self.error[-2000:], "name": self.name,
+                "timing_mode": self.mode, "timing_note": self.note}
 
 
-class Runner(Protocol):
-    target: str
-
-    def measure(self, op: SparseOp, config: Config, *, timeout: float | None = None,
-                prune_above: float | None = None) -> MeasureResult: ...
-
-    def baseline(self, op: SparseOp) -> MeasureResult: ...
+# ---------------------------------------------------------------------------------------------
+# The one timing rule
+# ---------------------------------------------------------------------------------------------
+#: timing modes per target; the first is the default
+MODES = {"cuda": ("graph", "launches", "cold_l2"), "cpu": ("autorange",)}
 
 
-class _Timeout(Exception):
-    pass
+class Pruned(Exception):
+    """Raised by :meth:`Timer.time` when the calibration estimate is above ``prune_above``."""
 
-
-class _Pruned(Exception):
     def __init__(self, estimate: float):
+        super().__init__(f"estimated {estimate:.3g} s per call")
         self.estimate = estimate
+
+
+class DeadlineExceeded(Exception):
+    """Raised by :meth:`Timer.time` when ``deadline`` passes between repeats."""
+
+
+@dataclass
+class Timing:
+    """What :meth:`Timer.time` measured: ``seconds`` is the median of ``samples`` (seconds per call,
+    one per timed repeat of ``calls_per_sample`` calls); ``mode`` is the mode actually used and
+    ``note`` says why it differs from the one asked for ("" when it does not)."""
+
+    seconds: float
+    samples: list
+    mode: str
+    calls_per_sample: int
+    target: str = ""
+    note: str = ""
+
+    def to_dict(self) -> dict:
+        return {"seconds": self.seconds, "samples": list(self.samples), "mode": self.mode,
+                "calls_per_sample": self.calls_per_sample, "target": self.target, "note": self.note}
+
+
+class _TorchGPU:
+    """Events, capture and L2 flushing through torch (the GPU image's usual case)."""
+
+    name = "torch"
+
+    def __init__(self):
+        import torch
+
+        self.torch = torch
+        self._flush_buf = None
+
+    def synchronize(self):
+        self.torch.cuda.synchronize()
+
+    def warm(self, body):
+        # torch's advice for code that will be captured: warm up on a side stream
+        torch = self.torch
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            body()
+        torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
+
+    def events(self):
+        E = self.torch.cuda.Event
+        return E(enable_timing=True), E(enable_timing=True)
+
+    def elapsed_s(self, start, end) -> float:
+        end.synchronize()
+        return start.elapsed_time(end) * 1e-3
+
+    def capture(self, body):
+        torch = self.torch
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            body()
+        torch.cuda.synchronize()
+        return g.replay
+
+    def l2_bytes(self) -> int:
+        props = self.torch.cuda.get_device_properties(self.torch.cuda.current_device())
+        return int(getattr(props, "L2_cache_size", 0) or 0)
+
+    def flush_l2(self):
+        if self._flush_buf is None:
+            n = max(2 * self.l2_bytes(), 64 << 20)
+            self._flush_buf = self.torch.empty(n // 4, dtype=self.torch.float32, device="cuda")
+        self._flush_buf.fill_(0.0)
+
+
+class _CupyGPU:
+    """The same through CuPy (when torch is not importable)."""
+
+    name = "cupy"
+
+    def __init__(self):
+        import cupy
+
+        self.cp = cupy
+        self._flush_buf = None
+
+    def synchronize(self):
+        self.cp.cuda.runtime.deviceSynchronize()
+
+    def warm(self, body):
+        body()
+        self.synchronize()
+
+    def events(self):
+        return self.cp.cuda.Event(), self.cp.cuda.Event()
+
+    def elapsed_s(self, start, end) -> float:
+        end.synchronize()
+        return self.cp.cuda.get_elapsed_time(start, end) * 1e-3
+
+    def capture(self, body):
+        cp = self.cp
+        stream = cp.cuda.Stream(non_blocking=True)
+        with stream:
+            stream.begin_capture()
+            try:
+                body()
+            finally:
+                graph = stream.end_capture()
+        stream.synchronize()
+
+        def replay():
+            graph.launch(cp.cuda.get_current_stream())
+        return replay
+
+    def l2_bytes(self) -> int:
+        cp = self.cp
+        try:
+            return int(cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id).get("l2CacheSize", 0))
+        except Exception:  # noqa: BLE001 - the 64 MiB floor below covers every current GPU
+            return 0
+
+    def flush_l2(self):
+        if self._flush_buf is None:
+            n = max(2 * self.l2_bytes(), 64 << 20)
+            self._flush_buf = self.cp.empty(n // 4, dtype=self.cp.float32)
+        self._flush_buf.fill(0)
+
+
+def _gpu_backend():
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return _TorchGPU()
+    except ImportError:
+        pass
+    try:
+        return _CupyGPU()
+    except ImportError:
+        raise RuntimeError("timing on target 'cuda' needs torch (with CUDA) or CuPy") from None
+
+
+class Timer:
+    """The one timing rule of spcompile: the runner, the tuner, the benchmarks and the docs time
+    with it.
+
+    ``Timer(target, mode=None)``: target ``"cuda"`` or ``"cpu"``; ``mode`` None picks the default.
+
+    * ``"graph"`` (CUDA default; what a deployed module costs): warm-up calls, then N calls
+      (rotating over the input sets; N chosen so that one replay lasts at least ``min_sample_s``,
+      at most ``max_calls``) captured in one CUDA graph and replayed ``repeats`` times, each replay
+      timed between CUDA events.  Capture goes through ``torch.cuda.CUDAGraph`` when torch is
+      importable, else CuPy stream capture.  The calls must launch on the framework's current
+      stream (spcompile modules called with torch tensors or CuPy arrays do).  When capture fails
+      the timer falls back to ``"launches"`` and says why in ``Timing.note``.
+    * ``"launches"``: the same N calls launched back to back between events.
+    * ``"cold_l2"``: the L2 cache flushed (a buffer of at least twice its size written) before
+      each single timed call; a cold-cache number, not comparable with the other two.
+    * ``"autorange"`` (CPU, the only mode): one calibrated loop -- the number of calls per repeat
+      grows until a repeat lasts at least ``min_sample_s`` -- timed with ``time.perf_counter``.
+
+    Every mode reports the median over ``repeats`` of the seconds per call.
+    """
+
+    def __init__(self, target: str, mode: str | None = None, *, repeats: int | None = None, warmup: int = 3,
+                 min_sample_s: float | None = None, max_calls: int = 1000, backend=None):
+        if target not in MODES:
+            raise ValueError(f"no timer for target {target!r}; expected one of {sorted(MODES)}")
+        mode = MODES[target][0] if mode is None else mode
+        if mode not in MODES[target]:
+            raise ValueError(f"timing mode {mode!r} is not one of target {target!r}'s: {list(MODES[target])}")
+        self.target = target
+        self.mode = mode
+        self.repeats = max(1, int(repeats if repeats is not None else (30 if mode == "cold_l2" else 10)))
+        self.warmup = max(0, int(warmup))
+        self.min_sample_s = float(min_sample_s if min_sample_s is not None else (2e-3 if target == "cpu" else 1e-3))
+        self.max_calls = max(1, int(max_calls))
+        self._backend = backend
+
+    def __repr__(self):
+        return f"Timer({self.target!r}, mode={self.mode!r}, repeats={self.repeats})"
+
+    def _gpu(self):
+        if self._backend is None:
+            self._backend = _gpu_backend()
+        return self._backend
+
+    def time(self, fn: Callable[[int], Any], n_sets: int = 1, *, prune_above: float | None = None,
+             deadline: float | None = None) -> Timing:
+        """Time ``fn(i)`` (one call on input set ``i`` in ``range(n_sets)``).  ``prune_above``:
+        raise :class:`Pruned` when the calibration's per-call estimate exceeds it (seconds);
+        ``deadline``: a ``time.perf_counter()`` value after which :class:`DeadlineExceeded` is
+        raised between repeats."""
+        n_sets = max(1, int(n_sets))
+        if self.target == "cpu":
+            return self._autorange(fn, n_sets, prune_above, deadline)
+        return self._cuda(fn, n_sets, prune_above, deadline)
+
+    @staticmethod
+    def _check(deadline):
+        if deadline is not None and time.perf_counter() > deadline:
+            raise DeadlineExceeded("timing ran past its deadline")
+
+    def _done(self, samples, mode, calls, note="") -> Timing:
+        return Timing(float(statistics.median(samples)), samples, mode, calls, self.target, note)
+
+    def _autorange(self, fn, n_sets, prune_above, deadline) -> Timing:
+        clock = time.perf_counter
+        k = 0
+        for _ in range(self.warmup):
+            fn(k % n_sets)
+            k += 1
+
+        def loop(number):
+            nonlocal k
+            t0 = clock()
+            for _ in range(number):
+                fn(k % n_sets)
+                k += 1
+            return (clock() - t0) / number
+
+        number = 1
+        while True:   # calibrate: 1, 2, 5, 10, 20, 50, ... calls until one repeat is long enough
+            per_call = loop(number)
+            if prune_above is not None and per_call > prune_above:
+                raise Pruned(per_call)
+            if per_call * number >= self.min_sample_s or number >= self.max_calls:
+                break
+            self._check(deadline)
+            want = math.ceil(self.min_sample_s / max(per_call, 1e-9) - 1e-6)
+            number = min(self.max_calls, max(want, 2 * number))
+        samples = []
+        for _ in range(self.repeats):
+            self._check(deadline)
+            samples.append(loop(number))
+        return self._done(samples, "autorange", number)
+
+    def _cuda(self, fn, n_sets, prune_above, deadline) -> Timing:
+        gpu = self._gpu()
+        warm = max(self.warmup, n_sets)
+        gpu.warm(lambda: [fn(i % n_sets) for i in range(warm)])
+        start, end = gpu.events()
+
+        def launches(number, first=0):
+            start.record()
+            for j in range(number):
+                fn((first + j) % n_sets)
+            end.record()
+            return gpu.elapsed_s(start, end) / number
+
+        if self.mode == "cold_l2":
+            samples = []
+            for r in range(self.repeats):
+                self._check(deadline)
+                gpu.flush_l2()
+                samples.append(launches(1, r))
+                if r == 0 and prune_above is not None and samples[0] > prune_above:
+                    raise Pruned(samples[0])
+            return self._done(samples, "cold_l2", 1)
+
+        per_call = launches(n_sets)        # calibration: one pass over the input sets
+        if prune_above is not None and per_call > prune_above:
+            raise Pruned(per_call)
+        number = int(min(self.max_calls, max(n_sets, math.ceil(self.min_sample_s / max(per_call, 1e-9) - 1e-6))))
+        mode, note = self.mode, ""
+        if mode == "graph":
+            def body():
+                for j in range(number):
+                    fn(j % n_sets)
+            try:
+                replay = gpu.capture(body)
+                replay()                    # one untimed replay (uploads the graph)
+                gpu.synchronize()
+            except Exception as e:  # noqa: BLE001 - any capture failure falls back, with its reason
+                mode = "launches"
+                note = f"CUDA graph capture failed ({type(e).__name__}: {str(e)[:300]}); timed back-to-back launches"
+                gpu.synchronize()
+            else:
+                samples = []
+                for _ in range(self.repeats):
+                    self._check(deadline)
+                    start.record()
+                    replay()
+                    end.record()
+                    samples.append(gpu.elapsed_s(start, end) / number)
+                return self._done(samples, "graph", number)
+        samples = []
+        for r in range(self.repeats):
+            self._check(deadline)
+            samples.append(launches(number, r * number))
+        return self._done(samples, mode, number, note)
 
 
 def make_inputs(op: SparseOp, n_sets: int, seed: int = 0) -> list[tuple[np.ndarray, ...]]:
@@ -94,10 +399,6 @@ def make_inputs(op: SparseOp, n_sets: int, seed: int = 0) -> list[tuple[np.ndarr
 def build_timed(op: SparseOp, config: Config) -> tuple[CompiledModule, float, float]:
     """Replay ``config`` like :func:`spcompile.compile.build_from_config`, timing the pass
     pipeline (preprocessing) and the template build (compilation) separately."""
-    from ..compile import build_from_config
-    from ..passes import Pipeline
-    from ..kernels import get_template
-
     tpl = get_template(config.template)
     if tpl.target != config.target:
         raise ValueError(f"template {tpl.name!r} is for target {tpl.target!r}, not {config.target!r}")
@@ -116,27 +417,122 @@ def _short_error(e: BaseException) -> str:
     return "".join(tb).strip()[-2000:]
 
 
-class _BaseRunner:
-    """Shared flow: run the measurement in a worker thread with a deadline; failures as data."""
+class Runner:
+    """Measures one configuration: build it (pass pipeline and template build timed apart), check
+    its result against the float64 reference with the output poisoned with NaN, then time the
+    module call ``mod(X, out=Y)`` with the :class:`Timer` (``mode``: the timer's mode, None for
+    the target's default).  Failures come back as data, never as exceptions::
+
+        runner.measure(op, config, *, timeout=None, prune_above=None) -> MeasureResult
+        runner.baseline(op) -> MeasureResult          # .name says what was measured
+
+    ``isolate=True`` (the default) measures in a worker process (spawned once and kept across
+    measurements; the op's arrays are sent to it once per op).  A measurement that passes its
+    ``timeout`` (build included) or a worker that dies (e.g. a kernel that crashes the process)
+    ends that worker: the result is ``timeout`` / ``run_error`` with the reason, and the next
+    measurement starts a fresh worker.  Templates and passes registered at run time in this process
+    are registered in the worker too (they must be importable: defined at a module's top level).
+    ``isolate=False`` measures in the calling process: the timeout is then only checked between
+    steps and timing repeats, so a hung build or kernel blocks the caller.
+
+    ``prune_above`` (seconds, the best kernel time so far): timing stops early with status
+    ``pruned`` when the calibration estimate exceeds ``prune_factor`` times it."""
 
     target = "cpu"
 
-    def __init__(self, *, warmup: int = 2, repeats: int = 7, n_input_sets: int = 3, min_repeat_s: float = 2e-3,
-                 max_number: int = 1000, rtol: float | None = None, seed: int = 0, prune_factor: float = 3.0,
-                 default_timeout: float | None = 120.0):
-        self.warmup = max(0, int(warmup))
-        self.repeats = max(1, int(repeats))
+    def __init__(self, *, mode: str | None = None, repeats: int | None = None, warmup: int = 3,
+                 n_input_sets: int = 3, min_sample_s: float | None = None, max_calls: int = 1000,
+                 rtol: float | None = None, seed: int = 0, prune_factor: float = 3.0,
+                 default_timeout: float | None = 120.0, isolate: bool = True):
+        self._settings = dict(mode=mode, repeats=repeats, warmup=warmup, n_input_sets=n_input_sets,
+                              min_sample_s=min_sample_s, max_calls=max_calls, rtol=rtol, seed=seed,
+                              prune_factor=prune_factor, default_timeout=default_timeout)
+        self.timer = Timer(self.target, mode, repeats=repeats, warmup=warmup, min_sample_s=min_sample_s,
+                           max_calls=max_calls)
         self.n_input_sets = max(3, int(n_input_sets))
-        self.min_repeat_s = float(min_repeat_s)
-        self.max_number = max(1, int(max_number))
         self.rtol = rtol
         self.seed = seed
-        self.prune_factor = prune_factor
+        self.prune_factor = float(prune_factor)
         self.default_timeout = default_timeout
-        self._cache: dict[int, tuple] = {}  # id(op) -> (op, inputs, refs)
+        self.isolate = bool(isolate)
+        self._worker: _Worker | None = None
+        self._cache: dict[int, tuple] = {}   # id(op) -> (op, inputs, refs)
 
-    # inputs and references are made once per op (float64 reference of every set)
+    @property
+    def mode(self) -> str:
+        """The timing mode asked for (a result's ``mode`` says which one measured it)."""
+        return self.timer.mode
+
+    def __repr__(self):
+        return f"{type(self).__name__}(mode={self.mode!r}, isolate={self.isolate})"
+
+    # -- the public protocol ------------------------------------------------------------------
+    def measure(self, op: SparseOp, config: Config, *, timeout: float | None = None,
+                prune_above: float | None = None) -> MeasureResult:
+        timeout = self.default_timeout if timeout is None else timeout
+        if self._isolated():
+            return self._remote(("measure", config, timeout, prune_above), op, config, timeout)
+        deadline = None if timeout is None else time.perf_counter() + timeout
+        return self._measure_here(op, config, deadline, prune_above)
+
+    def baseline(self, op: SparseOp) -> MeasureResult:
+        """The vendor-style reference time (see the target's runner)."""
+        if self._isolated():
+            res = self._remote(("baseline",), op, None, self.default_timeout)
+            if not res.name:
+                res.name = "baseline"
+            return res
+        return self._baseline_here(op)
+
+    def close(self) -> None:
+        """Stop the worker process (a later measurement starts a new one)."""
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- the worker process -------------------------------------------------------------------
+    def _isolated(self) -> bool:
+        if not self.isolate:
+            return False
+        import multiprocessing as mp
+
+        if mp.current_process().daemon:   # a daemonic process may not start children
+            warnings.warn("spcompile: measuring in-process (a daemonic process cannot start the measuring "
+                          "worker); timeouts cannot stop a hung build or kernel here", RuntimeWarning, stacklevel=3)
+            self.isolate = False
+            return False
+        return True
+
+    def _remote(self, request: tuple, op: SparseOp, config: Config | None, timeout: float | None) -> MeasureResult:
+        if self._worker is None or not self._worker.alive():
+            if self._worker is not None:
+                self._worker.close()
+            self._worker = _Worker(type(self), self._settings)
+        w = self._worker
+        try:
+            reply = w.request(request, op, config, None if timeout is None else timeout + _slack(timeout))
+        except _WorkerTimeout:
+            self.close()
+            return MeasureResult(TIMEOUT, error=f"no result within {timeout:.1f} s; the measuring process was "
+                                 "stopped", config=config, mode=self.mode)
+        except _WorkerDied as e:
+            self.close()
+            return MeasureResult(RUN_ERROR, error=f"the measuring process died ({e}) while measuring this "
+                                 "configuration", config=config, mode=self.mode)
+        except BaseException:   # Ctrl-C and the like: the work in flight is abandoned with its worker
+            self.close()
+            raise
+        return reply
+
+    # -- in this process ----------------------------------------------------------------------
     def _data(self, op: SparseOp):
+        """Inputs (``n_input_sets`` sets) and float64 references, made once per op."""
         hit = self._cache.get(id(op))
         if hit is not None and hit[0] is op:
             return hit[1], hit[2]
@@ -155,67 +551,62 @@ class _BaseRunner:
         prec = cm.config.precision if cm is not None else "fp32"
         return max(numerics.tolerance(prec), numerics.tolerance(op.dtype))
 
-    def measure(self, op: SparseOp, config: Config, *, timeout: float | None = None,
-                prune_above: float | None = None) -> MeasureResult:
-        timeout = self.default_timeout if timeout is None else timeout
-        deadline = None if timeout is None else time.perf_counter() + timeout
-        box: dict[str, Any] = {}
-        cancel = threading.Event()
+    def _time(self, op, fn, n, prune_above, deadline) -> Timing:
+        limit = None if prune_above is None else self.prune_factor * prune_above
+        return self.timer.time(fn, n, prune_above=limit, deadline=deadline)
 
-        def work():
-            try:
-                box["res"] = self._measure(op, config, deadline, prune_above, cancel)
-            except BaseException as e:  # noqa: BLE001 - failures are data
-                box["res"] = MeasureResult(RUN_ERROR, error=_short_error(e), config=config)
-
-        th = threading.Thread(target=work, name="spcompile-measure", daemon=True)
-        th.start()
-        try:
-            th.join(None if timeout is None else timeout + 1.0)
-        except BaseException:
-            cancel.set()
-            raise
-        if th.is_alive():  # a hung compile or kernel: give up on it, the search goes on
-            cancel.set()
-            return MeasureResult(TIMEOUT, error=f"no result within {timeout:.1f} s", config=config)
-        return box["res"]
-
-    def _check_deadline(self, deadline, cancel):
-        if cancel.is_set() or (deadline is not None and time.perf_counter() > deadline):
-            raise _Timeout()
-
-    def _measure(self, op, config, deadline, prune_above, cancel) -> MeasureResult:
+    def _measure_here(self, op, config, deadline, prune_above) -> MeasureResult:
         try:
             cm, pre_s, comp_s = build_timed(op, config)
-        except BaseException as e:  # noqa: BLE001
-            return MeasureResult(COMPILE_ERROR, error=_short_error(e), config=config)
+        except BaseException as e:  # noqa: BLE001 - failures are data
+            if isinstance(e, KeyboardInterrupt):
+                raise
+            return MeasureResult(COMPILE_ERROR, error=_short_error(e), config=config, mode=self.mode)
         base = dict(preprocess_s=pre_s, compile_s=comp_s, config=cm.config)
+        err = None
         try:
-            self._check_deadline(deadline, cancel)
+            Timer._check(deadline)
             err = self._check(op, cm)
             tol = self._tol(op, cm)
             if not (err <= tol):
                 return MeasureResult(WRONG_RESULT, rel_error=err, error=f"relative error {err:.3g} > "
-                                     f"tolerance {tol:.1g}", **base)
-            samples = self._time(op, cm, deadline, prune_above, cancel)
-        except _Timeout:
-            return MeasureResult(TIMEOUT, error="measurement ran past the trial's time limit", **base)
-        except _Pruned as p:
-            return MeasureResult(PRUNED, kernel_s=p.estimate, rel_error=err, **base)
+                                     f"tolerance {tol:.1g}", mode=self.mode, **base)
+            fn, n = self._call(op, cm)
+            t = self._time(op, fn, n, prune_above, deadline)
+        except DeadlineExceeded:
+            return MeasureResult(TIMEOUT, error="measurement ran past the trial's time limit", mode=self.mode, **base)
+        except Pruned as p:
+            return MeasureResult(PRUNED, kernel_s=p.estimate, rel_error=err, mode=self.mode, **base)
+        except KeyboardInterrupt:
+            raise
         except BaseException as e:  # noqa: BLE001
-            return MeasureResult(RUN_ERROR, error=_short_error(e), **base)
-        return MeasureResult(OK, kernel_s=float(statistics.median(samples)), rel_error=err, samples=samples, **base)
+            return MeasureResult(RUN_ERROR, error=_short_error(e), mode=self.mode, **base)
+        return MeasureResult(OK, kernel_s=t.seconds, rel_error=err, samples=t.samples, mode=t.mode,
+                             note=t.note, **base)
 
     def _check(self, op, cm) -> float:
+        """The worst relative error over the checked input sets (output poisoned with NaN)."""
         raise NotImplementedError
 
-    def _time(self, op, cm, deadline, prune_above, cancel) -> list[float]:
+    def _call(self, op, cm) -> tuple[Callable[[int], Any], int]:
+        """``(fn, n)``: ``fn(i)`` calls the module once on input set ``i < n``, as deployed code does."""
         raise NotImplementedError
 
+    def _baseline_here(self, op) -> MeasureResult:
+        raise NotImplementedError
 
-class CPURunner(_BaseRunner):
-    """Host runner: numpy inputs, ``time.perf_counter``, warm-up, median of repeats, each
-    repeat a calibrated number of calls rotating over >= 3 input sets."""
+    def _default_baseline(self, op) -> MeasureResult:
+        from ..compile import default_config
+
+        cfg = default_config(op, self.target)
+        res = self.measure(op, cfg)
+        res.name = f"default:{cfg.template}"
+        return res
+
+
+class CPURunner(Runner):
+    """Host runner: numpy inputs, the module called as ``mod(X, out=Y)``, timed by the CPU
+    :class:`Timer` (autorange).  Baseline: scipy's CSR product for SpMM-sum."""
 
     target = "cpu"
 
@@ -224,106 +615,77 @@ class CPURunner(_BaseRunner):
         worst = 0.0
         for ins, ref in zip(inputs, refs):
             out = np.full(op.output_shape, np.nan, dtype=np.float32)  # poisoned: unwritten entries fail
-            cm.kernel(*ins, out=out)
+            cm(*ins, out=out)
             worst = max(worst, reference.rel_error(out, ref))
         return worst
 
-    def _time(self, op, cm, deadline, prune_above, cancel) -> list[float]:
+    def _call(self, op, cm):
         inputs, _ = self._data(op)
         outs = [np.empty(op.output_shape, dtype=np.float32) for _ in inputs]
-        fn = cm.kernel
-        n = len(inputs)
-        for i in range(self.warmup):
-            fn(*inputs[i % n], out=outs[i % n])
-        t0 = time.perf_counter()
-        fn(*inputs[0], out=outs[0])
-        one = time.perf_counter() - t0
-        if prune_above is not None and one > self.prune_factor * prune_above:
-            raise _Pruned(one)
-        number = int(min(self.max_number, max(1, math.ceil(self.min_repeat_s / max(one, 1e-9)))))
-        samples = []
-        for r in range(self.repeats):
-            self._check_deadline(deadline, cancel)
-            t0 = time.perf_counter()
-            for j in range(number):
-                k = (r * number + j) % n
-                fn(*inputs[k], out=outs[k])
-            samples.append((time.perf_counter() - t0) / number)
-            if r == 1 and prune_above is not None and min(samples) > self.prune_factor * prune_above:
-                raise _Pruned(min(samples))
-        return samples
+        return (lambda i: cm(*inputs[i], out=outs[i])), len(inputs)
 
-    def baseline(self, op: SparseOp) -> MeasureResult:
+    def _baseline_here(self, op: SparseOp) -> MeasureResult:
         """scipy CSR @ dense for SpMM-sum (single-threaded vendor-style baseline); the default
         heuristic config for every other op."""
-        if op.op == "spmm" and op.reduce == "sum":
-            S = op.A.to_scipy()
-            inputs, refs = self._data(op)
+        if not (op.op == "spmm" and op.reduce == "sum"):
+            return self._default_baseline(op)
+        S = op.A.to_scipy()
+        inputs, refs = self._data(op)
+        try:
             err = reference.rel_error(S @ inputs[0][0], refs[0])
-            for i in range(self.warmup):
-                S @ inputs[i % len(inputs)][0]
-            t0 = time.perf_counter()
-            S @ inputs[0][0]
-            one = time.perf_counter() - t0
-            number = int(min(self.max_number, max(1, math.ceil(self.min_repeat_s / max(one, 1e-9)))))
-            samples = []
-            for r in range(self.repeats):
-                t0 = time.perf_counter()
-                for j in range(number):
-                    S @ inputs[(r * number + j) % len(inputs)][0]
-                samples.append((time.perf_counter() - t0) / number)
-            return MeasureResult(OK, kernel_s=float(statistics.median(samples)), rel_error=err,
-                                 samples=samples, name="scipy.csr_matmul")
-        from ..compile import default_config
-
-        cfg = default_config(op, "cpu")
-        res = self.measure(op, cfg)
-        res.name = f"default:{cfg.template}"
-        return res
+            t = self.timer.time(lambda i: S @ inputs[i][0], len(inputs))
+        except Exception as e:  # noqa: BLE001
+            return MeasureResult(RUN_ERROR, error=_short_error(e), name="scipy.csr_matmul", mode=self.mode)
+        return MeasureResult(OK, kernel_s=t.seconds, rel_error=err, samples=t.samples, name="scipy.csr_matmul",
+                             mode=t.mode, note=t.note)
 
 
-class CUDARunner(_BaseRunner):
-    """GPU runner (CuPy): result checked against the float64 reference with the output poisoned
-    with NaN, then timed with CUDA events, the L2 cache flushed before every timed launch
-    (``flush_l2=True``) or, without flushing, many launches rotating over the input sets."""
+class CUDARunner(Runner):
+    """GPU runner: inputs on the device as torch CUDA tensors when torch is importable (the
+    deployed fast path of ``mod(X, out=Y)``), else CuPy arrays; result checked on the host against
+    the float64 reference; timed by the CUDA :class:`Timer` (default: CUDA-graph replay; pass
+    ``mode="cold_l2"`` for cold-cache single calls).  Baseline: ``extern.cusparse`` when available,
+    else the default config."""
 
     target = "cuda"
 
-    def __init__(self, *, flush_l2: bool = True, repeats: int = 30, warmup: int = 3, **kw):
-        super().__init__(repeats=repeats, warmup=warmup, **kw)
-        self.flush_l2 = flush_l2
-        self._flush_buf = None
+    def __init__(self, **kw):
+        super().__init__(**kw)
         self._dev_cache: dict[int, tuple] = {}
 
-    def _dev_inputs(self, op):
-        import cupy as cp
+    @staticmethod
+    def _torch():
+        try:
+            import torch
+        except ImportError:
+            return None
+        return torch if torch.cuda.is_available() else None
 
+    def _dev_inputs(self, op):
         hit = self._dev_cache.get(id(op))
         if hit is not None and hit[0] is op:
             return hit[1]
         inputs, _ = self._data(op)
-        dev = [tuple(self._to_device(x, op.dtype) for x in ins) for ins in inputs]
+        torch = self._torch()
+        if torch is not None:
+            dt = getattr(torch, op.dtype)
+            dev = [tuple(torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)).cuda().to(dt) for x in ins)
+                   for ins in inputs]
+        else:
+            if op.dtype == "bfloat16":
+                raise RuntimeError("bfloat16 workloads are measured through torch CUDA tensors, and torch "
+                                   "is not importable here (CuPy has no bfloat16)")
+            import cupy as cp
+
+            dev = [tuple(cp.asarray(np.ascontiguousarray(x, dtype=np.dtype(op.dtype))) for x in ins)
+                   for ins in inputs]
         self._dev_cache = {id(op): (op, dev)}
         return dev
 
-    @staticmethod
-    def _to_device(x, dtype: str):
-        """A device array of ``dtype``: CuPy for float32/float16, a torch tensor for bfloat16
-        (CuPy has no bfloat16); the kernels take either."""
-        import cupy as cp
-
-        if dtype == "bfloat16":
-            import torch
-
-            return torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)).cuda().to(torch.bfloat16)
-        return cp.asarray(np.ascontiguousarray(x, dtype=np.dtype(dtype)))
-
-    @staticmethod
-    def _out(op, fill=None):
-        if op.dtype == "bfloat16":
-            import torch
-
-            o = torch.empty(op.output_shape, dtype=torch.bfloat16, device="cuda")
+    def _out(self, op, fill=None):
+        torch = self._torch()
+        if torch is not None:
+            o = torch.empty(op.output_shape, dtype=getattr(torch, op.dtype), device="cuda")
             return o.fill_(fill) if fill is not None else o
         import cupy as cp
 
@@ -332,96 +694,248 @@ class CUDARunner(_BaseRunner):
             o.fill(fill)
         return o
 
+    def _sync(self):
+        torch = self._torch()
+        if torch is not None:
+            torch.cuda.synchronize()
+        else:
+            import cupy as cp
+
+            cp.cuda.runtime.deviceSynchronize()
+
     @staticmethod
     def _host(out) -> np.ndarray:
-        import cupy as cp
-
-        if isinstance(out, cp.ndarray):
-            return cp.asnumpy(out).astype(np.float32)
+        if hasattr(out, "get"):   # CuPy
+            return out.get().astype(np.float32)
         return out.float().cpu().numpy()
 
-    def _flush(self):
-        import cupy as cp
-
-        if self._flush_buf is None:
-            try:
-                l2 = int(cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id).get("l2CacheSize", 0))
-            except Exception:
-                l2 = 0
-            self._flush_buf = cp.empty(max(2 * l2, 64 << 20) // 4, dtype=cp.float32)
-        self._flush_buf.fill(0)
-
     def _check(self, op, cm) -> float:
-        import cupy as cp
-
         dev = self._dev_inputs(op)
         _, refs = self._data(op)
         worst = 0.0
         for ins, ref in zip(dev, refs):
             out = self._out(op, float("nan"))  # poisoned: unwritten entries fail
-            cm.kernel(*ins, out=out)
-            cp.cuda.runtime.deviceSynchronize()  # surfaces launch errors here
+            cm(*ins, out=out)
+            self._sync()  # surfaces launch errors here
             worst = max(worst, reference.rel_error(self._host(out), ref))
         return worst
 
-    def _time(self, op, cm, deadline, prune_above, cancel) -> list[float]:
-        import cupy as cp
-
+    def _call(self, op, cm):
         dev = self._dev_inputs(op)
         outs = [self._out(op) for _ in dev]
-        fn = cm.kernel
-        n = len(dev)
-        for i in range(self.warmup):
-            fn(*dev[i % n], out=outs[i % n])
-        cp.cuda.runtime.deviceSynchronize()
-        start, end = cp.cuda.Event(), cp.cuda.Event()
+        return (lambda i: cm(*dev[i], out=outs[i])), len(dev)
 
-        def timed(number: int, first: int) -> float:
-            if self.flush_l2:
-                self._flush()
-            start.record()
-            for j in range(number):
-                k = (first + j) % n
-                fn(*dev[k], out=outs[k])
-            end.record()
-            end.synchronize()
-            return cp.cuda.get_elapsed_time(start, end) * 1e-3 / number
-
-        one = timed(1, 0)
-        if prune_above is not None and one > self.prune_factor * prune_above:
-            raise _Pruned(one)
-        # with flushing, each sample is one cold launch; without, enough launches to fill min_repeat_s
-        number = 1 if self.flush_l2 else int(min(self.max_number, max(1, math.ceil(self.min_repeat_s / max(one, 1e-9)))))
-        samples = []
-        for r in range(self.repeats):
-            self._check_deadline(deadline, cancel)
-            samples.append(timed(number, r * number))
-        return samples
-
-    def baseline(self, op: SparseOp) -> MeasureResult:
-        """The template ``extern.cusparse`` when registered and available, else the default config."""
-        from ..compile import default_config
+    def _baseline_here(self, op: SparseOp) -> MeasureResult:
         from ..kernels import get_template
 
         try:
             tpl = get_template("extern.cusparse")
+        except ValueError:
+            tpl = None
+        if tpl is not None:
             mod = SparseModule.from_op(op)
             if tpl.available() and tpl.supports(mod):
                 res = self.measure(op, tpl.make_config(tpl.default_params(mod), (), "cuda"))
                 res.name = tpl.name
                 if res.ok:
                     return res
-        except ValueError:
-            pass
-        cfg = default_config(op, "cuda")
-        res = self.measure(op, cfg)
-        res.name = f"default:{cfg.template}"
-        return res
+        return self._default_baseline(op)
 
 
 def make_runner(target: str, **kw) -> Runner:
+    """The runner of ``target`` ("cpu" or "cuda"); ``kw`` go to :class:`Runner`."""
     if target == "cpu":
         return CPURunner(**kw)
     if target == "cuda":
         return CUDARunner(**kw)
     raise ValueError(f"no runner for target {target!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The measuring worker process
+# ---------------------------------------------------------------------------------------------
+def _slack(timeout: float) -> float:
+    """Time beyond a measurement's timeout before its worker is stopped (the worker's own deadline
+    checks usually answer first, with the build times)."""
+    return min(2.0, 0.5 + 0.1 * timeout)
+
+
+_START_S = 300.0      # a worker's start-up (imports; CUDA and TVM initialise lazily later)
+
+
+class _WorkerTimeout(Exception):
+    pass
+
+
+class _WorkerDied(Exception):
+    pass
+
+
+def _registrations(config: Config | None) -> list[tuple]:
+    """The template and passes ``config`` names, as objects the worker can register (pickled by
+    reference, so they must be importable); the worker registers those it lacks."""
+    if config is None:
+        return []
+    from ..kernels import base as kbase
+    from ..passes import base as pbase
+
+    out: list[tuple] = []
+    tpl = kbase._TEMPLATES.get(config.template)
+    if tpl is not None:
+        out.append(("template", config.template, type(tpl)))
+    for item in config.pipeline:
+        name = item["name"] if isinstance(item, Mapping) else str(item)
+        cls = pbase._REGISTRY.get(name)
+        if cls is None:
+            continue
+        if issubclass(cls, pbase.FunctionPass) and cls.__module__ == pbase.__name__:
+            out.append(("function_pass", name, (cls.func, dict(cls.default_options), tuple(cls.requires),
+                                                 tuple(cls.produces))))
+        else:
+            out.append(("pass_class", name, cls))
+    return out
+
+
+def _picklable(obj) -> bool:
+    try:
+        pickle.dumps(obj)
+    except Exception:  # noqa: BLE001 - e.g. a class defined inside a function
+        return False
+    return True
+
+
+def _register(items) -> None:
+    from ..kernels import base as kbase
+    from ..passes import base as pbase
+
+    kbase._load_builtin()
+    pbase._load_builtin()
+    for kind, name, payload in items:
+        if kind == "template" and name not in kbase._TEMPLATES:
+            kbase.register_template(payload)
+        elif kind == "function_pass" and name not in pbase._REGISTRY:
+            func, options, requires, produces = payload
+            pbase.register_pass(name, options=options, requires=requires, produces=produces)(func)
+        elif kind == "pass_class" and name not in pbase._REGISTRY:
+            pbase.register_pass(name)(payload)
+
+
+def _worker_main(conn, runner_cls, settings) -> None:
+    """The worker's loop: ``op`` messages install the op; ``measure`` / ``baseline`` requests are
+    answered with a :class:`MeasureResult`.  Ctrl-C is left to the parent, which stops us."""
+    import signal
+
+    from ..kernels import base as kbase
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    runner = runner_cls(**settings, isolate=False)
+    ops: dict[int, SparseOp] = {}
+    conn.send(("ready", os.getpid()))
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return
+        kind = msg[0]
+        if kind == "stop":
+            return
+        if kind == "op":
+            ops = {msg[1]: msg[2]}
+            continue
+        _, token, regs, request = msg
+        try:
+            _register(regs)
+            op = ops[token]
+            if request[0] == "measure":
+                _, config, timeout, prune_above = request
+                if config.template not in kbase._TEMPLATES:
+                    raise ValueError(f"template {config.template!r} is not registered in the measuring worker "
+                                     "process: register it in a module the worker can import (a template class "
+                                     "defined at a module's top level is sent over), or measure in-process with "
+                                     "Runner(isolate=False)")
+                res = runner.measure(op, config, timeout=timeout, prune_above=prune_above)
+            else:
+                res = runner.baseline(op)
+        except BaseException as e:  # noqa: BLE001 - failures are data
+            res = MeasureResult(RUN_ERROR, error=_short_error(e), config=request[1] if request[0] == "measure"
+                                else None, mode=runner.mode)
+        conn.send(res)
+
+
+def _exit_reason(code) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        import signal
+
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+class _Worker:
+    """One spawned measuring process (spawn: CUDA does not survive a fork) and its pipe."""
+
+    _tokens = itertools.count(1)
+
+    def __init__(self, runner_cls, settings):
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe(duplex=True)
+        self.proc = ctx.Process(target=_worker_main, args=(child, runner_cls, settings),
+                                name="spcompile-measure", daemon=True)
+        self.proc.start()
+        child.close()
+        self._finalizer = weakref.finalize(self, _Worker._shutdown, self.proc, self.conn)
+        self._op = None          # (op, token) the worker holds
+        self._registered: set = set()
+        try:
+            if not self.conn.poll(_START_S):
+                raise _WorkerTimeout()
+            self.conn.recv()
+        except (_WorkerTimeout, EOFError, OSError):
+            code = self.proc.exitcode
+            self.close()
+            raise RuntimeError(f"the measuring worker process did not start ({_exit_reason(code)}); "
+                               "Runner(isolate=False) measures in this process instead") from None
+
+    def alive(self) -> bool:
+        return self.proc.is_alive()
+
+    def request(self, request: tuple, op: SparseOp, config: Config | None, wait: float | None):
+        try:
+            if self._op is None or self._op[0] is not op:
+                token = next(self._tokens)
+                self.conn.send(("op", token, op))
+                self._op = (op, token)
+            regs = [r for r in _registrations(config) if (r[0], r[1]) not in self._registered and _picklable(r)]
+            self.conn.send(("request", self._op[1], regs, request))
+            self._registered.update((r[0], r[1]) for r in regs)
+            deadline = None if wait is None else time.monotonic() + wait
+            while True:   # short polls: a dead worker is noticed at once
+                left = 1.0 if deadline is None else min(1.0, deadline - time.monotonic())
+                if left <= 0:
+                    raise _WorkerTimeout()
+                if self.conn.poll(left):
+                    return self.conn.recv()
+                if not self.proc.is_alive():
+                    raise EOFError
+        except (EOFError, OSError):
+            self.proc.join(1.0)
+            raise _WorkerDied(_exit_reason(self.proc.exitcode)) from None
+
+    def close(self):
+        self._finalizer()
+
+    @staticmethod
+    def _shutdown(proc, conn):
+        if proc.is_alive():
+            proc.kill()
+        proc.join(5.0)
+        try:
+            conn.close()
+        except OSError:
+            pass

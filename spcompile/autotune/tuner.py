@@ -13,6 +13,16 @@ the search goes on; configs that are clearly slower than the best so far are ``P
 first timing; a config already measured is not measured again.  Successful trials are written to
 the tuning database with upsert-if-better semantics; a failed config is never stored.
 
+Timing: every trial is timed by the runner's :class:`~spcompile.autotune.measure.Timer` mode
+(on CUDA by default CUDA-graph replay of ``mod(X, out=Y)``).  The study, each trial's result and
+each database record say which mode measured them; a mode other than the target's default
+(e.g. ``CUDARunner(mode="cold_l2")``) gets its own study and its own record label
+(``kernel_time~cold_l2``), so its numbers are never compared with default-mode ones.
+
+The loop (:meth:`Tuner.run`): while the :class:`StopRule` lets it go on, ask the sampler for a
+config, evaluate it (measure it, unless the same config was measured or pruned before), record
+the verdict.
+
 Budgets: ``trials`` counts the trials of the *study* that got a verdict (so a resumed or shared
 study continues where it stopped, and several workers on one storage share one budget) and
 ``timeout`` bounds this call's wall time.  Workers send heartbeats; a killed worker's trial goes
@@ -20,11 +30,12 @@ stale and is failed by the survivors, which then run the missing trials.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
-import os
-import socket
 import json
 import math
+import os
+import socket
 import threading
 import time
 import warnings
@@ -36,10 +47,10 @@ from .database import (Database, Record, config_digest, open_database, optuna_st
                        target_digest, target_key, template_hash)
 from ..core.ir import SparseModule, SparseOp
 from ..core.config import Config
-from .measure import MeasureResult, make_runner
+from .measure import MODES, MeasureResult, make_runner
 from ..core.numerics import allowed_precisions
 
-__all__ = ["Tuner", "TuneResult", "tune", "objective_name"]
+__all__ = ["Tuner", "TuneResult", "StopRule", "tune", "objective_name"]
 
 DEFAULT_TRIALS = 24
 FAIL_REASON = "fail_reason"
@@ -76,6 +87,63 @@ def objective_value(res: MeasureResult, objective: str, expected_calls: float | 
     return v * 1e3
 
 
+_WAIT = "wait"
+
+
+@dataclass(frozen=True)
+class StopRule:
+    """When :meth:`Tuner.run` stops.  ``trials``: the study has this many trials with a verdict
+    (shared by every worker on the storage; a resumed study counts what it has).  ``timeout``:
+    seconds of this call.  ``max_duplicates``: this many configs in a row were measured (or pruned)
+    before -- the space is exhausted.  ``wait_limit``: seconds to wait for the last trials in
+    flight on other workers (None: three heartbeat grace periods)."""
+
+    trials: int | None = None
+    timeout: float | None = None
+    max_duplicates: int = 30
+    wait_limit: float | None = None
+
+    def reason(self, *, elapsed: float, done: int, running: int, duplicate_streak: int, waited: float) -> str:
+        """Why to stop now ("" to go on, ``"wait"`` to wait for other workers' trials)."""
+        if self.timeout is not None and elapsed >= self.timeout:
+            return "timeout"
+        if self.trials is not None and done >= self.trials:
+            return "budget"
+        if self.trials is not None and done + running >= self.trials:
+            # the rest is in flight on other workers: wait for them (or for them to go stale)
+            if self.wait_limit is not None and waited > self.wait_limit:
+                return "waiting for other workers"
+            return _WAIT
+        if duplicate_streak >= self.max_duplicates:
+            return "search space exhausted"
+        return ""
+
+
+@dataclass
+class _Scan:
+    """What the study holds now: counted and running trials, the verdicts by config digest, the bests."""
+
+    done: int = 0
+    running: int = 0
+    measured: dict = field(default_factory=dict)   # config digest -> (trial number, value)
+    pruned: dict = field(default_factory=dict)     # config digest -> trial number
+    best_kernel: float = math.inf                  # ms
+    best_value: float = math.inf                   # ms
+
+
+@dataclass
+class _Loop:
+    """One run's own state."""
+
+    started: float
+    duplicate_streak: int = 0
+    wait_since: float | None = None
+    scan: _Scan = field(default_factory=_Scan)
+
+    def waited(self) -> float:
+        return 0.0 if self.wait_since is None else time.perf_counter() - self.wait_since
+
+
 @dataclass
 class TuneResult:
     """Outcome of tuning one workload (also what ``spcompile tune`` tabulates)."""
@@ -99,6 +167,7 @@ class TuneResult:
     interrupted: bool = False
     stop_reason: str = ""
     fail_reasons: dict = field(default_factory=dict)
+    timing_mode: str | None = None   # the Timer mode that measured the study
 
     @property
     def speedup(self) -> float | None:
@@ -115,6 +184,7 @@ class TuneResult:
                 "baseline_name": self.baseline_name, "speedup": self.speedup, "n_trials": self.n_trials,
                 "n_complete": self.n_complete, "n_fail": self.n_fail, "n_pruned": self.n_pruned,
                 "n_stale": self.n_stale, "interrupted": self.interrupted, "stop_reason": self.stop_reason,
+                "timing_mode": self.timing_mode,
                 "fail_reasons": dict(self.fail_reasons)}
 
 
@@ -146,8 +216,9 @@ class _Heartbeat:
 class Tuner:
     """Tunes one :class:`~spcompile.core.ir.SparseOp` on one target with an Optuna study.
 
-    ``runner``: measures configs (default: :func:`spcompile.autotune.measure.make_runner`); tests inject
-    fakes.  ``storage``: the tuning database (Optuna URL or SQLite path; default the embedded
+    ``runner``: measures configs (default: :func:`spcompile.autotune.measure.make_runner`, measuring
+    in a worker process that :meth:`run` stops when it returns; a runner passed in is left to its
+    owner to ``close()``); tests inject fakes.  ``storage``: the tuning database (Optuna URL or SQLite path; default the embedded
     file).  ``objective``: "kernel_time" or "amortized" (with ``expected_calls``).
     ``similar``: how many similar matrices' best records seed the study.
     ``callbacks``: functions called with a dict per event ("start", "trial", "end").
@@ -164,10 +235,19 @@ class Tuner:
         self.target = target
         self.db: Database = open_database(storage)
         self.storage_url = self.db.url
+        self._owns_runner = runner is None
         self.runner = runner if runner is not None else make_runner(target)
+        mode = getattr(self.runner, "mode", None)
+        #: the Timer mode that measures this study (None for a runner that does not say)
+        self.timing_mode = mode if isinstance(mode, str) else None
         self.precision = precision
         self.allowed = allowed_precisions(precision, op.dtype)
         self.objective = objective_name(objective, expected_calls, precision)
+        # the label of the study's records: a timing mode other than the target's default (e.g.
+        # cold_l2) is part of it, so its numbers are never compared with default-mode ones
+        default_mode = MODES.get(target, (None,))[0]
+        self.record_objective = self.objective + (
+            f"~{self.timing_mode}" if self.timing_mode and self.timing_mode != default_mode else "")
         self.expected_calls = expected_calls
         self.seed = seed
         self.similar = similar
@@ -210,7 +290,7 @@ class Tuner:
         self.space_digest = hashlib.sha256(space_sig.encode()).hexdigest()[:8]
         red = f"-{op.reduce}" if op.reduce else ""
         self.study_name = study_name or (f"spcompile-{op.op}{red}-K{op.K}-{self.key.digest()[:16]}-"
-                                         f"{self.target_digest[:12]}-{self.objective}-{self.space_digest}")
+                                         f"{self.target_digest[:12]}-{self.record_objective}-{self.space_digest}")
         self._storage = optuna_storage(self.storage_url, heartbeat_interval, grace_period)
         self.study = self._create_study()
 
@@ -291,7 +371,7 @@ class Tuner:
                                                            own, self.target)))
         if self.similar:
             try:
-                for dist, rec in self.db.similar(self.key, self.target_info, self.objective, self.similar):
+                for dist, rec in self.db.similar(self.key, self.target_info, self.record_objective, self.similar):
                     seeds.append((f"similar:{rec.workload_digest[:12]}", rec.config))
             except Exception:
                 pass
@@ -315,7 +395,7 @@ class Tuner:
         if b is None or b.get("ms") is None:  # a failed baseline is measured again, never cached
             res = self.runner.baseline(self.op)
             b = {"ms": res.kernel_s * 1e3 if res.ok else None, "name": res.name or "baseline",
-                 "status": res.status, "error": res.error[-500:]}
+                 "status": res.status, "error": res.error[-500:], "timing_mode": res.mode or self.timing_mode}
             self.study.set_user_attr("baseline", b)
         return b.get("ms"), b.get("name")
 
@@ -332,134 +412,169 @@ class Tuner:
             return r is not None and r != INTERRUPTED
         return False
 
-    def _scan(self):
+    def _scan(self) -> "_Scan":
         from optuna.trial import TrialState
 
         trials = self.study.get_trials(deepcopy=False)
-        done = sum(1 for t in trials if self._counted(t))
-        running = sum(1 for t in trials if t.state == TrialState.RUNNING)
-        measured = {}
-        pruned = {}
-        best_kernel = math.inf
-        best_value = math.inf
+        scan = _Scan(done=sum(1 for t in trials if self._counted(t)),
+                     running=sum(1 for t in trials if t.state == TrialState.RUNNING))
         for t in trials:
             if t.state == TrialState.COMPLETE and "config_digest" in t.user_attrs:
-                measured.setdefault(t.user_attrs["config_digest"], (t.number, t.value))
+                scan.measured.setdefault(t.user_attrs["config_digest"], (t.number, t.value))
                 if "duplicate_of" not in t.user_attrs:
-                    best_kernel = min(best_kernel, (t.user_attrs.get("result") or {}).get("kernel_ms") or math.inf)
-                    best_value = min(best_value, t.value)
+                    kernel = (t.user_attrs.get("result") or {}).get("kernel_ms") or math.inf
+                    scan.best_kernel = min(scan.best_kernel, kernel)
+                    scan.best_value = min(scan.best_value, t.value)
             elif t.state == TrialState.PRUNED and "config_digest" in t.user_attrs:
-                pruned.setdefault(t.user_attrs["config_digest"], t.number)
-        self._pruned = pruned
-        return done, running, measured, best_kernel, best_value
+                scan.pruned.setdefault(t.user_attrs["config_digest"], t.number)
+        return scan
 
-    def run(self, trials: int | None = None, timeout: float | None = None) -> TuneResult:
-        """Tune until the study has ``trials`` trials with a verdict or ``timeout`` seconds pass.
-        Ctrl-C stops cleanly: the trial in flight is marked failed ('interrupted') and what was
-        measured stays in the study and the database."""
-        import optuna
-        from optuna.trial import TrialState
+    def _wait_limit(self) -> float:
+        """How long to wait for trials in flight on other workers before giving up on them."""
+        return 3 * (self.grace_period or 2 * (self.heartbeat_interval or 10)) + 10
 
-        if trials is None and timeout is None:
-            trials = DEFAULT_TRIALS
-        t_start = time.perf_counter()
-        interrupted = False
-        stop = ""
-        baseline_ms = baseline_name = None
+    def run(self, trials: int | None = None, timeout: float | None = None, *,
+            stop: StopRule | None = None) -> TuneResult:
+        """Tune until the study has ``trials`` trials with a verdict or ``timeout`` seconds pass
+        (or until ``stop``, a :class:`StopRule`, says so).  Ctrl-C stops cleanly: the trial in
+        flight is marked failed ('interrupted') and what was measured stays in the study and the
+        database.  The loop: ask the sampler for a config, evaluate it (measure, unless it was
+        measured or condemned before), record the verdict."""
+        rule = stop if stop is not None else StopRule(trials, timeout, self.max_duplicates)
+        if rule.trials is None and rule.timeout is None:
+            rule = dataclasses.replace(rule, trials=DEFAULT_TRIALS)
+        if rule.wait_limit is None:
+            rule = dataclasses.replace(rule, wait_limit=self._wait_limit())
+        loop = _Loop(time.perf_counter())
+        interrupted, reason = False, ""
         try:
-            self._enqueue_seeds()
-            baseline_ms, baseline_name = self._baseline()
-            self._emit(event="start", total=trials, study=self.study_name, baseline_ms=baseline_ms,
-                       baseline_name=baseline_name, key=self.key)
-            dup_streak = 0
-            wait_since = None
+            self._begin(rule)
             while True:
-                if timeout is not None and time.perf_counter() - t_start >= timeout:
-                    stop = "timeout"
-                    break
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")  # experimental API notice
-                    optuna.storages.fail_stale_trials(self.study)
-                done, running, measured, best_kernel, best_value = self._scan()
-                if trials is not None and done >= trials:
-                    stop = "budget"
-                    break
-                if trials is not None and done + running >= trials:
-                    # the rest is in flight on other workers: wait for them (or for them to go stale)
-                    wait_since = wait_since or time.perf_counter()
-                    limit = 3 * (self.grace_period or 2 * (self.heartbeat_interval or 10)) + 10
-                    if time.perf_counter() - wait_since > limit:
-                        stop = "waiting for other workers"
-                        break
+                reason = self._stop_reason(rule, loop)
+                if reason == _WAIT:
                     time.sleep(min(1.0, self.heartbeat_interval or 1.0))
                     continue
-                wait_since = None
-                if dup_streak >= self.max_duplicates:
-                    stop = "search space exhausted"
+                if reason:
                     break
-                with warnings.catch_warnings():
-                    # heartbeats are recorded by _Heartbeat below (Optuna only does so in optimize())
-                    warnings.simplefilter("ignore", UserWarning)
-                    trial = self.study.ask()
-                hb = _Heartbeat(self._storage, trial._trial_id, self.heartbeat_interval)
-                try:
-                    try:
-                        cfg = self.config_from_trial(trial)
-                    except Exception as e:  # noqa: BLE001 - a broken template space is a failed trial
-                        trial.set_user_attr(FAIL_REASON, "space_error")
-                        trial.set_user_attr("error", str(e)[-1000:])
-                        self.study.tell(trial, state=TrialState.FAIL)
-                        continue
-                    dig = config_digest(cfg)
-                    trial.set_user_attr("config_digest", dig)
-                    trial.set_user_attr("config", cfg.to_dict())
-                    trial.set_user_attr("worker", f"{socket.gethostname()}:{os.getpid()}")
-                    if dig in measured:
-                        num, val = measured[dig]
-                        trial.set_user_attr("duplicate_of", num)
-                        self.study.tell(trial, val)
-                        dup_streak += 1
-                        self._emit(event="trial", number=trial.number, status="duplicate", value_ms=val,
-                                   best_ms=best_value, best_kernel_ms=best_kernel, baseline_ms=baseline_ms,
-                                   done=done, total=trials, counted=False)
-                        continue
-                    if dig in self._pruned:  # condemned before: not measured again
-                        trial.set_user_attr("duplicate_of", self._pruned[dig])
-                        self.study.tell(trial, state=TrialState.PRUNED)
-                        dup_streak += 1
-                        self._emit(event="trial", number=trial.number, status="duplicate", value_ms=None,
-                                   best_ms=best_value, best_kernel_ms=best_kernel, baseline_ms=baseline_ms,
-                                   done=done, total=trials, counted=False)
-                        continue
-                    dup_streak = 0
-                    prune_above = (best_kernel * 1e-3 if self.prune and self.objective.startswith("kernel_time")
-                                   and math.isfinite(best_kernel) else None)
-                    res = self.runner.measure(self.op, cfg, timeout=self.trial_timeout, prune_above=prune_above)
-                    self._tell(trial, cfg, res, baseline_ms, baseline_name)
-                    val = objective_value(res, self.objective, self.expected_calls) if res.ok else None
-                    if val is not None:
-                        best_value = min(best_value, val)
-                        best_kernel = min(best_kernel, res.kernel_s * 1e3)
-                    self._emit(event="trial", number=trial.number, status=res.status, value_ms=val,
-                               error=res.error, best_ms=best_value, best_kernel_ms=best_kernel,
-                               baseline_ms=baseline_ms, done=done + 1, total=trials, counted=True)
-                except KeyboardInterrupt:
-                    interrupted = True
-                    try:
-                        trial.set_user_attr(FAIL_REASON, INTERRUPTED)
-                        self.study.tell(trial, state=TrialState.FAIL)
-                    except Exception:
-                        pass
-                    stop = "interrupted"
-                    break
-                finally:
-                    hb.stop()
+                asked = self._ask()
+                if asked is not None:
+                    self._evaluate(*asked, rule, loop)
         except KeyboardInterrupt:
-            interrupted = True
-            stop = "interrupted"
-        result = self.result(stop, interrupted)
+            interrupted, reason = True, "interrupted"
+        finally:
+            if self._owns_runner and hasattr(self.runner, "close"):
+                self.runner.close()   # the measuring worker of this study
+        result = self.result(reason, interrupted)
         self._emit(event="end", result=result)
         return result
+
+    def _begin(self, rule: StopRule):
+        self._check_timing_mode()
+        self._enqueue_seeds()
+        self._baseline_ms, self._baseline_name = self._baseline()
+        self._emit(event="start", total=rule.trials, study=self.study_name, baseline_ms=self._baseline_ms,
+                   baseline_name=self._baseline_name, key=self.key, timing_mode=self.timing_mode)
+
+    def _check_timing_mode(self):
+        """The study records the timing mode that measured it; another mode may not add to it."""
+        if self.timing_mode is None:
+            return
+        had = self.study.user_attrs.get("timing_mode")
+        if had is None:
+            self.study.set_user_attr("timing_mode", self.timing_mode)
+        elif had != self.timing_mode:
+            raise ValueError(f"study {self.study_name!r} was measured with timing mode {had!r}; this runner times "
+                             f"with {self.timing_mode!r} (their numbers do not compare): use another study")
+
+    def _stop_reason(self, rule: StopRule, loop: "_Loop") -> str:
+        import optuna
+
+        elapsed = time.perf_counter() - loop.started
+        if rule.timeout is not None and elapsed >= rule.timeout:
+            return "timeout"
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # experimental API notice
+            optuna.storages.fail_stale_trials(self.study)
+        loop.scan = self._scan()
+        reason = rule.reason(elapsed=elapsed, done=loop.scan.done, running=loop.scan.running,
+                             duplicate_streak=loop.duplicate_streak, waited=loop.waited())
+        if reason == _WAIT:
+            loop.wait_since = loop.wait_since or time.perf_counter()
+        else:
+            loop.wait_since = None
+        return reason
+
+    def _ask(self):
+        """A new trial and its config; None when the sampler's choice is not a config (told FAIL)."""
+        from optuna.trial import TrialState
+
+        with warnings.catch_warnings():
+            # heartbeats are recorded by _Heartbeat (Optuna only does so in optimize())
+            warnings.simplefilter("ignore", UserWarning)
+            trial = self.study.ask()
+        try:
+            cfg = self.config_from_trial(trial)
+        except KeyboardInterrupt:
+            self._tell_interrupted(trial)
+            raise
+        except Exception as e:  # noqa: BLE001 - a broken template space is a failed trial
+            trial.set_user_attr(FAIL_REASON, "space_error")
+            trial.set_user_attr("error", str(e)[-1000:])
+            self.study.tell(trial, state=TrialState.FAIL)
+            return None
+        return trial, cfg
+
+    def _tell_interrupted(self, trial):
+        from optuna.trial import TrialState
+
+        try:
+            trial.set_user_attr(FAIL_REASON, INTERRUPTED)
+            self.study.tell(trial, state=TrialState.FAIL)
+        except Exception:  # noqa: BLE001 - the storage may be what was interrupted
+            pass
+
+    def _evaluate(self, trial, cfg: Config, rule: StopRule, loop: "_Loop"):
+        """Measure ``cfg`` (or reuse the verdict of an identical config) and record the verdict."""
+        from optuna.trial import TrialState
+
+        scan = loop.scan
+        hb = _Heartbeat(self._storage, trial._trial_id, self.heartbeat_interval)
+        try:
+            dig = config_digest(cfg)
+            trial.set_user_attr("config_digest", dig)
+            trial.set_user_attr("config", cfg.to_dict())
+            trial.set_user_attr("worker", f"{socket.gethostname()}:{os.getpid()}")
+            if dig in scan.measured or dig in scan.pruned:   # measured or condemned before
+                if dig in scan.measured:
+                    num, val = scan.measured[dig]
+                    trial.set_user_attr("duplicate_of", num)
+                    self.study.tell(trial, val)
+                else:
+                    val = None
+                    trial.set_user_attr("duplicate_of", scan.pruned[dig])
+                    self.study.tell(trial, state=TrialState.PRUNED)
+                loop.duplicate_streak += 1
+                self._emit(event="trial", number=trial.number, status="duplicate", value_ms=val,
+                           best_ms=scan.best_value, best_kernel_ms=scan.best_kernel, baseline_ms=self._baseline_ms,
+                           done=scan.done, total=rule.trials, counted=False)
+                return
+            loop.duplicate_streak = 0
+            prune_above = (scan.best_kernel * 1e-3 if self.prune and self.objective.startswith("kernel_time")
+                           and math.isfinite(scan.best_kernel) else None)
+            res = self.runner.measure(self.op, cfg, timeout=self.trial_timeout, prune_above=prune_above)
+            self._tell(trial, cfg, res, self._baseline_ms, self._baseline_name)
+            val = objective_value(res, self.objective, self.expected_calls) if res.ok else None
+            if val is not None:
+                scan.best_value = min(scan.best_value, val)
+                scan.best_kernel = min(scan.best_kernel, res.kernel_s * 1e3)
+            self._emit(event="trial", number=trial.number, status=res.status, value_ms=val, error=res.error,
+                       best_ms=scan.best_value, best_kernel_ms=scan.best_kernel, baseline_ms=self._baseline_ms,
+                       done=scan.done + 1, total=rule.trials, counted=True)
+        except KeyboardInterrupt:
+            self._tell_interrupted(trial)
+            raise
+        finally:
+            hb.stop()
 
     def _tell(self, trial, cfg: Config, res: MeasureResult, baseline_ms, baseline_name):
         from optuna.trial import TrialState
@@ -477,13 +592,15 @@ class Tuner:
                 self.study.tell(trial, state=TrialState.FAIL)
                 return
             self.study.tell(trial, value)
-            rec = Record(self.key.digest(), self.target_digest, self.objective, final_cfg,
+            rec = Record(self.key.digest(), self.target_digest, self.record_objective, final_cfg,
                          kernel_ms=res.kernel_s * 1e3, preprocess_ms=res.preprocess_s * 1e3, value_ms=value,
                          baseline_ms=baseline_ms, baseline_name=baseline_name, workload=self.key.to_dict(),
                          target=self.target_info, template_hash=template_hash(final_cfg.template) or "",
                          pass_hashes=pass_hashes(final_cfg.pipeline), study_name=self.study_name,
                          trial_number=trial.number, created=time.time(),
-                         extra={"compile_ms": res.compile_s * 1e3, "rel_error": res.rel_error})
+                         extra={"compile_ms": res.compile_s * 1e3, "rel_error": res.rel_error,
+                                "timing_mode": res.mode or self.timing_mode,
+                                **({"timing_note": res.note} if res.note else {})})
             self.db.save_if_better(rec)
         elif res.status == "pruned":
             if math.isfinite(res.kernel_s):
@@ -514,7 +631,7 @@ class Tuner:
         b = self.study.user_attrs.get("baseline") or {}
         return TuneResult(
             key=self.key, target=self.target, study_name=self.study_name, storage=self.storage_url,
-            objective=self.objective,
+            objective=self.record_objective, timing_mode=self.study.user_attrs.get("timing_mode"),
             best_config=Config.from_dict(best.user_attrs["config"]) if best else None,
             best_value_ms=best.value if best else None,
             best_kernel_ms=best.user_attrs.get("result", {}).get("kernel_ms") if best else None,

@@ -9,18 +9,27 @@ import time
 import numpy as np
 
 from ..api import build, load
+from ..autotune.measure import Timer, Timing
 from .common import load_matrix, power_law_graph
 
 
-def _median_time(fn, repeats: int = 20, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return float(np.median(ts))
+def _module_timing(mod, ins, target: str) -> Timing:
+    """The module's cost per call by the one timing rule: ``mod(X, out=Y)`` on device arrays on
+    CUDA (torch tensors when torch is importable, else CuPy), on numpy arrays on the CPU."""
+    if target == "cuda":
+        try:
+            import torch
+
+            dev = [torch.from_numpy(x).cuda() for x in ins]
+        except ImportError:
+            import cupy
+
+            dev = [cupy.asarray(x) for x in ins]
+        out = mod(*dev)
+    else:
+        dev = list(ins)
+        out = np.empty_like(mod(*dev))
+    return Timer(target).time(lambda i: mod(*dev, out=out))
 
 
 def cmd_build(args) -> int:
@@ -75,9 +84,13 @@ def cmd_demo(args) -> int:
         out = out.get() if hasattr(out, "get") else np.asarray(out)
         err = reference.rel_error(out, ref)
         ok = err <= numerics.tolerance("float32")
-        t = _median_time(lambda: mod(*ins))
-        tb = _median_time(base) if base else float("nan")
-        rows.append((op + ("/" + reduce if reduce else ""), err, ok, build_s, t * 1e3, tb * 1e3, str(mod.config)))
+        timing = _module_timing(mod, ins, target)
+        tb = Timer("cpu").time(lambda i: base()).seconds if base else float("nan")
+        rows.append((op + ("/" + reduce if reduce else ""), err, ok, build_s, timing.seconds * 1e3, tb * 1e3,
+                     str(mod.config)))
+        if timing.note:
+            print(f"note ({rows[-1][0]}): {timing.note}")
+    print(f"times: median per call, module timed in mode {timing.mode!r} (spcompile.autotune.measure.Timer)")
     print(f"{'op':12s} {'rel.err':>9s} {'ok':>4s} {'build s':>8s} {'ms/call':>9s} {'scipy ms':>9s}  config")
     for r in rows:
         print(f"{r[0]:12s} {r[1]:9.2e} {'yes' if r[2] else 'NO':>4s} {r[3]:8.2f} {r[4]:9.3f} {r[5]:9.3f}  {r[6]}")
