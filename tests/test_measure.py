@@ -140,13 +140,22 @@ def test_graph_mode_captures_enough_calls_and_times_replays():
     gpu = FakeGPU(cost=1e-5, graph_speedup=2.0)
     t = Timer("cuda", repeats=4, warmup=2, backend=gpu).time(gpu.run, n_sets=3)
     assert t.mode == "graph" and t.note == ""
-    # one replay lasts >= 1 ms: 100 calls of 10 us
-    assert t.calls_per_sample == 100
+    # the eager calibration (10 us a call) asks for 100 calls; their replay lasts 0.5 ms (< 1 ms), so
+    # the graph is captured again with enough calls (+10 %) for one replay to last >= 1 ms
+    assert t.calls_per_sample == 220
     captured = [i for i, how in gpu.calls if how == "captured"]
-    assert captured == [j % 3 for j in range(100)]       # rotating over the input sets
-    assert gpu.log.count("replay") == 1 + 4              # one untimed upload replay, then the repeats
+    assert captured == [j % 3 for j in range(100)] + [j % 3 for j in range(220)]   # rotating over the sets
+    assert gpu.log.count("replay") == 1 + 1 + 1 + 4      # upload, check, upload again, then the repeats
     assert len(t.samples) == 4 and t.seconds == pytest.approx(5e-6)   # the replayed cost per call
+    assert t.seconds * t.calls_per_sample >= 1e-3
     assert gpu.flushes == 0
+
+
+def test_graph_mode_keeps_a_long_enough_first_capture():
+    gpu = FakeGPU(cost=1e-5, graph_speedup=1.0)
+    t = Timer("cuda", repeats=3, warmup=2, backend=gpu).time(gpu.run, n_sets=3)
+    assert t.mode == "graph" and t.calls_per_sample == 100
+    assert gpu.log.count("replay") == 1 + 1 + 3          # upload, check, then the repeats
 
 
 def test_graph_capture_failure_falls_back_to_launches_and_says_why():
