@@ -407,3 +407,21 @@ def test_worker_reports_a_template_it_cannot_get():
     finally:
         with kbase._LOCK:
             kbase._TEMPLATES.pop(Local.name, None)
+
+
+def test_a_script_that_tunes_at_its_top_level_works(tmp_path):
+    """The measuring process is a fresh interpreter that does not re-import the caller's
+    ``__main__`` (multiprocessing's spawn does: a script without a main guard re-ran itself)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "tune_here.py"
+    script.write_text(
+        "import scipy.sparse as sp, spcompile\n"
+        "A = sp.random(40, 40, density=0.1, format='csr', random_state=0)\n"
+        f"mod = spcompile.build(A, 'spmm', K=8, target='cpu', tune=True, trials=2, storage={str(tmp_path / 'd.db')!r})\n"
+        "print('SOURCE', mod.tuning['source'])\n")
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                       env={**__import__('os').environ, "PYTHONPATH": __import__('os').pathsep.join(sys.path)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "SOURCE tuned" in r.stdout

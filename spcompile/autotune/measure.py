@@ -23,7 +23,6 @@ import pickle
 import statistics
 import time
 import traceback
-import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
@@ -510,16 +509,7 @@ class Runner:
 
     # -- the worker process -------------------------------------------------------------------
     def _isolated(self) -> bool:
-        if not self.isolate:
-            return False
-        import multiprocessing as mp
-
-        if mp.current_process().daemon:   # a daemonic process may not start children
-            warnings.warn("spcompile: measuring in-process (a daemonic process cannot start the measuring "
-                          "worker); timeouts cannot stop a hung build or kernel here", RuntimeWarning, stacklevel=3)
-            self.isolate = False
-            return False
-        return True
+        return bool(self.isolate)
 
     def _remote(self, request: tuple, op: SparseOp, config: Config | None, timeout: float | None) -> MeasureResult:
         if self._worker is None or not self._worker.alive():
@@ -887,20 +877,69 @@ def _exit_reason(code) -> str:
     return f"exit code {code}"
 
 
+class _Proc:
+    """The measuring process: a fresh interpreter (``python -c``; never a fork -- CUDA does not
+    survive one -- and, unlike multiprocessing's spawn, it does not re-import the caller's
+    ``__main__``, so a script that tunes at its top level works) talking over a socket pair."""
+
+    def __init__(self, runner_cls, settings):
+        import socket
+        import subprocess
+        import sys
+        from multiprocessing.connection import Connection
+
+        parent, child = socket.socketpair()
+        env = dict(os.environ)
+        # the child sees the modules the caller sees (sys.path may have been extended at run time)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))
+        code = "import sys; from spcompile.autotune.measure import _worker_entry; _worker_entry(int(sys.argv[1]))"
+        self.popen = subprocess.Popen([sys.executable, "-c", code, str(child.fileno())], pass_fds=(child.fileno(),),
+                                      stdin=subprocess.DEVNULL, env=env)
+        child.close()
+        self.conn = Connection(os.dup(parent.fileno()))
+        parent.close()
+        self.conn.send((runner_cls, settings))
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def is_alive(self) -> bool:
+        return self.popen.poll() is None
+
+    @property
+    def exitcode(self):
+        return self.popen.poll()
+
+    def join(self, timeout: float) -> None:
+        import subprocess
+
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def kill(self) -> None:
+        self.popen.kill()
+
+
+def _worker_entry(fd: int) -> None:
+    """Entry point of the measuring process (see :class:`_Proc`)."""
+    from multiprocessing.connection import Connection
+
+    conn = Connection(fd)
+    runner_cls, settings = conn.recv()
+    _worker_main(conn, runner_cls, settings)
+
+
 class _Worker:
-    """One spawned measuring process (spawn: CUDA does not survive a fork) and its pipe."""
+    """One measuring process (:class:`_Proc`) and its connection."""
 
     _tokens = itertools.count(1)
 
     def __init__(self, runner_cls, settings):
-        import multiprocessing as mp
-
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe(duplex=True)
-        self.proc = ctx.Process(target=_worker_main, args=(child, runner_cls, settings),
-                                name="spcompile-measure", daemon=True)
-        self.proc.start()
-        child.close()
+        self.proc = _Proc(runner_cls, settings)
+        self.conn = self.proc.conn
         self._finalizer = weakref.finalize(self, _Worker._shutdown, self.proc, self.conn)
         self._op = None          # (op, token) the worker holds
         self._registered: set = set()
