@@ -349,7 +349,7 @@ def test_precision_policy(db, reduced_template):
     res_t = Tuner(op, "cpu", storage=db, runner=rt32, seed=0, precision="tf32").run(trials=14)
     seen = {c.params.get("precision") for c in rt32.calls if c.template == _Reduced.name}
     assert seen == {"tf32"}
-    assert res_t.best_config.template == _Reduced.name and res_t.objective == "kernel_time|tf32"
+    assert res_t.best_config.template == _Reduced.name and res_t.objective == "kernel_time" and res_t.precision == "tf32"
     rany = Fast()
     Tuner(op, "cpu", storage=db, runner=rany, seed=0, precision="bf16").run(trials=14)
     assert {"fp16", "bf16"} <= {c.params.get("precision") for c in rany.calls if c.template == _Reduced.name}
@@ -468,18 +468,20 @@ def test_timing_mode_is_recorded_and_kept_apart(db):
     op = make_op(graph(), "spmm", 16)
     cold = Tuner(op, "cpu", storage=db, runner=ModeRunner("cold_l2"), seed=0)
     rc = cold.run(trials=4)
-    assert rc.timing_mode == "cold_l2" and rc.objective == "kernel_time~cold_l2"
+    assert rc.timing_mode == "cold_l2" and rc.objective == "kernel_time"
     assert cold.study.user_attrs["timing_mode"] == "cold_l2" and "cold_l2" in cold.study_name
     trials = [t for t in cold.study.get_trials() if t.state == TV.COMPLETE]
     assert trials and all(t.user_attrs["result"]["timing_mode"] == "cold_l2" for t in trials)
     recs = open_database(db).records()
-    assert recs and all(r.objective == "kernel_time~cold_l2" and r.extra["timing_mode"] == "cold_l2" for r in recs)
+    assert recs and all(r.objective == "kernel_time" and r.timing == "cold_l2" and r.extra["timing_mode"] == "cold_l2" for r in recs)
     # the default mode's study and records are others: a cold number is never compared with them
-    assert open_database(db).lookup(op.key(), "cpu", "kernel_time") is None
+    assert open_database(db).lookup(op.key(), "cpu", "kernel_time", timing="autorange") is None
+    assert spcompile.build(op.A, "spmm", K=16, target="cpu", storage=db).tuning["source"] == "heuristic"
     warm = Tuner(op, "cpu", storage=db, runner=ModeRunner("autorange"), seed=0)
     rw = warm.run(trials=4)
     assert rw.timing_mode == "autorange" and rw.objective == "kernel_time" and warm.study_name != cold.study_name
-    assert open_database(db).lookup(op.key(), "cpu", "kernel_time").extra["timing_mode"] == "autorange"
+    assert open_database(db).lookup(op.key(), "cpu", "kernel_time", timing="autorange").extra["timing_mode"] == "autorange"
+    assert spcompile.build(op.A, "spmm", K=16, target="cpu", storage=db).tuning["timing"] == "autorange"
     # a study measured in one mode takes no trials measured in another
     with pytest.raises(ValueError, match="timing mode 'cold_l2'"):
         Tuner(op, "cpu", storage=db, runner=ModeRunner("autorange"), study_name=cold.study_name).run(trials=6)

@@ -12,7 +12,9 @@ Default location (:func:`default_storage_url`): the environment variable
 beside the package when running from a source checkout; else ``~/.cache/spcompile/spcompile.db``.
 
 Records are keyed by the workload digest (op, reduce, shape, nnz, dtype, K, sparsity-pattern
-hash) and the target digest (device name / arch, library versions, spcompile version).  A
+hash), the target digest (device name / arch, library versions, spcompile version), the objective
+("kernel_time" or "amortized@N"), the precision policy it was found under and the Timer mode that
+measured it (records of different policies or timing rules are never compared).  A
 record whose template or pass sources changed since it was measured is *invalid*: lookups skip
 it (they never crash on it) and the tuner may store a new one beside it.
 """
@@ -38,7 +40,10 @@ __all__ = ["default_storage_url", "normalize_url", "target_key", "target_digest"
            "open_database", "optuna_storage", "config_digest", "pass_hashes", "ENV_VAR"]
 
 ENV_VAR = "SPCOMPILE_TUNING_DB"
-TABLE = "spcompile_records"
+#: v2: a record's key names its precision policy and timing mode in columns of their own (v1 put
+#: them in the objective label; v1 tables are left alone and unread: their template hashes predate
+#: the current layout, so none of their records would be valid)
+TABLE = "spcompile_records_v2"
 
 
 # -- locations ------------------------------------------------------------------------------
@@ -212,6 +217,10 @@ class Record:
     created: float = 0.0
     extra: Mapping[str, Any] = field(default_factory=dict)
     id: int | None = None
+    #: the precision policy the record was found under (:mod:`spcompile.core.numerics`)
+    precision: str = "fp32"
+    #: the Timer mode that measured it ("graph", "autorange", "cold_l2", ...)
+    timing: str = ""
 
     @property
     def speedup(self) -> float | None:
@@ -242,7 +251,8 @@ class Record:
 
     def to_dict(self) -> dict:
         return {"workload_digest": self.workload_digest, "target_digest": self.target_digest,
-                "objective": self.objective, "config": self.config.to_dict(), "kernel_ms": self.kernel_ms,
+                "objective": self.objective, "precision": self.precision, "timing": self.timing,
+                "config": self.config.to_dict(), "kernel_ms": self.kernel_ms,
                 "preprocess_ms": self.preprocess_ms, "value_ms": self.value_ms, "baseline_ms": self.baseline_ms,
                 "baseline_name": self.baseline_name, "workload": dict(self.workload), "target": dict(self.target),
                 "template_hash": self.template_hash, "pass_hashes": dict(self.pass_hashes),
@@ -301,6 +311,8 @@ class Database:
             sa.Column("workload_digest", sa.String(64), nullable=False),
             sa.Column("target_digest", sa.String(64), nullable=False),
             sa.Column("objective", sa.String(64), nullable=False),
+            sa.Column("precision", sa.String(16), nullable=False),
+            sa.Column("timing", sa.String(32), nullable=False),
             sa.Column("template", sa.String(128), nullable=False),
             sa.Column("template_hash", sa.String(128), nullable=False),
             sa.Column("op", sa.String(16)), sa.Column("reduce", sa.String(16)), sa.Column("K", sa.Integer),
@@ -313,9 +325,9 @@ class Database:
             sa.Column("study_name", sa.String(256)), sa.Column("trial_number", sa.Integer),
             sa.Column("spcompile_version", sa.String(32)), sa.Column("created", sa.Float),
             sa.Column("extra", sa.Text),
-            sa.UniqueConstraint("workload_digest", "target_digest", "objective", "template", "template_hash",
-                                name="uq_spcompile_record"),
-            sa.Index("ix_spcompile_records_lookup", "workload_digest", "target_digest"),
+            sa.UniqueConstraint("workload_digest", "target_digest", "objective", "precision", "timing", "template",
+                                "template_hash", name="uq_spcompile_record_v2"),
+            sa.Index("ix_spcompile_records_v2_lookup", "workload_digest", "target_digest"),
         )
         for attempt in range(10):  # concurrent first-time creation races (PostgreSQL: pg_type clash)
             try:
@@ -340,12 +352,13 @@ class Database:
                       workload=json.loads(m["workload"] or "{}"), target=json.loads(m["target"] or "{}"),
                       template_hash=m["template_hash"], pass_hashes=json.loads(m["pass_hashes"] or "{}"),
                       study_name=m["study_name"], trial_number=m["trial_number"], created=m["created"] or 0.0,
-                      extra=json.loads(m["extra"] or "{}"), id=m["id"])
+                      extra=json.loads(m["extra"] or "{}"), id=m["id"], precision=m["precision"], timing=m["timing"])
 
     def _values(self, rec: Record) -> dict:
         w = rec.workload
         return {"workload_digest": rec.workload_digest, "target_digest": rec.target_digest,
-                "objective": rec.objective, "template": rec.config.template, "template_hash": rec.template_hash,
+                "objective": rec.objective, "precision": rec.precision, "timing": rec.timing,
+                "template": rec.config.template, "template_hash": rec.template_hash,
                 "op": w.get("op"), "reduce": w.get("reduce"), "K": w.get("K"), "rows": w.get("rows"),
                 "cols": w.get("cols"), "nnz": w.get("nnz"),
                 "workload": json.dumps(dict(w), sort_keys=True), "target": json.dumps(dict(rec.target), sort_keys=True),
@@ -369,7 +382,8 @@ class Database:
             raise ValueError(f"a record needs a positive finite time, got {rec.value_ms}")
         vals = self._values(rec)
         key = [t.c.workload_digest == rec.workload_digest, t.c.target_digest == rec.target_digest,
-               t.c.objective == rec.objective, t.c.template == rec.config.template,
+               t.c.objective == rec.objective, t.c.precision == rec.precision, t.c.timing == rec.timing,
+               t.c.template == rec.config.template,
                t.c.template_hash == rec.template_hash]
         for attempt in range(20):
             try:
@@ -402,7 +416,8 @@ class Database:
 
     # -- reading -------------------------------------------------------------------------------
     def records(self, workload_digest: str | None = None, target_digest: str | None = None,
-                objective: str | None = None, op: str | None = None) -> list[Record]:
+                objective: str | None = None, op: str | None = None, precision: str | None = None,
+                timing: str | tuple | None = None) -> list[Record]:
         sa = self._sa
         t = self.table
         q = sa.select(t)
@@ -414,23 +429,30 @@ class Database:
             q = q.where(t.c.objective == objective)
         if op is not None:
             q = q.where(t.c.op == op)
+        if precision is not None:
+            q = q.where(t.c.precision == precision)
+        if timing is not None:
+            q = q.where(t.c.timing.in_([timing] if isinstance(timing, str) else list(timing)))
         with self.engine.connect() as conn:
             rows = conn.execute(q.order_by(t.c.value_ms)).fetchall()
         return [self._to_record(r) for r in rows]
 
-    def lookup(self, key: WorkloadKey, target: str | Mapping, objective: str = "kernel_time") -> Record | None:
-        """The best *valid* record for this workload and target (None on a miss)."""
-        for rec in self.records(key.digest(), target_digest(target), objective):
+    def lookup(self, key: WorkloadKey, target: str | Mapping, objective: str = "kernel_time",
+               precision: str = "fp32", timing: str | tuple | None = None) -> Record | None:
+        """The best *valid* record for this workload and target found under ``precision`` and
+        measured with Timer mode ``timing`` (a mode, a tuple of modes, or None: any) -- None on a miss."""
+        for rec in self.records(key.digest(), target_digest(target), objective, precision=precision,
+                                timing=timing):
             if rec.valid:
                 return rec
         return None
 
     def best_records(self, *, include_invalid: bool = False, target: str | Mapping | None = None) -> list[Record]:
-        """Per (workload, target, objective) the best record (valid ones first)."""
+        """Per (workload, target, objective, precision, timing) the best record (valid ones first)."""
         recs = self.records(target_digest=None if target is None else target_digest(target))
         best: dict[tuple, Record] = {}
         for r in recs:  # sorted by value
-            k = (r.workload_digest, r.target_digest, r.objective)
+            k = (r.workload_digest, r.target_digest, r.objective, r.precision, r.timing)
             if k in best:
                 continue
             if include_invalid or r.valid:
@@ -439,13 +461,15 @@ class Database:
                                                     r.workload.get("K") or 0))
 
     def similar(self, key: WorkloadKey, target: str | Mapping, objective: str = "kernel_time",
-                k: int = 3) -> list[tuple[float, Record]]:
+                k: int = 3, precision: str | None = None,
+                timing: str | tuple | None = None) -> list[tuple[float, Record]]:
         """Best valid records of the ``k`` most similar *other* workloads (same op and reduce)."""
         tdig = target_digest(target)
         mine = key.to_dict()
         own = key.digest()
         per_workload: dict[str, Record] = {}
-        for r in self.records(target_digest=tdig, objective=objective, op=key.op):
+        for r in self.records(target_digest=tdig, objective=objective, op=key.op, precision=precision,
+                              timing=timing):
             if r.workload_digest == own or r.workload.get("reduce") != key.reduce or r.workload_digest in per_workload:
                 continue
             if r.valid:

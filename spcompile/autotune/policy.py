@@ -9,7 +9,8 @@ from ..core.config import Config
 from ..core.ir import SparseOp
 from ..core.numerics import allowed_precisions
 from .database import normalize_url, open_database, sqlite_path
-from .tuner import Tuner, objective_name
+from .measure import MODES
+from .tuner import Tuner, objective_name, precision_name
 
 __all__ = ["choose_config", "safe_url"]
 
@@ -20,7 +21,8 @@ def choose_config(sop: SparseOp, target: str, storage: str | None = None, tune: 
     """The decision :func:`spcompile.build` replays: the database's best valid record (a hit:
     no tuning); on a miss the default heuristics, or tuning when ``tune``/``trials``/``timeout``
     asks for it.  Returns ``(config, info)``; ``info`` says where the decision came from."""
-    obj = objective_name(objective, expected_calls, precision)
+    obj = objective_name(objective, expected_calls)
+    precision = precision_name(precision)
     url = normalize_url(storage)
     want_tune = bool(tune or trials or timeout)
     db = None
@@ -35,13 +37,14 @@ def choose_config(sop: SparseOp, target: str, storage: str | None = None, tune: 
             db_error = str(e)
     if db is not None:
         try:
-            rec = db.lookup(sop.key(), target, obj)
+            rec = db.lookup(sop.key(), target, obj, precision=precision, timing=(MODES[target][0], ""))
         except Exception as e:  # an unreadable default database must not break build()
             if storage is not None:
                 raise
             rec, db_error = None, str(e)
         if rec is not None and rec.config.precision in allowed_precisions(precision, sop.dtype):
             return rec.config, {"source": "database", "storage": safe_url(url), "objective": obj,
+                                "precision": precision, "timing": rec.timing,
                                 "kernel_ms": rec.kernel_ms, "preprocess_ms": rec.preprocess_ms,
                                 "baseline_ms": rec.baseline_ms, "baseline_name": rec.baseline_name,
                                 "study": rec.study_name, "trial": rec.trial_number}

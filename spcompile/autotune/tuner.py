@@ -48,7 +48,11 @@ from .database import (Database, Record, config_digest, open_database, optuna_st
 from ..core.ir import SparseModule, SparseOp
 from ..core.config import Config
 from .measure import MODES, MeasureResult, make_runner
-from ..core.numerics import allowed_precisions
+from ..core.numerics import allowed_precisions, precision as _precision
+
+
+def precision_name(p) -> str:
+    return _precision(p).name
 
 __all__ = ["Tuner", "TuneResult", "StopRule", "tune", "objective_name"]
 
@@ -57,31 +61,30 @@ FAIL_REASON = "fail_reason"
 INTERRUPTED = "interrupted"
 
 
-def objective_name(objective: str = "kernel_time", expected_calls: float | None = None,
-                   precision: str | None = None) -> str:
-    """The label under which results are compared and stored: the objective, plus the precision
-    policy when it admits reduced-precision kernels (e.g. ``kernel_time|tf32``), so that a build
-    asking for exact fp32 never reuses a record found under a looser policy."""
-    base, _, pol = (objective or "kernel_time").partition("|")
-    if precision is None:
-        precision = pol or "fp32"
-    allowed_precisions(precision)
-    suffix = "" if precision == "fp32" else f"|{precision}"
+def objective_name(objective: str = "kernel_time", expected_calls: float | None = None) -> str:
+    """The objective's name in studies and records: ``kernel_time`` or ``amortized@N``.  The
+    precision policy and the Timer mode are record fields of their own (see
+    :class:`~spcompile.autotune.database.Record`), never parts of this name."""
+    base = objective or "kernel_time"
     if base == "kernel_time":
-        return "kernel_time" + suffix
+        return base
     if base.startswith("amortized@"):
-        return base + suffix
+        try:
+            if float(base.split("@", 1)[1]) > 0:
+                return base
+        except ValueError:
+            pass
     if base in ("amortized", "amortised"):
         if not expected_calls or expected_calls <= 0:
             raise ValueError("the amortized objective needs expected_calls > 0")
-        return f"amortized@{expected_calls:g}" + suffix
+        return f"amortized@{expected_calls:g}"
     raise ValueError(f"unknown objective {objective!r}; expected 'kernel_time' or 'amortized'")
 
 
 def objective_value(res: MeasureResult, objective: str, expected_calls: float | None) -> float:
     """Milliseconds: kernel time, or preprocessing / expected_calls + kernel time."""
     v = res.kernel_s
-    name = objective_name(objective, expected_calls).partition("|")[0]
+    name = objective_name(objective, expected_calls)
     if name != "kernel_time":
         v += res.preprocess_s / float(expected_calls or name.split("@", 1)[1])
     return v * 1e3
@@ -168,6 +171,7 @@ class TuneResult:
     stop_reason: str = ""
     fail_reasons: dict = field(default_factory=dict)
     timing_mode: str | None = None   # the Timer mode that measured the study
+    precision: str = "fp32"          # the precision policy the study searched under
 
     @property
     def speedup(self) -> float | None:
@@ -177,7 +181,7 @@ class TuneResult:
 
     def to_dict(self) -> dict:
         return {"workload": self.key.to_dict(), "target": self.target, "study": self.study_name,
-                "objective": self.objective,
+                "objective": self.objective, "precision": self.precision,
                 "best_config": self.best_config.to_dict() if self.best_config else None,
                 "best_value_ms": self.best_value_ms, "best_kernel_ms": self.best_kernel_ms,
                 "best_preprocess_ms": self.best_preprocess_ms, "baseline_ms": self.baseline_ms,
@@ -240,14 +244,12 @@ class Tuner:
         mode = getattr(self.runner, "mode", None)
         #: the Timer mode that measures this study (None for a runner that does not say)
         self.timing_mode = mode if isinstance(mode, str) else None
-        self.precision = precision
+        self.precision = precision = precision_name(precision)
         self.allowed = allowed_precisions(precision, op.dtype)
-        self.objective = objective_name(objective, expected_calls, precision)
-        # the label of the study's records: a timing mode other than the target's default (e.g.
-        # cold_l2) is part of it, so its numbers are never compared with default-mode ones
-        default_mode = MODES.get(target, (None,))[0]
-        self.record_objective = self.objective + (
-            f"~{self.timing_mode}" if self.timing_mode and self.timing_mode != default_mode else "")
+        self.objective = objective_name(objective, expected_calls)
+        # the study's records carry the precision policy and the timing mode as fields of their own:
+        # a record is only ever compared with records of the same policy and timing rule
+        self.record_timing = self.timing_mode or ""
         self.expected_calls = expected_calls
         self.seed = seed
         self.similar = similar
@@ -290,9 +292,19 @@ class Tuner:
         self.space_digest = hashlib.sha256(space_sig.encode()).hexdigest()[:8]
         red = f"-{op.reduce}" if op.reduce else ""
         self.study_name = study_name or (f"spcompile-{op.op}{red}-K{op.K}-{self.key.digest()[:16]}-"
-                                         f"{self.target_digest[:12]}-{self.record_objective}-{self.space_digest}")
+                                         f"{self.target_digest[:12]}-{self._label()}-{self.space_digest}")
         self._storage = optuna_storage(self.storage_url, heartbeat_interval, grace_period)
         self.study = self._create_study()
+
+    def _label(self) -> str:
+        """The objective, the precision policy and a non-default timing mode, for the study name."""
+        default_mode = MODES.get(self.target, (None,))[0]
+        parts = [self.objective]
+        if self.precision != "fp32":
+            parts.append(self.precision)
+        if self.record_timing and self.record_timing != default_mode:
+            parts.append(self.record_timing)
+        return "-".join(parts)
 
     # -- study ---------------------------------------------------------------------------------
     def _create_study(self):
@@ -371,7 +383,8 @@ class Tuner:
                                                            own, self.target)))
         if self.similar:
             try:
-                for dist, rec in self.db.similar(self.key, self.target_info, self.record_objective, self.similar):
+                for dist, rec in self.db.similar(self.key, self.target_info, self.objective, self.similar,
+                                                 precision=self.precision, timing=self.record_timing):
                     seeds.append((f"similar:{rec.workload_digest[:12]}", rec.config))
             except Exception:
                 pass
@@ -592,7 +605,7 @@ class Tuner:
                 self.study.tell(trial, state=TrialState.FAIL)
                 return
             self.study.tell(trial, value)
-            rec = Record(self.key.digest(), self.target_digest, self.record_objective, final_cfg,
+            rec = Record(self.key.digest(), self.target_digest, self.objective, final_cfg,
                          kernel_ms=res.kernel_s * 1e3, preprocess_ms=res.preprocess_s * 1e3, value_ms=value,
                          baseline_ms=baseline_ms, baseline_name=baseline_name, workload=self.key.to_dict(),
                          target=self.target_info, template_hash=template_hash(final_cfg.template) or "",
@@ -600,7 +613,8 @@ class Tuner:
                          trial_number=trial.number, created=time.time(),
                          extra={"compile_ms": res.compile_s * 1e3, "rel_error": res.rel_error,
                                 "timing_mode": res.mode or self.timing_mode,
-                                **({"timing_note": res.note} if res.note else {})})
+                                **({"timing_note": res.note} if res.note else {})},
+                         precision=self.precision, timing=self.record_timing)
             self.db.save_if_better(rec)
         elif res.status == "pruned":
             if math.isfinite(res.kernel_s):
@@ -631,7 +645,7 @@ class Tuner:
         b = self.study.user_attrs.get("baseline") or {}
         return TuneResult(
             key=self.key, target=self.target, study_name=self.study_name, storage=self.storage_url,
-            objective=self.record_objective, timing_mode=self.study.user_attrs.get("timing_mode"),
+            objective=self.objective, precision=self.precision, timing_mode=self.study.user_attrs.get("timing_mode"),
             best_config=Config.from_dict(best.user_attrs["config"]) if best else None,
             best_value_ms=best.value if best else None,
             best_kernel_ms=best.user_attrs.get("result", {}).get("kernel_ms") if best else None,

@@ -282,7 +282,8 @@ def cmd_best(args) -> int:
         print(json.dumps([dict(r.to_dict(), valid=r.valid, invalid_reason=r.invalid_reason()) for r in recs],
                          indent=1, default=str))
         return 0
-    head = ["op", "shape", "nnz", "K", "target", "objective", "baseline ms", "best ms", "speed-up", "config"]
+    head = ["op", "shape", "nnz", "K", "target", "objective", "precision", "timing", "baseline ms", "best ms",
+            "speed-up", "config"]
     lines = []
     for r in recs:
         w = r.workload
@@ -293,7 +294,7 @@ def cmd_best(args) -> int:
         if not r.valid:
             cfg = f"[invalid: {r.invalid_reason()}] " + cfg
         lines.append([op, f"{w.get('rows')}x{w.get('cols')}", str(w.get("nnz")), str(w.get("K")), tgt,
-                      r.objective, _fmt_ms(r.baseline_ms), _fmt_ms(r.kernel_ms),
+                      r.objective, r.precision, r.timing or "-", _fmt_ms(r.baseline_ms), _fmt_ms(r.kernel_ms),
                       "-" if sp is None else f"{sp:.2f}x", cfg])
     if not lines:
         print(f"no records in {_safe(url)}")
