@@ -28,7 +28,7 @@ from ..core.numerics import DTYPES
 from ..runtime import cuda as rt
 from .base import Template, source_hash_of
 
-__all__ = ["NvccTemplate", "NvccKernel", "LaunchSpec", "AtLeast", "_NvccTemplate", "_NvccKernel"]
+__all__ = ["NvccTemplate", "NvccKernel", "LaunchSpec", "LaunchSequence", "AtLeast", "_NvccTemplate", "_NvccKernel"]
 
 
 @dataclass(frozen=True)
@@ -47,12 +47,29 @@ class AtLeast:
 @dataclass(frozen=True)
 class LaunchSpec:
     """Grid, block, dynamic shared memory and the scalar arguments (by parameter name) of one
-    launch; the matrix arrays and workspaces are bound by their names."""
+    launch; the matrix arrays and workspaces are bound by their names.  ``entry``: the entry point
+    launched is the instance's name plus this suffix (for an instance macro that defines several
+    kernels, e.g. ``"_rows"`` / ``"_tiles"``; "" for the one named like the instance)."""
 
     grid: tuple
     block: tuple
     smem: int = 0
     args: Mapping[str, Any] = field(default_factory=dict)
+    entry: str = ""
+
+
+class LaunchSequence:
+    """Several launch plans run in order on the call's stream with the same per-call pointers
+    (an instance whose call is more than one kernel launch)."""
+
+    __slots__ = ("plans",)
+
+    def __init__(self, plans):
+        self.plans = tuple(plans)
+
+    def __call__(self, ptrs, stream) -> None:
+        for plan in self.plans:
+            plan(ptrs, stream)
 
 
 # ------------------------------------------------------------------------------------------
@@ -99,6 +116,11 @@ class NvccTemplate(Template):
         """Family-specific values the kernel needs at load time besides the common ones."""
         return {}
 
+    def kernel_class_for(self, meta: Mapping[str, Any]) -> type:
+        """The :class:`NvccKernel` subclass of a kernel with ``meta`` (default: ``kernel_class``;
+        a family with one kernel class per scheme picks it from the meta)."""
+        return self.kernel_class
+
     # -- skeleton ----------------------------------------------------------------------------
     def available(self) -> bool:
         return rt.nvcc_available()
@@ -144,10 +166,10 @@ class NvccTemplate(Template):
                 **({"vec": int(args[self.fallback_param])} if self.fallback_param else {}),
                 **self.extra_meta(mod, params, arrays), "instances": [[n, list(a)] for n, a in inst]}
         files = {"kernel.fatbin": self.compile(inst, arch=arch, name=inst[0][0])} if compile else {}
-        return self.kernel_class(self.name, params, arrays, files, meta, self)
+        return self.kernel_class_for(meta)(self.name, params, arrays, files, meta, self)
 
     def load(self, params, arrays, files, meta):
-        return self.kernel_class(self.name, params, arrays, files, meta, self)
+        return self.kernel_class_for(meta)(self.name, params, arrays, files, meta, self)
 
     # -- source ------------------------------------------------------------------------------
     def source_dir(self) -> str:
@@ -205,8 +227,10 @@ class NvccKernel(rt.CUDAKernel):
         self._tpl = tpl
 
     # -- what a family defines ---------------------------------------------------------------
-    def launch_spec(self, vec: int) -> LaunchSpec:
-        """Grid, block, shared memory and scalar arguments of the instance of width ``vec``."""
+    def launch_spec(self, vec: int) -> LaunchSpec | tuple[LaunchSpec, ...]:
+        """Grid, block, shared memory and scalar arguments of the instance of width ``vec``: one
+        launch, or several (run in this order on the call's stream, each naming its entry point
+        in :attr:`LaunchSpec.entry`)."""
         raise NotImplementedError
 
     def workspaces(self) -> dict[str, tuple[int, Any]]:
@@ -218,6 +242,11 @@ class NvccKernel(rt.CUDAKernel):
         return False
 
     # -- skeleton ----------------------------------------------------------------------------
+    def launch_specs(self, vec: int) -> tuple[LaunchSpec, ...]:
+        """:meth:`launch_spec` as a tuple of launches."""
+        s = self.launch_spec(vec)
+        return (s,) if isinstance(s, LaunchSpec) else tuple(s)
+
     def instance_vecs(self) -> list[int]:
         """The vector width of each instance of ``meta["instances"]`` (main, then fallback)."""
         v = int(self.meta.get("vec", 1))
@@ -246,6 +275,12 @@ class NvccKernel(rt.CUDAKernel):
         mod = self._load_module()
         return [mod.get_function(n) for n, _ in self.meta["instances"]]
 
+    def _entry_functions(self) -> list[dict]:
+        """Per instance the entry points its launches use: ``{entry suffix: function}``."""
+        mod = self._load_module()
+        return [{s.entry: mod.get_function(n + s.entry) for s in self.launch_specs(v)}
+                for (n, _), v in zip(self.meta["instances"], self.instance_vecs())]
+
     def _upload(self, names):
         import cupy
 
@@ -265,21 +300,32 @@ class NvccKernel(rt.CUDAKernel):
             ptrs[k] = int(self._dev[k].data.ptr)
         return ptrs
 
-    def make_plans(self, functions, device: Mapping[str, int]) -> list[rt.LaunchPlan]:
-        """One :class:`LaunchPlan` per instance: ``device`` pointers and the spec's scalars bound
-        by name, the inputs and output per call.  Needs no GPU (``functions`` may be None)."""
+    def make_plans(self, functions, device: Mapping[str, int]) -> list:
+        """Per instance its launch: a :class:`LaunchPlan` (a :class:`LaunchSequence` of them when
+        :meth:`launch_spec` gives several), each binding by name the ``device`` pointers its entry
+        point takes (arrays a launch does not take are left out), the spec's scalars (every one a
+        parameter of the entry point) and the inputs and output per call.  ``functions``: per
+        instance its function or ``{entry suffix: function}``; None (no GPU) builds the plans
+        without functions."""
         inst = [(n, tuple(a)) for n, a in self.meta["instances"]]
-        sigs = self._tpl.signatures(inst)
+        src = self._tpl.render(inst)
         fns = functions if functions is not None else [None] * len(inst)
-        plans = []
-        for fn, sig, vec in zip(fns, sigs, self.instance_vecs()):
-            spec = self.launch_spec(vec)
-            plans.append(rt.LaunchPlan(fn, sig, spec.grid, spec.block, spec.smem, bound={**device, **spec.args},
-                                       per_call=(*self.inputs, self.output)))
-        return plans
+        out = []
+        for (name, _), f, vec in zip(inst, fns, self.instance_vecs()):
+            plans = []
+            for spec in self.launch_specs(vec):
+                fn = f.get(spec.entry) if isinstance(f, Mapping) else f
+                sig = rt.kernel_signature(src, name + spec.entry)
+                if fn is not None:
+                    rt.ensure_dynamic_smem(fn, spec.smem)
+                bound = {**{k: v for k, v in device.items() if k in sig.names}, **spec.args}
+                plans.append(rt.LaunchPlan(fn, sig, spec.grid, spec.block, spec.smem, bound=bound,
+                                           per_call=(*self.inputs, self.output)))
+            out.append(plans[0] if len(plans) == 1 else LaunchSequence(plans))
+        return out
 
     def prepare(self):
-        self.use_plans(self.make_plans(self._load_functions(), self._device_arguments()))
+        self.use_plans(self.make_plans(self._entry_functions(), self._device_arguments()))
 
     def use_plans(self, plans: list) -> None:
         """Launch through ``plans`` (the main instance's, then the fallback's) from now on."""
