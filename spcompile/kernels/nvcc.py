@@ -19,7 +19,7 @@ from __future__ import annotations
 import inspect
 import os
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -53,6 +53,12 @@ class LaunchSpec:
     block: tuple
     smem: int = 0
     args: Mapping[str, Any] = field(default_factory=dict)
+    #: the kernel launched: None = the instance's entry point, else one of the template's
+    #: ``entry_points`` (a helper kernel of a call made of several launches)
+    entry: str | None = None
+    #: ``{parameter: name}`` for parameters that receive an array, workspace or per-call pointer
+    #: of another name (a helper kernel's ``rows`` receiving the array ``zero_rows``)
+    bind: Mapping[str, str] = field(default_factory=dict)
 
 
 # ------------------------------------------------------------------------------------------
@@ -77,6 +83,9 @@ class NvccTemplate(Template):
     fallback_param: str | None = None
     #: the oldest GPU generation the kernels run on (compute capability as an int, 0: any)
     min_arch: int = 0
+    #: ``extern "C"`` kernels that ``source_file`` defines itself, besides the instances of
+    #: ``instance_macro`` (helper kernels: zeroing, finishing), launched by :attr:`LaunchSpec.entry`
+    entry_points: tuple[str, ...] = ()
 
     # -- what a family defines ---------------------------------------------------------------
     def checks(self, mod: SparseModule) -> dict:
@@ -205,8 +214,10 @@ class NvccKernel(rt.CUDAKernel):
         self._tpl = tpl
 
     # -- what a family defines ---------------------------------------------------------------
-    def launch_spec(self, vec: int) -> LaunchSpec:
-        """Grid, block, shared memory and scalar arguments of the instance of width ``vec``."""
+    def launch_spec(self, vec: int) -> LaunchSpec | Sequence[LaunchSpec]:
+        """Grid, block, shared memory and scalar arguments of the instance of width ``vec``; or
+        the launches of one call in stream order (each naming its kernel by ``entry``, the
+        instance's own one by None), bound into a :class:`~spcompile.runtime.cuda.LaunchSequence`."""
         raise NotImplementedError
 
     def workspaces(self) -> dict[str, tuple[int, Any]]:
@@ -274,9 +285,46 @@ class NvccKernel(rt.CUDAKernel):
         plans = []
         for fn, sig, vec in zip(fns, sigs, self.instance_vecs()):
             spec = self.launch_spec(vec)
-            plans.append(rt.LaunchPlan(fn, sig, spec.grid, spec.block, spec.smem, bound={**device, **spec.args},
-                                       per_call=(*self.inputs, self.output)))
+            if isinstance(spec, LaunchSpec) and spec.entry is None and not spec.bind:
+                plans.append(rt.LaunchPlan(fn, sig, spec.grid, spec.block, spec.smem, bound={**device, **spec.args},
+                                           per_call=(*self.inputs, self.output)))
+            else:
+                specs = (spec,) if isinstance(spec, LaunchSpec) else tuple(spec)
+                plans.append(self._sequence(specs, fn, sig.name, inst, device, functions is not None))
         return plans
+
+    def _sequence(self, specs, fn, name: str, inst, device: Mapping[str, int], load: bool) -> rt.LaunchSequence:
+        """The launches ``specs`` of instance ``name`` as one sequence.  Each kernel's parameters
+        are bound by name (through ``spec.bind`` where named otherwise): the call's inputs and
+        output in their slots, the spec's scalars, the arrays / workspaces it reads (``device``
+        holds every one; a kernel takes those it names)."""
+        per_call = (*self.inputs, self.output)
+        source = self._tpl.render(inst)
+        plans, slots = [], []
+        for s in specs:
+            if s.entry is not None and s.entry not in self._tpl.entry_points:
+                raise ValueError(f"{self.template}: launch of {s.entry!r}, not one of the template's entry points "
+                                 f"{list(self._tpl.entry_points)}")
+            sig = rt.kernel_signature(source, s.entry or name)
+            stray = sorted(set(s.bind) - set(sig.names))
+            if stray:
+                raise ValueError(f"kernel {sig.name}: bind names unknown parameters {stray}")
+            bound, pc, idx = dict(s.args), [], []
+            for p in sig.names:
+                src = s.bind.get(p, p)
+                if src in per_call:
+                    pc.append(p)
+                    idx.append(per_call.index(src))
+                elif p not in bound and src in device:
+                    bound[p] = device[src]
+            f = fn if s.entry is None else (self._entry_function(s.entry) if load else None)
+            plans.append(rt.LaunchPlan(f, sig, s.grid, s.block, s.smem, bound=bound, per_call=pc))
+            slots.append(tuple(idx))
+        return rt.LaunchSequence(plans, slots)
+
+    def _entry_function(self, name: str):
+        """Helper kernel ``name`` of the loaded binary."""
+        return rt.load_module(self._binary(self.device_id)).get_function(name)
 
     def prepare(self):
         self.use_plans(self.make_plans(self._load_functions(), self._device_arguments()))
