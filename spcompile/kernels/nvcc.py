@@ -12,7 +12,9 @@ the family has one) and compiled (cached on disk), the meta recorded, the kernel
 kernel from an artifact; rebuilding a binary made for another GPU generation; uploading the
 arrays once; binding every launch argument by the parameter names of the rendered signature
 (:class:`~spcompile.runtime.cuda.LaunchPlan`); choosing the aligned or the fallback launch per
-call.
+call.  A call may be several launches in stream order (helper kernels the source defines, named in
+``entry_points``: zeroing, finishing), bound the same way into a
+:class:`~spcompile.runtime.cuda.LaunchSequence`.
 """
 from __future__ import annotations
 

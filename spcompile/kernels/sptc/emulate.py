@@ -65,17 +65,11 @@ def emulate_sptc_spmm(arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any],
     m = int(meta["m"])
     X = np.asarray(X, dtype=np.float64)
     K = X.shape[1]
-    tiles = decode_tiles(arrays["frag"], arrays["meta"], meta["precision"], layout)
-    ntiles = tiles.shape[0]
-    ccol = np.asarray(arrays["ccol"], np.int64).reshape(ntiles, 32)
-    Xp = np.vstack([X, np.zeros((1, K))])
-    G = Xp[np.where(ccol < 0, X.shape[0], ccol)]                  # (ntiles, 32, K)
-    P = tiles @ G if ntiles else np.zeros((0, 16, K))
+    cum = _tile_products(arrays, meta["precision"], X, layout)
     items = np.asarray(arrays["items"], np.int64).reshape(-1, 4)
     nwin = -(-m // 16)
     Y = np.full((m, K), np.nan)
     Y[np.asarray(arrays["zero_rows"], np.int64)] = 0.0
-    cum = np.concatenate([np.zeros((1, 16, K)), np.cumsum(P, axis=0)])
     rid = np.asarray(arrays["row_ids"], np.int64)
     sc = np.asarray(arrays["row_scale"], np.float64)
     for atomic in (0, 1):                           # stores first: an atomic item must find zeros
@@ -96,10 +90,11 @@ def emulate_sptc_spmm(arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any],
     return Y
 
 
-def _tile_products(arrays: Mapping[str, np.ndarray], precision: str, X: np.ndarray) -> np.ndarray:
+def _tile_products(arrays: Mapping[str, np.ndarray], precision: str, X: np.ndarray,
+                   layout: str = META_LAYOUT) -> np.ndarray:
     """Cumulative sums over the tiles of ``tile @ X[ccol]`` (ntiles + 1, 16, K), float64."""
     K = X.shape[1]
-    tiles = decode_tiles(arrays["frag"], arrays["meta"], precision)
+    tiles = decode_tiles(arrays["frag"], arrays["meta"], precision, layout)
     ntiles = tiles.shape[0]
     ccol = np.asarray(arrays["ccol"], np.int64).reshape(ntiles, 32)
     Xp = np.vstack([X, np.zeros((1, K))])
