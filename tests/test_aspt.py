@@ -367,6 +367,8 @@ def test_each_call_chooses_aligned_or_fallback_launches():
     order = []
 
     class Rec:
+        per_call = ("X", "Y")
+
         def __init__(self, tag):
             self.tag = tag
 
@@ -374,7 +376,8 @@ def test_each_call_chooses_aligned_or_fallback_launches():
             order.append((self.tag, tuple(ptrs), stream))
 
     k = _built(MATRICES["hub"](), 64, "sum", {**TASKS, "vec": 4})
-    k.use_plans([LaunchSequence([Rec("rows4"), Rec("tiles4")]), LaunchSequence([Rec("rows1"), Rec("tiles1")])])
+    k.use_plans([LaunchSequence([Rec("rows4"), Rec("tiles4")], [(0, 1), (0, 1)]),
+                 LaunchSequence([Rec("rows1"), Rec("tiles1")], [(0, 1), (0, 1)])])
     base = 1 << 20
     k.launch((base,), base + 4096, 7)
     k.launch((base + 4,), base, 7)           # X one float off a 16-byte boundary

@@ -12,14 +12,16 @@ the family has one) and compiled (cached on disk), the meta recorded, the kernel
 kernel from an artifact; rebuilding a binary made for another GPU generation; uploading the
 arrays once; binding every launch argument by the parameter names of the rendered signature
 (:class:`~spcompile.runtime.cuda.LaunchPlan`); choosing the aligned or the fallback launch per
-call.
+call.  A call may be several launches in stream order (helper kernels the source defines, named in
+``entry_points``: zeroing, finishing), bound the same way into a
+:class:`~spcompile.runtime.cuda.LaunchSequence`.
 """
 from __future__ import annotations
 
 import inspect
 import os
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -55,21 +57,18 @@ class LaunchSpec:
     block: tuple
     smem: int = 0
     args: Mapping[str, Any] = field(default_factory=dict)
-    entry: str = ""
+    #: the kernel launched: None (or "") = the instance's own entry point; a name starting with
+    #: "_" = that suffix of the instance's entry name (an instance macro defining several kernels,
+    #: e.g. "_rows" and "_tiles"); any other name = one of the template's ``entry_points`` (a helper
+    #: kernel such as a zeroing or finishing kernel)
+    entry: str | None = None
+    #: ``{parameter: name}`` for parameters that receive an array, workspace or per-call pointer
+    #: of another name (a helper kernel's ``rows`` receiving the array ``zero_rows``)
+    bind: Mapping[str, str] = field(default_factory=dict)
 
 
-class LaunchSequence:
-    """Several launch plans run in order on the call's stream with the same per-call pointers
-    (an instance whose call is more than one kernel launch)."""
-
-    __slots__ = ("plans",)
-
-    def __init__(self, plans):
-        self.plans = tuple(plans)
-
-    def __call__(self, ptrs, stream) -> None:
-        for plan in self.plans:
-            plan(ptrs, stream)
+#: the launches of one call (re-exported: families and tests name it here)
+LaunchSequence = rt.LaunchSequence
 
 
 # ------------------------------------------------------------------------------------------
@@ -94,6 +93,9 @@ class NvccTemplate(Template):
     fallback_param: str | None = None
     #: the oldest GPU generation the kernels run on (compute capability as an int, 0: any)
     min_arch: int = 0
+    #: ``extern "C"`` kernels that ``source_file`` defines itself, besides the instances of
+    #: ``instance_macro`` (helper kernels: zeroing, finishing), launched by :attr:`LaunchSpec.entry`
+    entry_points: tuple[str, ...] = ()
 
     # -- what a family defines ---------------------------------------------------------------
     def checks(self, mod: SparseModule) -> dict:
@@ -227,10 +229,10 @@ class NvccKernel(rt.CUDAKernel):
         self._tpl = tpl
 
     # -- what a family defines ---------------------------------------------------------------
-    def launch_spec(self, vec: int) -> LaunchSpec | tuple[LaunchSpec, ...]:
-        """Grid, block, shared memory and scalar arguments of the instance of width ``vec``: one
-        launch, or several (run in this order on the call's stream, each naming its entry point
-        in :attr:`LaunchSpec.entry`)."""
+    def launch_spec(self, vec: int) -> LaunchSpec | Sequence[LaunchSpec]:
+        """Grid, block, shared memory and scalar arguments of the instance of width ``vec``; or
+        the launches of one call in stream order (each naming its kernel by ``entry``), bound into
+        a :class:`~spcompile.runtime.cuda.LaunchSequence`."""
         raise NotImplementedError
 
     def workspaces(self) -> dict[str, tuple[int, Any]]:
@@ -275,12 +277,6 @@ class NvccKernel(rt.CUDAKernel):
         mod = self._load_module()
         return [mod.get_function(n) for n, _ in self.meta["instances"]]
 
-    def _entry_functions(self) -> list[dict]:
-        """Per instance the entry points its launches use: ``{entry suffix: function}``."""
-        mod = self._load_module()
-        return [{s.entry: mod.get_function(n + s.entry) for s in self.launch_specs(v)}
-                for (n, _), v in zip(self.meta["instances"], self.instance_vecs())]
-
     def _upload(self, names):
         import cupy
 
@@ -305,23 +301,66 @@ class NvccKernel(rt.CUDAKernel):
         :meth:`launch_spec` gives several), each binding by name the ``device`` pointers its entry
         point takes (arrays a launch does not take are left out), the spec's scalars (every one a
         parameter of the entry point) and the inputs and output per call.  ``functions``: per
-        instance its function or ``{entry suffix: function}``; None (no GPU) builds the plans
+        instance its function or ``{kernel name: function}``; None (no GPU) builds the plans
         without functions."""
         inst = [(n, tuple(a)) for n, a in self.meta["instances"]]
         src = self._tpl.render(inst)
         fns = functions if functions is not None else [None] * len(inst)
+        plans = []
+        for (name, _), fn, vec in zip(inst, fns, self.instance_vecs()):
+            plans.append(self._sequence(self.launch_specs(vec), fn, name, src, device))
+        return plans
+
+    def entry_name(self, instance: str, entry: str | None) -> str:
+        """The kernel a launch of ``instance`` with :attr:`LaunchSpec.entry` ``entry`` runs."""
+        if not entry:
+            return instance
+        if entry.startswith("_"):
+            return instance + entry
+        if entry not in self._tpl.entry_points:
+            raise ValueError(f"{self.template}: launch of {entry!r}, not one of the template's entry points "
+                             f"{list(self._tpl.entry_points)}")
+        return entry
+
+    def _sequence(self, specs, fn, name: str, source: str, device: Mapping[str, int]):
+        """The launches ``specs`` of instance ``name``: one :class:`LaunchPlan` when it is the
+        instance's kernel alone, else a :class:`LaunchSequence`.  Each kernel's parameters are bound
+        by name (through ``spec.bind`` where named otherwise): the call's inputs and output in their
+        slots, the spec's scalars, the arrays / workspaces it reads (``device`` holds every one; a
+        kernel takes those it names).  ``fn``: the instance's function, or ``{kernel name:
+        function}``; None builds the plans without functions (no GPU needed)."""
+        per_call = (*self.inputs, self.output)
+        plans, slots = [], []
+        for s in specs:
+            kname = self.entry_name(name, s.entry)
+            sig = rt.kernel_signature(source, kname)
+            stray = sorted(set(s.bind) - set(sig.names))
+            if stray:
+                raise ValueError(f"kernel {sig.name}: bind names unknown parameters {stray}")
+            bound, pc, idx = dict(s.args), [], []
+            for p in sig.names:
+                src = s.bind.get(p, p)
+                if src in per_call:
+                    pc.append(p)
+                    idx.append(per_call.index(src))
+                elif p not in bound and src in device:
+                    bound[p] = device[src]
+            f = fn.get(kname) if isinstance(fn, Mapping) else (fn if kname == name else None)
+            if f is not None:
+                rt.ensure_dynamic_smem(f, s.smem)
+            plans.append(rt.LaunchPlan(f, sig, s.grid, s.block, s.smem, bound=bound, per_call=pc))
+            slots.append(tuple(idx))
+        if len(plans) == 1 and slots[0] == tuple(range(len(per_call))):
+            return plans[0]
+        return rt.LaunchSequence(plans, slots)
+
+    def _entry_functions(self) -> list[dict]:
+        """Per instance the kernels its launches run: ``{kernel name: function}``."""
+        mod = self._load_module()
         out = []
-        for (name, _), f, vec in zip(inst, fns, self.instance_vecs()):
-            plans = []
-            for spec in self.launch_specs(vec):
-                fn = f.get(spec.entry) if isinstance(f, Mapping) else f
-                sig = rt.kernel_signature(src, name + spec.entry)
-                if fn is not None:
-                    rt.ensure_dynamic_smem(fn, spec.smem)
-                bound = {**{k: v for k, v in device.items() if k in sig.names}, **spec.args}
-                plans.append(rt.LaunchPlan(fn, sig, spec.grid, spec.block, spec.smem, bound=bound,
-                                           per_call=(*self.inputs, self.output)))
-            out.append(plans[0] if len(plans) == 1 else LaunchSequence(plans))
+        for (n, _), v in zip(self.meta["instances"], self.instance_vecs()):
+            names = [self.entry_name(n, s.entry) for s in self.launch_specs(v)]
+            out.append({k: mod.get_function(k) for k in dict.fromkeys(names)})
         return out
 
     def prepare(self):

@@ -493,6 +493,32 @@ class LaunchPlan:
         self.fn(self.grid, self.block, tuple(args), shared_mem=self.smem, stream=_stream(stream))
 
 
+class LaunchSequence:
+    """The launches of one call, in order on its stream: ``plans`` (:class:`LaunchPlan`) and for
+    each the positions in the call's pointers of its per-call parameters (``slots``; a helper
+    kernel may take only the output, or none of them)."""
+
+    __slots__ = ("plans", "slots", "_steps")
+
+    def __init__(self, plans: Sequence[LaunchPlan], slots: Sequence[Sequence[int]]):
+        self.plans = tuple(plans)
+        self.slots = tuple(tuple(int(i) for i in s) for s in slots)
+        if len(self.slots) != len(self.plans):
+            raise ValueError("one slot list per launch")
+        for p, s in zip(self.plans, self.slots):
+            if len(s) != len(p.per_call):
+                raise ValueError(f"kernel {p.signature.name}: {len(p.per_call)} per-call pointers, {len(s)} slots")
+        self._steps = tuple(zip(self.plans, self.slots))
+
+    def arguments(self, ptrs: Sequence[int] = ()) -> list[list[tuple[str, str, Any]]]:
+        """:meth:`LaunchPlan.arguments` of every launch (the call's ``ptrs`` in their slots)."""
+        return [p.arguments(tuple(ptrs[i] for i in s) if ptrs else ()) for p, s in self._steps]
+
+    def __call__(self, ptrs: Sequence[int], stream: int) -> None:
+        for plan, slots in self._steps:
+            plan([ptrs[i] for i in slots], stream)
+
+
 _RANGES = {"int32": (-2**31, 2**31 - 1), "uint32": (0, 2**32 - 1), "int64": (-2**63, 2**63 - 1),
            "uint64": (0, 2**64 - 1), "ptr": (0, 2**64 - 1)}
 
