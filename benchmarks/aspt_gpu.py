@@ -168,13 +168,13 @@ def run_bench(graphs, build_only, rows, save=lambda: None):
                         if build_only:
                             continue
                         out.fill_(float("nan"))
-                        rt.call(kern, "torch", [X], out, out.shape)
+                        rt.call(kern, [X], out)
                         torch.cuda.synchronize()
                         err = float((torch.linalg.norm(out.double() - ref) / refn).item())
                         if not err <= TOL:
                             print("WRONG", gname, K, name, p, err, flush=True)
                             continue
-                        t = kernel_time(torch, lambda: rt.call(kern, "torch", [X], out, out.shape))
+                        t = kernel_time(torch, lambda: rt.call(kern, [X], out))
                     except Exception as e:
                         print("ERROR", gname, K, name, p, repr(e)[:300], flush=True)
                         continue

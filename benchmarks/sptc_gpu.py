@@ -104,7 +104,7 @@ def run_sanitize(log):
                 kern = t.build(mod, p)
                 X = rng.standard_normal((A.shape[1], K)).astype(np.float32)
                 out = cupy.full((A.shape[0], K), np.nan, dtype=cupy.float32)
-                rt.call(kern, "cupy", [cupy.asarray(X)], out, out.shape)
+                rt.call(kern, [cupy.asarray(X)], out)
                 err = reference.rel_error(cupy.asnumpy(out), reference.run("spmm", "sum", mod.op.A, X))
                 ok = bool(err <= TOL[p["precision"]])
                 fails += not ok
@@ -124,7 +124,7 @@ def run_sanitize(log):
                     kern = t.build(mod, p)
                     X = torch.randn(A.shape[1], K, device="cuda").to(tdt)
                     out = torch.full((A.shape[0], K), float("nan"), device="cuda", dtype=tdt)
-                    rt.call(kern, "torch", [X], out, out.shape, dt)
+                    rt.call(kern, [X], out, dtype=dt)
                     torch.cuda.synchronize()
                     ref = reference.run("spmm", "sum", mod.op.A, X.double().cpu().numpy())
                     err = reference.rel_error(out.double().cpu().numpy(), ref)
@@ -175,7 +175,7 @@ def _time_best(torch, kernel_time, build, cfgs, X, out, ref, tol, tag, log):
         try:
             kern = build(p)
             out.fill_(float("nan"))
-            rt.call(kern, "torch", [X], out, out.shape, str(out.dtype).replace("torch.", ""))
+            rt.call(kern, [X], out, dtype=str(out.dtype).replace("torch.", ""))
             torch.cuda.synchronize()
             err = float((torch.linalg.norm(out.double() - ref) / torch.linalg.norm(ref)).item())
             if not err <= tol(p):
@@ -183,7 +183,7 @@ def _time_best(torch, kernel_time, build, cfgs, X, out, ref, tol, tag, log):
                 fails += 1
                 continue
             dt = str(out.dtype).replace("torch.", "")
-            tk = kernel_time(torch, lambda: rt.call(kern, "torch", [X], out, out.shape, dt))
+            tk = kernel_time(torch, lambda: rt.call(kern, [X], out, dtype=dt))
         except Exception as e:  # failures are data
             print("ERROR", tag, p, repr(e)[:300], flush=True)
             fails += 1

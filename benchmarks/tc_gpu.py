@@ -239,14 +239,14 @@ def run_bench(graphs, build_only, log_rows, out_dir=None):
                             if build_only:
                                 continue
                             out.fill_(float("nan"))
-                            rt.call(kern, "torch", ins, out, out.shape, dtype)
+                            rt.call(kern, ins, out, dtype=dtype)
                             torch.cuda.synchronize()
                             err = float((torch.linalg.norm(out.double() - ref) / torch.linalg.norm(ref)).item())
                             tol = TOL16 if dtype != "float32" else TOL[p.get("precision", "fp32")]
                             if not err <= tol:
                                 print("WRONG", gname, K, op, name, p, err, flush=True)
                                 continue
-                            t = kernel_time(torch, lambda: rt.call(kern, "torch", ins, out, out.shape, dtype))
+                            t = kernel_time(torch, lambda: rt.call(kern, ins, out, dtype=dtype))
                         except Exception as e:
                             print("ERROR", gname, K, op, name, p, repr(e)[:300], flush=True)
                             continue
