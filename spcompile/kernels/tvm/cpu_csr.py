@@ -172,8 +172,16 @@ def _sddmm_func(K: int, k_tile: int, idx: str, parallel: bool = True):
     TAIL = w  # lanes left after halving, summed one by one
     if len(halves) > 8:
         raise ValueError(f"SDDMM k_tile {KT} too wide (at most 256 lanes)")
-    H0, H1, H2, H3, H4, H5, H6, H7 = halves + [0] * (8 - len(halves))
     AW = max(KT, 2)  # size-1 buffers become TIR scalars that do not survive the parallel lowering
+
+    @T.macro
+    def halve(acc, width, again):
+        # acc[:width // 2] += acc[width // 2:width], then the same on the first half, while the
+        # width is even (a macro cannot name itself: it gets itself as ``again``)
+        if width % 2 == 0 and width > 1:
+            for k in T.vectorized(width // 2):
+                acc[k] = acc[k] + acc[k + width // 2]
+            again(acc, width // 2, again)
 
     @T.prim_func
     def sddmm(a_bounds: T.handle, a_indptr: T.handle, a_indices: T.handle, a_data: T.handle,
@@ -206,30 +214,7 @@ def _sddmm_func(K: int, k_tile: int, idx: str, parallel: bool = True):
                     for t in T.serial(NT):
                         for k in T.vectorized(KT):
                             acc[k] = acc[k] + X[orow, t * KT + k] * Y[col, t * KT + k]
-                    if H0 > 0:
-                        for k in T.vectorized(H0):
-                            acc[k] = acc[k] + acc[k + H0]
-                    if H1 > 0:
-                        for k in T.vectorized(H1):
-                            acc[k] = acc[k] + acc[k + H1]
-                    if H2 > 0:
-                        for k in T.vectorized(H2):
-                            acc[k] = acc[k] + acc[k + H2]
-                    if H3 > 0:
-                        for k in T.vectorized(H3):
-                            acc[k] = acc[k] + acc[k + H3]
-                    if H4 > 0:
-                        for k in T.vectorized(H4):
-                            acc[k] = acc[k] + acc[k + H4]
-                    if H5 > 0:
-                        for k in T.vectorized(H5):
-                            acc[k] = acc[k] + acc[k + H5]
-                    if H6 > 0:
-                        for k in T.vectorized(H6):
-                            acc[k] = acc[k] + acc[k + H6]
-                    if H7 > 0:
-                        for k in T.vectorized(H7):
-                            acc[k] = acc[k] + acc[k + H7]
+                    halve(acc, KT, halve)
                     s[0] = T.float32(0)
                     for k in T.serial(REM):
                         s[0] = s[0] + X[orow, NT * KT + k] * Y[col, NT * KT + k]
