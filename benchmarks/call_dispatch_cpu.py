@@ -26,15 +26,15 @@ import argparse
 import functools
 import json
 import os
-import statistics
 import sys
-import time
 
 import numpy as np
 import scipy.sparse as sp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from call_overhead import per_call_us as _per_call_us  # noqa: E402
 from spcompile.compile import make_op  # noqa: E402
 from spcompile.core.config import Config  # noqa: E402
 from spcompile.module import CompiledModule  # noqa: E402
@@ -67,16 +67,8 @@ class CPUTensorsAsDevice(type(arrays.TORCH)):
         return super().matcher(in_shapes, out_shape, dtype, None)
 
 
-def per_call_us(fn, n=2000, batches=25) -> float:
-    for _ in range(200):
-        fn()
-    res = []
-    for _ in range(batches):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        res.append((time.perf_counter() - t0) / n * 1e6)
-    return statistics.median(res)
+def per_call_us(fn) -> float:
+    return _per_call_us(fn, lambda: None, n=2000, batches=25)
 
 
 def measure(op: str, K: int = 32) -> dict:
