@@ -5,9 +5,9 @@ __version__ = "0.1.0"
 
 
 def tvm_version() -> str | None:
+    """TVM's version; None where it is not installed (a machine that only runs saved CUDA modules)."""
     try:
         import tvm
-
-        return tvm.__version__
-    except Exception:
+    except ImportError:
         return None
+    return tvm.__version__

@@ -13,7 +13,6 @@ import tempfile
 import weakref
 from typing import Any, Mapping
 
-import numpy as np
 
 from ._version import __version__, tvm_version
 from .artifact import FORMAT_VERSION, ArtifactError, check_manifest_digest, read_arrays, read_artifact, write_artifact
@@ -21,7 +20,8 @@ from .core.config import Config
 from .core.formats import as_csr
 from .core.ir import WorkloadKey, pattern_hash, values_hash
 from .kernels import get_template
-from .runtime.arrays import array_kind
+from .runtime import cuda as rt_cuda
+from .runtime.arrays import ArrayAdapter, adapter_for
 
 __all__ = ["CompiledModule", "load"]
 
@@ -44,7 +44,8 @@ class CompiledModule:
         self._in_shapes = ((key.cols, key.K),) if key.op == "spmm" else ((key.rows, key.K), (key.cols, key.K))
         self._out_shape = (key.rows, key.K) if key.op == "spmm" else (key.nnz,)
         self._tmpdir = None  # holds extracted binaries of a loaded single-file artifact
-        self._fast = None    # the checked fast call path (torch CUDA tensors), set after a first call
+        self._plans: dict = {}   # (adapter, device) -> _Plan, made by the first checked call of each
+        self._plan = None        # the plan of the last checked call
 
     # -- properties -----------------------------------------------------------------------
     op = property(lambda self: self.key.op)
@@ -58,116 +59,60 @@ class CompiledModule:
                 f"nnz={self.key.nnz}, K={self.K}, {self.config})")
 
     # -- calling ---------------------------------------------------------------------------
-    def _check(self, x, i: int):
-        name = "X" if i == 0 else "Y"
-        kind = array_kind(x)
-        if kind == "other":
-            raise TypeError(f"{name} must be a numpy array, torch tensor or cupy array, got {type(x).__name__}")
-        shape = tuple(x.shape)
-        want = self._in_shapes[i]
-        if shape != want:
-            hint = ""
-            if len(shape) == 2 and shape[0] == want[0] and shape[1] != want[1]:
-                hint = f" (the module was built for K={self.K})"
-            raise ValueError(f"{name} has shape {shape}, expected {want}{hint}")
-        dt = str(x.dtype).replace("torch.", "")
-        want_dt = self.key.dtype
-        if kind == "numpy" and want_dt == "bfloat16":
-            raise TypeError(f"{name} is a numpy array, but this module takes bfloat16 inputs and numpy has no "
-                            f"bfloat16 dtype: pass a torch.bfloat16 tensor (e.g. torch.from_numpy(x).bfloat16())")
-        if dt != want_dt:
-            cast = {"float32": "X.astype(np.float32) / X.float()", "float16": "X.astype(np.float16) / X.half()",
-                    "bfloat16": "X.bfloat16() (torch; numpy has no bfloat16)"}.get(want_dt, want_dt)
-            raise TypeError(f"{name} has dtype {dt}, expected {want_dt} (the module was built with "
-                            f"dtype={want_dt!r}; cast it first, e.g. {cast})")
-        return kind
-
     def __call__(self, *inputs, out=None):
-        fast = self._fast
-        if fast is not None:
-            res = fast(inputs, out)
-            if res is not None:
-                return res
+        plan = self._plan
+        if plan is None or not plan.same(inputs, out):
+            plan, inputs = self._checked(inputs, out)
+        return plan.run(inputs, out)
+
+    def _checked(self, inputs, out) -> tuple["_Plan", list]:
+        """Every check of a call, with the errors a caller sees; returns the plan for the inputs'
+        framework and device (made once, then kept as the module's plan: calls of the same
+        signature pass its cheap check and skip this) and the inputs made C-contiguous."""
         n = len(self._in_shapes)
         if len(inputs) != n:
             raise TypeError(f"{self.op} module takes {n} input(s) ({'X' if n == 1 else 'X, Y'}), got {len(inputs)}")
-        kinds = {self._check(x, i) for i, x in enumerate(inputs)}
-        if len(kinds) > 1:
-            raise TypeError(f"inputs mix array types {sorted(kinds)}; pass them all as the same kind")
-        kind = kinds.pop()
+        adapter = None
+        for i, x in enumerate(inputs):
+            name = "X" if i == 0 else "Y"
+            a = adapter_for(x)
+            if a is None:
+                raise TypeError(f"{name} must be a numpy array, torch tensor or cupy array, got {type(x).__name__}")
+            a.check(x, name, self._in_shapes[i], self.key.dtype)
+            if adapter is not None and a is not adapter:
+                raise TypeError(f"inputs mix array types {[adapter.name, a.name]}; pass them all of one kind")
+            adapter = a
         if self.config.target == "cpu":
-            return self._call_cpu(kind, inputs, out)
-        from .runtime import cuda as rt_cuda
+            if any(adapter.device(x) is not None for x in inputs):
+                raise ValueError("this module was built for target='cpu' but got GPU arrays; move them to "
+                                 "the host or build with target='cuda'")
+            device = None
+        else:
+            device = rt_cuda.placement(self.kernel, adapter, inputs)
+        if out is not None:
+            adapter.check_out(out, self._out_shape, self.key.dtype, device)
+        plan = self._plans.get((adapter, device))
+        if plan is None:
+            plan = self._plans[(adapter, device)] = _Plan(
+                adapter.matcher(self._in_shapes, self._out_shape, self.key.dtype, device), self._runner(adapter, device))
+        self._plan = plan
+        return plan, [adapter.contiguous(x) for x in inputs]
 
-        res = rt_cuda.call(self.kernel, kind, inputs, out, self._out_shape, self.key.dtype)
-        if kind == "torch" and self._fast is None and inputs[0].device.type == "cuda":
-            self._fast = self._make_fast_torch(inputs[0].device)
-        return res
-
-    def _make_fast_torch(self, device):
-        """The call path for the common case, set up after a first checked call: torch CUDA tensors
-        of exactly the module's dtype and shapes, contiguous, on its device, current stream.  It
-        checks just that (a few attribute reads), allocates the output when none is given and
-        launches; anything else returns None and takes the full path (with its errors).  No
-        allocation besides the output, no conversion, no synchronisation."""
-        import torch
-
-        from .runtime.cuda import _torch_stream
-
-        kernel = self.kernel
-        T = torch.Tensor
-        dt = getattr(torch, self.key.dtype)     # inputs and output: the module's dtype
-        idx = device.index if device.index is not None else torch.cuda.current_device()
-        dev = torch.device("cuda", idx)
-        shapes = tuple(torch.Size(s) for s in self._in_shapes)
-        oshape = torch.Size(self._out_shape)
-        empty = torch.empty
-        run = kernel.run
-        get_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-        stream_of = (lambda: get_stream(idx)) if get_stream is not None else (lambda: _torch_stream(torch, idx))
-
-        def fast(inputs, out):
-            if len(inputs) != len(shapes):
-                return None
-            for x, shp in zip(inputs, shapes):
-                if (type(x) is not T or x.dtype is not dt or x.shape != shp or x.get_device() != idx
-                        or not x.is_contiguous()):
-                    return None
-            if out is None:
-                out = empty(oshape, dtype=dt, device=dev)
-            elif (type(out) is not T or out.dtype is not dt or out.shape != oshape or out.get_device() != idx
-                  or not out.is_contiguous()):
-                return None
-            run("torch", inputs, out, stream_of())
-            return out
-
-        return fast
-
-    def _call_cpu(self, kind, inputs, out):
-        if kind == "cupy" or (kind == "torch" and any(x.device.type != "cpu" for x in inputs)):
-            raise ValueError("this module was built for target='cpu' but got GPU arrays; move them to "
-                             "the host or build with target='cuda'")
-        if kind == "torch":
-            import torch
-
-            arrs = [x.detach().contiguous().numpy() for x in inputs]
-            res = self._call_cpu("numpy", arrs, None)
-            if out is not None:
-                out.copy_(torch.from_numpy(res))
-                return out
-            return torch.from_numpy(res)
-        arrs = [np.ascontiguousarray(x) for x in inputs]
-        if out is None:
-            out = np.empty(self._out_shape, dtype=np.float32)
-        elif not (isinstance(out, np.ndarray) and out.shape == self._out_shape and out.dtype == np.float32
-                  and out.flags.c_contiguous and out.flags.writeable):
-            raise ValueError(f"out must be a writable C-contiguous float32 numpy array of shape {self._out_shape}")
+    def _runner(self, adapter: ArrayAdapter, device: int | None):
+        """The run step for checked, C-contiguous ``adapter`` arrays on ``device``."""
+        if self.config.target != "cpu":
+            return rt_cuda.runner(self.kernel, adapter, device, self._out_shape, self.key.dtype)
+        alloc, kernel = adapter.allocator(self._out_shape, self.key.dtype, None), self.kernel
         if self.key.nnz == 0:
             # no stored entries: every SpMM row is empty (0 by convention), SDDMM has no output;
             # zero-size arrays cannot be passed to the kernels (DLPack reports them non-compact)
-            out[...] = 0
-            return out
-        return self.kernel(*arrs, out=out)
+            def run_empty(inputs, out):
+                out = alloc() if out is None else out
+                out[...] = 0
+                return out
+
+            return run_empty
+        return lambda inputs, out: kernel(*inputs, out=alloc() if out is None else out)
 
     # -- artifacts -------------------------------------------------------------------------
     def _manifest(self) -> dict:
@@ -191,6 +136,17 @@ class CompiledModule:
     @classmethod
     def load(cls, path: str, A=None) -> "CompiledModule":
         return load(path, A)
+
+
+class _Plan:
+    """How a module runs arrays of one framework on one device: ``same(inputs, out)``, the cheap
+    check that a call has exactly that signature (see :meth:`ArrayAdapter.matcher`), and
+    ``run(inputs, out)``, the run step."""
+
+    __slots__ = ("same", "run")
+
+    def __init__(self, same, run):
+        self.same, self.run = same, run
 
 
 def _compatible(saved: str, current: str) -> bool:

@@ -525,7 +525,7 @@ def run_case(A, K, reduce, mod, params, rng, misalign=False):
     else:
         xd = cupy.asarray(X)
         out = cupy.full((A.shape[0], K), np.nan, dtype=cupy.float32)
-    rt.call(kern, "cupy", [xd], out, out.shape)
+    rt.call(kern, [xd], out)
     y = cupy.asnumpy(out)
     return reference.rel_error(y, _ref(A, X, reduce)) if np.all(np.isfinite(y)) else float("inf")
 

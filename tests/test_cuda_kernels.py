@@ -68,7 +68,7 @@ def test_fast_call_path_checks_and_threads():
     mod = spcompile.build(A, "spmm", K=33, reduce="sum", target="cuda", template="csr.crc_cwm")
     ref = (A.astype(np.float64) @ X.double().cpu().numpy())
     y0 = mod(X)                                  # full path, sets up the fast path
-    assert mod._fast is not None
+    assert mod._plan is not None
     assert mod.kernel._plans[0]._launch is not None, "driver launch path not in use"
     y1 = mod(X)                                  # fast path
     out = torch.full((257, 33), float("nan"), device="cuda")

@@ -332,6 +332,9 @@ class _FakeDeviceArray:
 
     __module__ = "cupy._core.core"
 
+    class device:  # noqa: N801 -- cupy.ndarray.device.id
+        id = 0
+
     def __init__(self, shape):
         self.shape = shape
         self.dtype = np.dtype(np.float32)

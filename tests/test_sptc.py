@@ -302,7 +302,7 @@ def _run(kern, X, m, K):
     import cupy
 
     out = cupy.full((m, K), np.nan, dtype=cupy.float32)
-    rt.call(kern, "cupy", [cupy.asarray(X)], out, out.shape)
+    rt.call(kern, [cupy.asarray(X)], out)
     return cupy.asnumpy(out)
 
 
@@ -358,7 +358,7 @@ def _run16(kern, X, m, K, dtype, off=0):
     ob = torch.full((m * K + 8,), float("nan"), dtype=tdt, device="cuda")
     xv = xb[off:off + X.size].view(X.shape)
     ov = ob[off:off + m * K].view(m, K)
-    rt.call(kern, "torch", [xv], ov, ov.shape, dtype)
+    rt.call(kern, [xv], ov, dtype=dtype)
     torch.cuda.synchronize()
     return ov.double().cpu().numpy()
 
@@ -437,7 +437,7 @@ def test_gpu_every_variant(K):
                     ob = cupy.full(A.shape[0] * K + 4, np.nan, cupy.float32)
                     xv = xb[off:off + X.size].reshape(X.shape)
                     ov = ob[off:off + A.shape[0] * K].reshape(A.shape[0], K)
-                    rt.call(kern, "cupy", [xv], ov, ov.shape)
+                    rt.call(kern, [xv], ov)
                     out = cupy.asnumpy(ov)
                     assert not np.isnan(out).any(), (K, nt, W, split, off)
                     err = reference.rel_error(out, ref)

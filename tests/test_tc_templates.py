@@ -544,7 +544,7 @@ def run_gpu_case(A, K, reduce, template, pipe, params, rng, dtype="float32"):
         Xt, X = _dev_array(rng.standard_normal((A.shape[0], K)), dtype)
         Yt, Y = _dev_array(rng.standard_normal((A.shape[1], K)), dtype)
         out = torch.full((A.nnz,), float("nan"), dtype=tdt, device="cuda")
-        rt.call(kern, "torch", [Xt, Yt], out, out.shape, dtype)
+        rt.call(kern, [Xt, Yt], out, dtype=dtype)
         y, ref = out.double().cpu().numpy(), reference.sddmm(as_csr(A), X, Y)
         err = reference.rel_error(y, ref)
         if np.all(np.isfinite(y)):                       # bound relative to |A| |X| |Y| per entry
@@ -557,7 +557,7 @@ def run_gpu_case(A, K, reduce, template, pipe, params, rng, dtype="float32"):
     kern = tpl.build(mod, params)
     Xt, X = _dev_array(rng.standard_normal((A.shape[1], K)), dtype)
     out = torch.full((A.shape[0], K), float("nan"), dtype=tdt, device="cuda")
-    rt.call(kern, "torch", [Xt], out, out.shape, dtype)
+    rt.call(kern, [Xt], out, dtype=dtype)
     y, ref = out.double().cpu().numpy(), _ref64(A, X, reduce)
     err = reference.rel_error(y, ref)
     if kern.meta.get("precision", "fp32") != "fp32" and np.all(np.isfinite(y)):
@@ -595,7 +595,7 @@ def test_gpu_split_repeatable():
     outs = []
     for _ in range(3):
         out = cupy.full((A.shape[0], 64), np.nan, dtype=cupy.float32)
-        rt.call(kern, "cupy", [X], out, out.shape)
+        rt.call(kern, [X], out)
         outs.append(cupy.asnumpy(out))
     assert np.array_equal(outs[0], outs[1]) and np.array_equal(outs[0], outs[2])
     assert reference.rel_error(outs[0], _ref(A, cupy.asnumpy(X))) <= TOL["tf32"]

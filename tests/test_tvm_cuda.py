@@ -313,7 +313,7 @@ def _bench(art_dir: str) -> None:
 
                 inputs = (X,) if op == "spmm" else (Xm, X)
                 out = torch.empty((C.shape[0], K) if op == "spmm" else (C.nnz,), device="cuda")
-                rt.call(kern, "torch", inputs, out, tuple(out.shape))
+                rt.call(kern, inputs, out)
                 got = out.cpu().numpy()
                 ins = tuple(x.cpu().numpy() for x in inputs)
                 if op == "spmm":
@@ -321,7 +321,7 @@ def _bench(art_dir: str) -> None:
                 else:
                     ref = C.data * np.einsum("ij,ij->i", ins[0][C.row_ids], ins[1][C.indices])
                 err = float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30))
-                t = timeit(lambda: rt.call(kern, "torch", inputs, out, tuple(out.shape)))
+                t = timeit(lambda: rt.call(kern, inputs, out))
                 base = t_mm if op == "spmm" else t_sa
                 print(f"BENCH {g} m={C.shape[0]} nnz={C.nnz} K={K} {op} params={rec['params']} "
                       f"tvm={t:.1f}us torch={base:.1f}us speedup={base / t:.2f} relerr={err:.1e}")

@@ -16,6 +16,8 @@ import os
 import sys
 import time
 
+from tqdm import tqdm
+
 __all__ = ["add_commands", "cmd_tune", "cmd_best"]
 
 
@@ -71,8 +73,6 @@ class _Progress:
     def __call__(self, ev: dict):
         if not self.enabled:
             return
-        from tqdm import tqdm
-
         if ev["event"] == "start":
             self.bar = tqdm(total=ev.get("total"), desc=self.label, file=sys.stderr, leave=True,
                             dynamic_ncols=True, unit="trial")

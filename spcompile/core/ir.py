@@ -118,9 +118,6 @@ class WorkloadKey:
     def from_dict(cls, d: Mapping) -> "WorkloadKey":
         return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
 
-    def with_K(self, K: int) -> "WorkloadKey":
-        return dataclasses.replace(self, K=int(K))
-
 
 @dataclass(frozen=True, eq=False)
 class SparseOp:

@@ -5,6 +5,7 @@ import numpy as np
 
 from ..core.ir import SparseModule
 from ..runtime import cuda as rt
+from ..runtime.arrays import TORCH
 from .base import Template, register_template
 
 
@@ -35,18 +36,16 @@ class CusparseKernel(rt.CUDAKernel):
         self._torch = torch
         self._ready = True
 
-    def run(self, kind, inputs, out, stream):
-        torch = self._torch
-        if kind != "torch":
-            # CuPy callers: order against CuPy's stream by synchronising around the library call
-            # (the vendor baseline only; our own kernels launch on the caller's stream directly)
-            rt._stream(stream).synchronize()
-            t_in = [torch.from_dlpack(x) for x in inputs]
-            t_out = torch.from_dlpack(out)
-            self._run(t_in, t_out)
-            torch.cuda.current_stream().synchronize()
-        else:
+    def run(self, adapter, inputs, out, stream):
+        if adapter is TORCH:
             self._run(inputs, out)
+            return
+        # CuPy callers: order against CuPy's stream by synchronising around the library call
+        # (the vendor baseline only; our own kernels launch on the caller's stream directly)
+        torch = self._torch
+        rt._stream(stream).synchronize()
+        self._run([torch.from_dlpack(x) for x in inputs], torch.from_dlpack(out))
+        torch.cuda.current_stream().synchronize()
 
     def _run(self, inputs, out):
         torch = self._torch

@@ -17,21 +17,19 @@ def host_llvm_target() -> dict:
     tgt = {"kind": "llvm", "mcpu": cpu}
     if platform.system() == "Linux" and platform.machine() == "x86_64":
         tgt["mtriple"] = "x86_64-pc-linux-gnu"
-    try:
-        if not codegen.llvm_is_valid_cpu(cpu, tgt.get("mtriple", codegen.llvm_get_system_triple())):
-            tgt.pop("mcpu")
-    except Exception:
-        pass
+    if not codegen.llvm_is_valid_cpu(cpu, tgt.get("mtriple", codegen.llvm_get_system_triple())):
+        tgt.pop("mcpu")
     return tgt
 
 
 def host_cpu_name() -> str | None:
+    """LLVM's name of this CPU; None where TVM is not installed (a machine that only runs saved
+    CUDA modules)."""
     try:
         from tvm.target import codegen
-
-        return codegen.llvm_get_system_cpu()
-    except Exception:
+    except ImportError:
         return None
+    return codegen.llvm_get_system_cpu()
 
 
 def compile_primfunc(func):

@@ -32,7 +32,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import tempfile
 import threading
 from dataclasses import dataclass
@@ -40,11 +39,12 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from .arrays import ArrayAdapter, adapter_for
 from .kernel import Kernel
 
 __all__ = ["CUDAKernel", "call", "compile_cuda", "nvcc_path", "nvcc_available", "nvcc_version",
-           "device_arch", "cache_dir", "load_module", "to_device", "DEFAULT_ARCH", "CompileError", "LaunchPlan",
-           "Launch", "KernelSignature", "kernel_signature", "binary_for_device"]
+           "device_arch", "cache_dir", "load_module", "placement", "runner", "DEFAULT_ARCH", "CompileError",
+           "LaunchPlan", "LaunchSequence", "Launch", "KernelSignature", "kernel_signature", "binary_for_device"]
 
 #: arch compiled for when no GPU is visible (the project's target, the H100)
 DEFAULT_ARCH = 90
@@ -167,12 +167,6 @@ def load_module(path: str):
     if mod is None:
         mod = _MODULES[key] = cupy.RawModule(path=path)
     return mod
-
-
-def to_device(a: np.ndarray):
-    import cupy
-
-    return cupy.asarray(np.ascontiguousarray(a))
 
 
 _STREAMS: dict = {}
@@ -584,94 +578,83 @@ class CUDAKernel(Kernel):
     def launch(self, in_ptrs: Sequence[int], out_ptr: int, stream: int) -> None:
         raise NotImplementedError
 
-    def run(self, kind: str, inputs: Sequence[Any], out: Any, stream: int) -> None:
-        if kind == "torch":
-            self.launch([x.data_ptr() for x in inputs], out.data_ptr(), stream)
-        else:
-            self.launch([x.data.ptr for x in inputs], out.data.ptr, stream)
+    def run(self, adapter: ArrayAdapter, inputs: Sequence[Any], out: Any, stream: int) -> None:
+        """Run on C-contiguous ``adapter`` arrays on the kernel's device (the default: their
+        pointers to :meth:`launch`)."""
+        ptr = adapter.ptr
+        self.launch([ptr(x) for x in inputs], ptr(out), stream)
 
     def __call__(self, *inputs, out):
-        """Generic entry used by runners: numpy, CuPy or torch arrays, same path as a module call."""
-        from .arrays import array_kind
-
-        return call(self, array_kind(inputs[0]), inputs, out, tuple(out.shape))
+        """Generic entry used by runners: numpy, CuPy or torch arrays, the module's run step."""
+        return call(self, inputs, out)
 
 
-def _torch_stream(torch, index: int) -> int:
-    f = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    if f is not None:
-        return f(index)
-    return torch.cuda.current_stream(index).cuda_stream
-
-
-def call(kernel: CUDAKernel, kind: str, inputs: Sequence[Any], out, out_shape: tuple,
-         dtype: str | None = None) -> Any:
-    """Run ``kernel`` on already validated inputs (shape/dtype checked by the module).
-
-    ``kind`` is "torch", "cupy" or "numpy".  Device inputs stay where they are and the result is
-    produced on the same device, on the framework's current stream, without synchronising.
-    numpy (and CPU torch) inputs are copied in and the result copied out.  ``dtype`` ("float32",
-    "float16" or "bfloat16"; default: the kernel's ``meta["dtype"]``, else float32) is the dtype of
-    the inputs and of the result (kernels accumulate in fp32 and round the result once).
-    """
+def placement(kernel: CUDAKernel, adapter: ArrayAdapter, inputs: Sequence[Any]) -> int | None:
+    """Prepare ``kernel`` (once) and say where ``inputs`` are: its device, or None when they are
+    all host arrays (copied through the device); ValueError for any other placement."""
     if not kernel._ready:
         kernel.prepare()
-    dtype = dtype or kernel.meta.get("dtype", "float32")
-    if kind == "torch":
-        torch = sys.modules["torch"]
-        tdt = getattr(torch, dtype)
-        dev = inputs[0].device
-        if dev.type != "cuda":
-            # CPU tensors: through the device (works for bfloat16 too, which numpy lacks)
-            d = torch.device("cuda", kernel.device_id)
-            res = call(kernel, "torch", [x.detach().to(d) for x in inputs], None, out_shape, dtype).cpu()
-            if out is not None:
-                out.copy_(res)
-                return out
-            return res
-        idx = dev.index if dev.index is not None else torch.cuda.current_device()
-        if idx != kernel.device_id or any(x.device != dev for x in inputs[1:]):
-            raise ValueError(f"inputs must be on cuda:{kernel.device_id} (the module's device), got "
-                             f"{[str(x.device) for x in inputs]}")
-        xs = [x if x.is_contiguous() else x.contiguous() for x in inputs]
-        if out is None:
-            out = torch.empty(out_shape, dtype=tdt, device=dev)
-        elif not (isinstance(out, torch.Tensor) and tuple(out.shape) == tuple(out_shape)
-                  and out.dtype == tdt and out.device == dev and out.is_contiguous()):
-            raise ValueError(f"out must be a contiguous {dtype} tensor of shape {tuple(out_shape)} on {dev}")
-        kernel.run("torch", xs, out, _torch_stream(torch, idx))
-        return out
-    if kind == "cupy":
-        import cupy
+    devices = {adapter.device(x) for x in inputs}
+    if devices == {None}:
+        return None
+    if devices != {kernel.device_id}:
+        raise ValueError(f"inputs must be on CUDA device {kernel.device_id} (the module's device) or all on "
+                         f"the host, got {sorted(adapter.device_name(d) for d in devices)}")
+    return kernel.device_id
 
-        if any(x.device.id != kernel.device_id for x in inputs):
-            raise ValueError(f"inputs must be on device {kernel.device_id} (the module's device)")
-        xs = [x if x.flags.c_contiguous else cupy.ascontiguousarray(x) for x in inputs]
-        if out is None:
-            out = cupy.empty(out_shape, dtype=inputs[0].dtype)
-        elif not (isinstance(out, cupy.ndarray) and tuple(out.shape) == tuple(out_shape)
-                  and str(out.dtype) == dtype and out.flags.c_contiguous and out.device.id == kernel.device_id):
-            raise ValueError(f"out must be a C-contiguous {dtype} cupy array of shape {tuple(out_shape)}")
-        kernel.run("cupy", xs, out, cupy.cuda.get_current_stream().ptr)
-        return out
-    if kind == "numpy":
-        import cupy
 
-        if dtype == "bfloat16":
-            raise TypeError("numpy has no bfloat16 dtype: pass torch.bfloat16 tensors to a bfloat16 module")
-        ndt = np.dtype(dtype)
-        with cupy.cuda.Device(kernel.device_id):
-            xs = [cupy.asarray(np.ascontiguousarray(x, dtype=ndt)) for x in inputs]
-            dout = cupy.empty(out_shape, dtype=ndt)
-            kernel.run("cupy", xs, dout, cupy.cuda.get_current_stream().ptr)
-            res = cupy.asnumpy(dout)
-        if out is not None:
-            if not (isinstance(out, np.ndarray) and out.shape == tuple(out_shape) and out.dtype == ndt):
-                raise ValueError(f"out must be a {dtype} numpy array of shape {tuple(out_shape)}")
-            out[...] = res
+def runner(kernel: CUDAKernel, adapter: ArrayAdapter, device: int | None, out_shape: tuple, dtype: str):
+    """The run step ``run(inputs, out) -> out`` of ``kernel`` for C-contiguous ``adapter`` arrays
+    of ``dtype`` on ``device`` (see :func:`placement`; ``out``: None or a checked buffer).
+
+    Device arrays stay where they are: the kernel runs on the framework's current stream, into
+    ``out`` or a new array, without synchronising and without other allocation.  Host arrays
+    (numpy, CPU torch) are copied to the kernel's device as ``adapter.device_adapter`` arrays and
+    the result back (synchronous)."""
+    if device is not None:
+        alloc, stream, run_kernel = adapter.allocator(out_shape, dtype, device), adapter.stream(device), kernel.run
+
+        def run(inputs, out):
+            if out is None:
+                out = alloc()
+            run_kernel(adapter, inputs, out, stream())
             return out
-        return res
-    raise TypeError(f"unsupported array kind {kind!r}")
+
+        return run
+    dev, index = adapter.device_adapter, kernel.device_id
+    alloc, stream = dev.allocator(out_shape, dtype, index), dev.stream(index)
+
+    def run_through_device(inputs, out):
+        res = alloc()
+        kernel.run(dev, [adapter.to_device(x, index) for x in inputs], res, stream())
+        res = adapter.to_host(res)
+        if out is None:
+            return res
+        out[...] = res
+        return out
+
+    return run_through_device
+
+
+def call(kernel: CUDAKernel, inputs: Sequence[Any], out=None, out_shape: tuple | None = None,
+         dtype: str | None = None) -> Any:
+    """Run ``kernel`` on numpy, torch or CuPy arrays (all of one framework) of the shapes and
+    dtype it was built for (not checked here: the module checks them), through the module's run
+    step (:func:`runner`).  ``out`` (checked) or ``out_shape`` gives the output's shape; ``dtype``
+    (default: the kernel's ``meta["dtype"]``, else float32) is that of the inputs and the result
+    (kernels accumulate in fp32 and round the result once)."""
+    adapter = adapter_for(inputs[0])
+    if adapter is None or any(adapter_for(x) is not adapter for x in inputs):
+        raise TypeError(f"inputs must all be numpy arrays, torch tensors or cupy arrays of one kind, got "
+                        f"{[type(x).__name__ for x in inputs]}")
+    out_shape = tuple(out.shape if out_shape is None else out_shape)
+    dtype = dtype or kernel.meta.get("dtype", "float32")
+    if dtype not in adapter.dtypes:
+        raise TypeError(f"{adapter.name} has no {dtype} dtype: pass torch.{dtype} tensors")
+    device = placement(kernel, adapter, inputs)
+    if out is not None:
+        adapter.check_out(out, out_shape, dtype, device)
+    return runner(kernel, adapter, device, out_shape, dtype)([adapter.contiguous(x) for x in inputs], out)
 
 
 def current_device() -> int:

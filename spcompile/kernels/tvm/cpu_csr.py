@@ -80,12 +80,45 @@ def _spmm_func(K: int, reduce: str, k_tile: int, tile_order: str, idx: str, para
     # size-1 buffers become TIR scalars that do not survive the parallel lowering: keep >= 2
     AW, RW = max(KT, 2), max(REM, 2)
     SUM = reduce in ("sum", "mean")
-    MAX = reduce == "max"
-    MEAN = reduce == "mean"
-    init = 0.0 if SUM else (-math.inf if MAX else math.inf)
+    init = 0.0 if SUM else (-math.inf if reduce == "max" else math.inf)
     ROW_ORDER = tile_order == "row"
     PF = int(prefetch)
     PFL = (KT + 15) // 16  # cache lines (16 floats) of one K slice
+
+    def combine(acc, v):
+        """One step of the reduction."""
+        if SUM:
+            return acc + v
+        return T.max(acc, v) if reduce == "max" else T.min(acc, v)
+
+    def finish(acc, lo, hi):
+        """A row's result from its accumulator (mean: divided by the row's length; an empty row
+        gives 0 for every reduction)."""
+        if reduce == "mean":
+            return acc / T.Cast("float32", T.max(hi - lo, 1))
+        if SUM:
+            return acc
+        return T.Select(hi == lo, T.float32(0), acc)
+
+    @T.macro
+    def row_slice(indptr, indices, data, rows, nnz, X, Y, i, acc, width, base, pf):
+        # row i, columns base .. base + width of K: reduce its nonzeros into acc, write Y
+        lo = T.meta_var(T.Cast("int32", indptr[i]))
+        hi = T.meta_var(T.Cast("int32", indptr[i + 1]))
+        for k in T.vectorized(width):
+            acc[k] = T.float32(init)
+        for j in T.serial(lo, hi):
+            col = T.meta_var(T.Cast("int64", indices[j]))
+            if pf > 0:
+                # X rows of the nonzero pf ahead (rows of a task are contiguous in indices, so
+                # this runs into the next rows too)
+                pcol = T.meta_var(T.Cast("int64", indices[T.min(j + pf, nnz - 1)]))
+                for q in T.serial(PFL):
+                    T.evaluate(T.call_intrin("void", "tirx.prefetch", T.address_of(X[pcol, base + q * 16]), 0, 3, 1))
+            for k in T.vectorized(width):
+                acc[k] = combine(acc[k], data[j] * X[col, base + k])
+        for k in T.vectorized(width):
+            Y[T.Cast("int64", rows[i]), base + k] = finish(acc[k], lo, hi)
 
     @T.prim_func
     def spmm(a_bounds: T.handle, a_indptr: T.handle, a_indices: T.handle, a_data: T.handle,
@@ -105,113 +138,21 @@ def _spmm_func(K: int, reduce: str, k_tile: int, tile_order: str, idx: str, para
         for task in LOOP(nb - 1):
             acc = T.alloc_buffer((AW,), "float32", scope="global")
             racc = T.alloc_buffer((RW,), "float32", scope="global")
+            first = T.meta_var(T.Cast("int32", bounds[task]))
+            count = T.meta_var(T.Cast("int32", bounds[task + 1]) - T.Cast("int32", bounds[task]))
             if ROW_ORDER:
-                for r in T.serial(T.Cast("int32", bounds[task + 1]) - T.Cast("int32", bounds[task])):
-                    i = T.meta_var(T.Cast("int32", bounds[task]) + r)
-                    lo = T.meta_var(T.Cast("int32", indptr[i]))
-                    hi = T.meta_var(T.Cast("int32", indptr[i + 1]))
-                    orow = T.meta_var(T.Cast("int64", rows[i]))
+                for r in T.serial(count):
                     for t in T.serial(NT):
-                        for k in T.vectorized(KT):
-                            acc[k] = T.float32(init)
-                        for j in T.serial(lo, hi):
-                            col = T.meta_var(T.Cast("int64", indices[j]))
-                            if PF > 0:
-                                # X rows of the nonzero PF ahead (rows of a task are contiguous in
-                                # indices, so this runs into the next rows too)
-                                pcol = T.meta_var(T.Cast("int64", indices[T.min(j + PF, nnz - 1)]))
-                                for q in T.serial(PFL):
-                                    T.evaluate(T.call_intrin("void", "tirx.prefetch",
-                                                             T.address_of(X[pcol, t * KT + q * 16]), 0, 3, 1))
-                            for k in T.vectorized(KT):
-                                if SUM:
-                                    acc[k] = acc[k] + data[j] * X[col, t * KT + k]
-                                elif MAX:
-                                    acc[k] = T.max(acc[k], data[j] * X[col, t * KT + k])
-                                else:
-                                    acc[k] = T.min(acc[k], data[j] * X[col, t * KT + k])
-                        for k in T.vectorized(KT):
-                            if MEAN:
-                                Y[orow, t * KT + k] = acc[k] / T.Cast("float32", T.max(hi - lo, 1))
-                            elif SUM:
-                                Y[orow, t * KT + k] = acc[k]
-                            else:
-                                Y[orow, t * KT + k] = T.Select(hi == lo, T.float32(0), acc[k])
+                        row_slice(indptr, indices, data, rows, nnz, X, Y, first + r, acc, KT, t * KT, PF)
                     if REM > 0:
-                        for k in T.vectorized(REM):
-                            racc[k] = T.float32(init)
-                        for j in T.serial(lo, hi):
-                            col = T.meta_var(T.Cast("int64", indices[j]))
-                            for k in T.vectorized(REM):
-                                if SUM:
-                                    racc[k] = racc[k] + data[j] * X[col, NT * KT + k]
-                                elif MAX:
-                                    racc[k] = T.max(racc[k], data[j] * X[col, NT * KT + k])
-                                else:
-                                    racc[k] = T.min(racc[k], data[j] * X[col, NT * KT + k])
-                        for k in T.vectorized(REM):
-                            if MEAN:
-                                Y[orow, NT * KT + k] = racc[k] / T.Cast("float32", T.max(hi - lo, 1))
-                            elif SUM:
-                                Y[orow, NT * KT + k] = racc[k]
-                            else:
-                                Y[orow, NT * KT + k] = T.Select(hi == lo, T.float32(0), racc[k])
+                        row_slice(indptr, indices, data, rows, nnz, X, Y, first + r, racc, REM, NT * KT, 0)
             else:
                 for t in T.serial(NT):
-                    for r in T.serial(T.Cast("int32", bounds[task + 1]) - T.Cast("int32", bounds[task])):
-                        i = T.meta_var(T.Cast("int32", bounds[task]) + r)
-                        lo = T.meta_var(T.Cast("int32", indptr[i]))
-                        hi = T.meta_var(T.Cast("int32", indptr[i + 1]))
-                        orow = T.meta_var(T.Cast("int64", rows[i]))
-                        for k in T.vectorized(KT):
-                            acc[k] = T.float32(init)
-                        for j in T.serial(lo, hi):
-                            col = T.meta_var(T.Cast("int64", indices[j]))
-                            if PF > 0:
-                                # X rows of the nonzero PF ahead (rows of a task are contiguous in
-                                # indices, so this runs into the next rows too)
-                                pcol = T.meta_var(T.Cast("int64", indices[T.min(j + PF, nnz - 1)]))
-                                for q in T.serial(PFL):
-                                    T.evaluate(T.call_intrin("void", "tirx.prefetch",
-                                                             T.address_of(X[pcol, t * KT + q * 16]), 0, 3, 1))
-                            for k in T.vectorized(KT):
-                                if SUM:
-                                    acc[k] = acc[k] + data[j] * X[col, t * KT + k]
-                                elif MAX:
-                                    acc[k] = T.max(acc[k], data[j] * X[col, t * KT + k])
-                                else:
-                                    acc[k] = T.min(acc[k], data[j] * X[col, t * KT + k])
-                        for k in T.vectorized(KT):
-                            if MEAN:
-                                Y[orow, t * KT + k] = acc[k] / T.Cast("float32", T.max(hi - lo, 1))
-                            elif SUM:
-                                Y[orow, t * KT + k] = acc[k]
-                            else:
-                                Y[orow, t * KT + k] = T.Select(hi == lo, T.float32(0), acc[k])
+                    for r in T.serial(count):
+                        row_slice(indptr, indices, data, rows, nnz, X, Y, first + r, acc, KT, t * KT, PF)
                 if REM > 0:
-                    for r in T.serial(T.Cast("int32", bounds[task + 1]) - T.Cast("int32", bounds[task])):
-                        i = T.meta_var(T.Cast("int32", bounds[task]) + r)
-                        lo = T.meta_var(T.Cast("int32", indptr[i]))
-                        hi = T.meta_var(T.Cast("int32", indptr[i + 1]))
-                        orow = T.meta_var(T.Cast("int64", rows[i]))
-                        for k in T.vectorized(REM):
-                            racc[k] = T.float32(init)
-                        for j in T.serial(lo, hi):
-                            col = T.meta_var(T.Cast("int64", indices[j]))
-                            for k in T.vectorized(REM):
-                                if SUM:
-                                    racc[k] = racc[k] + data[j] * X[col, NT * KT + k]
-                                elif MAX:
-                                    racc[k] = T.max(racc[k], data[j] * X[col, NT * KT + k])
-                                else:
-                                    racc[k] = T.min(racc[k], data[j] * X[col, NT * KT + k])
-                        for k in T.vectorized(REM):
-                            if MEAN:
-                                Y[orow, NT * KT + k] = racc[k] / T.Cast("float32", T.max(hi - lo, 1))
-                            elif SUM:
-                                Y[orow, NT * KT + k] = racc[k]
-                            else:
-                                Y[orow, NT * KT + k] = T.Select(hi == lo, T.float32(0), racc[k])
+                    for r in T.serial(count):
+                        row_slice(indptr, indices, data, rows, nnz, X, Y, first + r, racc, REM, NT * KT, 0)
 
     return spmm
 
@@ -231,8 +172,16 @@ def _sddmm_func(K: int, k_tile: int, idx: str, parallel: bool = True):
     TAIL = w  # lanes left after halving, summed one by one
     if len(halves) > 8:
         raise ValueError(f"SDDMM k_tile {KT} too wide (at most 256 lanes)")
-    H0, H1, H2, H3, H4, H5, H6, H7 = halves + [0] * (8 - len(halves))
     AW = max(KT, 2)  # size-1 buffers become TIR scalars that do not survive the parallel lowering
+
+    @T.macro
+    def halve(acc, width, again):
+        # acc[:width // 2] += acc[width // 2:width], then the same on the first half, while the
+        # width is even (a macro cannot name itself: it gets itself as ``again``)
+        if width % 2 == 0 and width > 1:
+            for k in T.vectorized(width // 2):
+                acc[k] = acc[k] + acc[k + width // 2]
+            again(acc, width // 2, again)
 
     @T.prim_func
     def sddmm(a_bounds: T.handle, a_indptr: T.handle, a_indices: T.handle, a_data: T.handle,
@@ -265,30 +214,7 @@ def _sddmm_func(K: int, k_tile: int, idx: str, parallel: bool = True):
                     for t in T.serial(NT):
                         for k in T.vectorized(KT):
                             acc[k] = acc[k] + X[orow, t * KT + k] * Y[col, t * KT + k]
-                    if H0 > 0:
-                        for k in T.vectorized(H0):
-                            acc[k] = acc[k] + acc[k + H0]
-                    if H1 > 0:
-                        for k in T.vectorized(H1):
-                            acc[k] = acc[k] + acc[k + H1]
-                    if H2 > 0:
-                        for k in T.vectorized(H2):
-                            acc[k] = acc[k] + acc[k + H2]
-                    if H3 > 0:
-                        for k in T.vectorized(H3):
-                            acc[k] = acc[k] + acc[k + H3]
-                    if H4 > 0:
-                        for k in T.vectorized(H4):
-                            acc[k] = acc[k] + acc[k + H4]
-                    if H5 > 0:
-                        for k in T.vectorized(H5):
-                            acc[k] = acc[k] + acc[k + H5]
-                    if H6 > 0:
-                        for k in T.vectorized(H6):
-                            acc[k] = acc[k] + acc[k + H6]
-                    if H7 > 0:
-                        for k in T.vectorized(H7):
-                            acc[k] = acc[k] + acc[k + H7]
+                    halve(acc, KT, halve)
                     s[0] = T.float32(0)
                     for k in T.serial(REM):
                         s[0] = s[0] + X[orow, NT * KT + k] * Y[col, NT * KT + k]
@@ -330,12 +256,10 @@ class _CPUTemplate(Template):
 
     def available(self) -> bool:
         try:
-            import tvm  # noqa: F401
             from tvm.target import codegen
-
-            return codegen.llvm_version_major() > 0
-        except Exception:
+        except ImportError:  # a machine that only runs saved CUDA modules
             return False
+        return (codegen.llvm_version_major(allow_none=True) or 0) > 0
 
     def _task_space(self):
         from optuna.distributions import CategoricalDistribution

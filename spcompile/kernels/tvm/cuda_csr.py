@@ -30,6 +30,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from ..._version import tvm_version
+from ...core.formats import INT32_MAX
 from ...core.ir import SparseModule
 from ...runtime import cuda as rt
 from ..base import Kernel, Template, csr_kernel_arrays, register_template
@@ -37,8 +39,6 @@ from ..base import Kernel, Template, csr_kernel_arrays, register_template
 __all__ = ["CudaSpMM", "CudaSDDMM", "spmm_primfunc", "sddmm_primfunc", "cuda_source", "compile_source"]
 
 _REDUCE_CODE = {"sum": 0, "mean": 0, "max": 1, "min": 2}
-_DEFAULT_ARCH = 90
-_INT32_MAX = np.iinfo(np.int32).max
 
 
 def _chunks(K: int, tx: int, vec: int) -> int:
@@ -210,7 +210,7 @@ def sddmm_primfunc(K: int, rows_per_block: int, threads_k: int, vec: int, idx: s
 _SIG = re.compile(r'extern "C" __global__ void (?:__launch_bounds__\((\d+)\) )?(\w+)\(([^)]*)\)\s*\{')
 
 
-def cuda_source(funcs: Mapping[str, Any], arch: int = _DEFAULT_ARCH) -> tuple[str, dict[str, dict]]:
+def cuda_source(funcs: Mapping[str, Any], arch: int = rt.DEFAULT_ARCH) -> tuple[str, dict[str, dict]]:
     """Lower PrimFuncs (``{global symbol: func}``) with TVM's CUDA codegen.  Returns the CUDA
     source and, per function, its kernel's name, parameter names (in order) and launch bound."""
     import tvm
@@ -242,10 +242,9 @@ def compile_source(src: str, arch: int, name: str) -> str:
 def _tvm_cuda_codegen() -> bool:
     try:
         import tvm
-
-        return tvm.get_global_func("target.build.cuda", allow_missing=True) is not None
-    except Exception:
+    except ImportError:  # a machine that only runs saved CUDA modules
         return False
+    return tvm.get_global_func("target.build.cuda", allow_missing=True) is not None
 
 
 # -- kernels ------------------------------------------------------------------------------------
@@ -330,7 +329,7 @@ class _TVMCudaTemplate(Template):
 
     def supports(self, mod: SparseModule) -> bool:
         A = mod.A
-        return super().supports(mod) and max(A.nnz, A.shape[0] + 1, A.shape[1]) < _INT32_MAX
+        return super().supports(mod) and max(A.nnz, A.shape[0] + 1, A.shape[1]) < INT32_MAX
 
     # -- parameters ----------------------------------------------------------------------------
     @staticmethod
@@ -372,11 +371,11 @@ class _TVMCudaTemplate(Template):
     def _dims(self, mod):
         raise NotImplementedError
 
-    def generate(self, mod: SparseModule, params, arch: int = _DEFAULT_ARCH) -> tuple[str, list[dict]]:
+    def generate(self, mod: SparseModule, params, arch: int = rt.DEFAULT_ARCH) -> tuple[str, list[dict]]:
         """TVM's CUDA source for ``params`` and the kernels in it (tuned variant, then vec=1)."""
         m, n = mod.A.shape
         idx = str(csr_kernel_arrays(mod)["indptr"].dtype) if mod.A.nnz or m else "int32"
-        wide = max(m, n, 1) * mod.op.K > _INT32_MAX
+        wide = max(m, n, 1) * mod.op.K > INT32_MAX
         funcs = {self.entry: self._func(mod, params, idx, wide)}
         if int(params["vec"]) > 1:  # fallback for inputs not aligned to vec * 4 bytes
             funcs[self.entry + "_v1"] = self._func(mod, {**params, "vec": 1}, idx, wide)
@@ -401,20 +400,11 @@ class _TVMCudaTemplate(Template):
         meta = {"kernels": kernels, "block": [int(params["threads_k"]), int(params["rows_per_block"]), 1],
                 "arch": arch, "vec": int(params["vec"]), "K": int(mod.op.K), "m": int(mod.A.shape[0]),
                 "scalars": scalars, "inputs": list(self.inputs), "output": self.output,
-                "array_order": list(self.array_order), "codegen": f"tvm {_tvm_version()}"}
+                "array_order": list(self.array_order), "codegen": f"tvm {tvm_version()}"}
         return _TVMCudaKernel(self.name, params, arrays, {"kernel.fatbin": binary, "kernel.cu": cu}, meta)
 
     def load(self, params, arrays, files, meta):
         return _TVMCudaKernel(self.name, params, arrays, files, meta)
-
-
-def _tvm_version() -> str:
-    try:
-        import tvm
-
-        return tvm.__version__
-    except Exception:
-        return "unknown"
 
 
 @register_template
