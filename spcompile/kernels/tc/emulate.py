@@ -50,7 +50,7 @@ def emulate_tc_spmm(arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any], X
     acc = np.zeros((nwin, 16, K))
     if nblk:
         np.add.at(acc, np.repeat(np.arange(nwin), np.diff(wbp)), tiles @ G)
-    Y = np.zeros((m, K))
+    Y = np.full((m, K), np.nan)            # rows no window covers stay NaN
     Y[np.asarray(arrays["row_ids"], dtype=np.int64)] = acc.reshape(-1, K)[:m]
     return Y
 
@@ -59,7 +59,7 @@ def _frag_values(afrag: np.ndarray, precision: str, nsteps: int) -> np.ndarray:
     a = np.asarray(afrag)
     if precision == "bf16":
         a = numerics.bf16_from_bits(a)
-    return a.astype(np.float64).reshape(nsteps, 32, -1)
+    return a.astype(np.float64).reshape(nsteps, 32, 4 if precision == "tf32" else 8)
 
 
 def emulate_mma_spmm(arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any], X: np.ndarray,
@@ -134,24 +134,47 @@ def emulate_mma_spmm(arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any], 
     return Y if dtype == "float32" else round_to(Y, dtype)
 
 
+def _sddmm_features(precision: str, ti: int, Kp: int):
+    """The feature index of each k index (0..KS-1) of every MMA k-step of the SDDMM kernel, in
+    order.  fp32 X / Y: lane (g, t) loads float4 q of a 32-feature chunk at features
+    kc + 16 q + 4 t + (0..3); tf32 k = t <-> q = 0 element j, k = t + 4 <-> q = 1 element j (4
+    steps); fp16 / bf16 k = 2t + e <-> q = 0 element 2j + e, k = 2t + 8 + e <-> q = 1 (2 steps).
+    16-bit X / Y: 8 values per lane of a 64-feature chunk, k = 2t + e <-> kc + 8t + 2j + e,
+    k = 2t + 8 + e <-> kc + 32 + 8t + 2j + e (4 steps)."""
+    t = np.arange(4)
+    for kc in range(0, Kp, 64 if ti else 32):
+        if ti:
+            for j in range(4):
+                lo = (kc + 8 * t[:, None] + 2 * j + np.arange(2)).ravel()
+                yield np.concatenate([lo, lo + 32])
+        elif precision == "tf32":
+            for j in range(4):
+                yield np.concatenate([kc + 4 * t + j, kc + 16 + 4 * t + j])
+        else:
+            for j in range(2):
+                lo = (kc + 4 * t[:, None] + 2 * j + np.arange(2)).ravel()
+                yield np.concatenate([lo, lo + 16])
+
+
 def emulate_tc_sddmm(arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any], X: np.ndarray,
                      Y: np.ndarray) -> np.ndarray:
     """What the SDDMM kernel computes (float64), lane by lane: A / B fragments built from the
-    vectors each lane loads under the kernel's k-index mapping (fp32: float4s, 32-feature chunks;
-    16-bit ``meta["dtype"]``: 8 values, 64-feature chunks), C scattered through the PTX C layout
-    into the 16 x BW block, then each stored nonzero's value times its block entry (rounded once
-    to a 16-bit output type).  For 16-bit workloads X / Y hold the 16-bit values."""
+    vectors each lane loads under the kernel's k-index mapping (:func:`_sddmm_features`; fp32:
+    float4s, 32-feature chunks; 16-bit ``meta["dtype"]``: 8 values, 64-feature chunks), C
+    scattered through the PTX C layout into the 16 x BW block, then each stored nonzero's value
+    times its block entry (rounded once to a 16-bit output type), in the caller's nonzero order
+    (outputs no block writes stay NaN).  For 16-bit workloads X / Y hold the 16-bit values."""
     m, BW, prec, nnz = int(meta["m"]), int(meta["BW"]), str(meta["precision"]), int(meta["nnz"])
     dtype = str(meta.get("dtype", "float32"))
-    if input_type(dtype, prec):
-        return _emulate_tc_sddmm16(arrays, meta, X, Y)
+    ti = input_type(dtype, prec)
     X, Y = np.asarray(X, dtype=np.float64), np.asarray(Y, dtype=np.float64)
     K = X.shape[1]
     win = np.asarray(arrays["blk_win"], dtype=np.int64)
     nblk = win.size
     cols = np.asarray(arrays["blk_cols"], dtype=np.int64).reshape(nblk, BW)
     row_ids = np.asarray(arrays["row_ids"], dtype=np.int64)
-    Kp = -(-K // 32) * 32
+    chunk = 64 if ti else 32
+    Kp = -(-K // chunk) * chunk
     Xp = np.zeros((m + 1, Kp))
     Xp[:m, :K] = X[row_ids]                  # by current row; row m = zeros (rows beyond m)
     Yp = np.zeros((Y.shape[0] + 1, Kp))
@@ -162,75 +185,19 @@ def emulate_tc_sddmm(arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any], 
     ar, ac = a_frag_layout(prec)              # A (16 x KS): rows = window rows, k = features
     brow = b_frag_rows(prec)
     C = np.zeros((nblk, 16, BW))
-    for kc in range(0, Kp, 32):
-        # lane (g, t): float4 q at features kc + 16q + 4t + (0..3)
-        f = kc + 16 * np.arange(2)[:, None, None] + 4 * _T[None, :, None] + np.arange(4)[None, None, :]  # (2, 32, 4)
-        steps = range(4) if prec == "tf32" else range(2)
-        for j in steps:
-            # feature of k index k for this step: tf32 k = t (q=0, el j), t+4 (q=1, el j);
-            # 16-bit k = 2t+e (q=0, el 2j+e), 2t+8+e (q=1, el 2j+e)
-            KS = 8 if prec == "tf32" else 16
-            feat = np.zeros(KS, dtype=np.int64)
-            for lane in range(4):
-                if prec == "tf32":
-                    feat[lane], feat[lane + 4] = f[0, lane, j], f[1, lane, j]
-                else:
-                    for e in range(2):
-                        feat[2 * lane + e], feat[2 * lane + 8 + e] = f[0, lane, 2 * j + e], f[1, lane, 2 * j + e]
-            # A register element i of lane l holds X[row ar][feat[ac]]; rebuild A through the layout
-            Aop = np.zeros((nblk, 16, KS))
-            Aop[:, ar, ac] = Xp[xr[:, ar], feat[ac]]
-            for n0 in range(0, BW, 8):
-                Bop = np.zeros((nblk, KS, 8))
-                for e in range(brow.shape[1]):
-                    Bop[:, brow[:, e], _G] = Yp[yc[:, n0 + _G], feat[brow[:, e]]]
-                C[:, :, n0:n0 + 8] += Aop @ Bop
+    for feat in _sddmm_features(prec, ti, Kp):
+        # A register element i of lane l holds X[row ar][feat[ac]]; rebuild A through the layout
+        Aop = np.zeros((nblk, 16, feat.size))
+        Aop[:, ar, ac] = Xp[xr[:, ar], feat[ac]]
+        for n0 in range(0, BW, 8):
+            Bop = np.zeros((nblk, feat.size, 8))
+            for e in range(brow.shape[1]):
+                Bop[:, brow[:, e], _G] = Yp[yc[:, n0 + _G], feat[brow[:, e]]]
+            C[:, :, n0:n0 + 8] += Aop @ Bop
     out = np.full(nnz, np.nan)
     ptr = np.asarray(arrays["nz_ptr"], dtype=np.int64)
     blk = np.repeat(np.arange(nblk), np.diff(ptr))
-    out[np.asarray(arrays["nz_out"], dtype=np.int64)] = (np.asarray(arrays["nz_val"], dtype=np.float64) *
-                                                         C.reshape(nblk, -1)[blk, arrays["nz_pos"].astype(np.int64)])
-    return out
-
-
-def _emulate_tc_sddmm16(arrays, meta, X, Y) -> np.ndarray:
-    m, BW, nnz, dtype = int(meta["m"]), int(meta["BW"]), int(meta["nnz"]), str(meta["dtype"])
-    X, Y = np.asarray(X, dtype=np.float64), np.asarray(Y, dtype=np.float64)
-    K = X.shape[1]
-    win = np.asarray(arrays["blk_win"], dtype=np.int64)
-    nblk = win.size
-    cols = np.asarray(arrays["blk_cols"], dtype=np.int64).reshape(nblk, BW)
-    row_ids = np.asarray(arrays["row_ids"], dtype=np.int64)
-    Kp = -(-K // 64) * 64
-    Xp = np.zeros((m + 1, Kp))
-    Xp[:m, :K] = X[row_ids]
-    Yp = np.zeros((Y.shape[0] + 1, Kp))
-    Yp[:-1, :K] = Y
-    rows = win[:, None] * 16 + np.arange(16)
-    xr = np.where(rows < m, rows, m)
-    yc = np.where(cols < 0, Y.shape[0], cols)
-    ar, ac = a_frag_layout("fp16")
-    brow = b_frag_rows("fp16")
-    C = np.zeros((nblk, 16, BW))
-    for kc in range(0, Kp, 64):
-        for j in range(4):
-            # k index 2t + e <-> feature kc + 8t + 2j + e (q = 0); 2t + 8 + e <-> kc + 32 + 8t + 2j + e
-            feat = np.zeros(16, dtype=np.int64)
-            for t in range(4):
-                for e in range(2):
-                    feat[2 * t + e] = kc + 8 * t + 2 * j + e
-                    feat[2 * t + 8 + e] = kc + 32 + 8 * t + 2 * j + e
-            Aop = np.zeros((nblk, 16, 16))
-            Aop[:, ar, ac] = Xp[xr[:, ar], feat[ac]]
-            for n0 in range(0, BW, 8):
-                Bop = np.zeros((nblk, 16, 8))
-                for e in range(brow.shape[1]):
-                    Bop[:, brow[:, e], _G] = Yp[yc[:, n0 + _G], feat[brow[:, e]]]
-                C[:, :, n0:n0 + 8] += Aop @ Bop
-    out = np.full(nnz, np.nan)
-    ptr = np.asarray(arrays["nz_ptr"], dtype=np.int64)
-    blk = np.repeat(np.arange(nblk), np.diff(ptr))
-    vals = (np.asarray(arrays["nz_val"], dtype=np.float32).astype(np.float64) *
-            C.reshape(nblk, -1)[blk, arrays["nz_pos"].astype(np.int64)])
-    out[np.asarray(arrays["nz_out"], dtype=np.int64)] = round_to(vals, dtype)
+    vals = (np.asarray(arrays["nz_val"], dtype=np.float64) *
+            C.reshape(nblk, 16 * BW)[blk, np.asarray(arrays["nz_pos"], dtype=np.int64)])
+    out[np.asarray(arrays["nz_out"], dtype=np.int64)] = round_to(vals, dtype) if ti else vals
     return out
