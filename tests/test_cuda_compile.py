@@ -107,7 +107,9 @@ def _ptx_entries(ptx: str) -> dict[str, list[int]]:
     ("csr.sddmm", [(8, 4, 2, "float32"), (16, 8, 1, "float16")]),
     ("sptc.vnm", [("fp16", 4, "float32")]),
     ("aspt.tiled", [(4, 2, 1, "sum", "tasks"), (2, 1, 1, "max", "panel", 2)]),
-    ("tc.wmma_sgt_sddmm", [("tf32", 8, 2, 4, 0)]),
+    ("tc.wmma_sgt_sddmm", [("tf32", 8, 2, 4, 0), ("bf16", 16, 1, 8, 1)]),
+    ("tc.wmma_sgt", [("tf32", 16, 2, 0, 4), ("fp16", 16, 1, 1, 8, 1),                       # impl "wmma"
+                     ("tf32", 8, 1, 1, 4, 0, "mma", 2, 2), ("bf16", 16, 1, 1, 8, 1, "mma", 2, 1)]),
 ])
 def test_parsed_signatures_match_the_compiled_entries(tmp_path, name, instances):
     """The parameter list LaunchPlan reads from the rendered source has the order and sizes of

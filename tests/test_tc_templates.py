@@ -67,7 +67,8 @@ def test_registered_with_pipelines():
 @pytest.mark.parametrize("dense_a", [0, 1])
 @pytest.mark.parametrize("reorder", [None, "reorder.rcm", "reorder.degree"])
 def test_tc_packing_emulation(name, prec, shape, dense_a, reorder):
-    from spcompile.kernels.tc.template import emulate_tc_spmm, tc_arrays
+    from spcompile.kernels.tc.emulate import emulate_tc_spmm
+    from spcompile.kernels.tc.packer import tc_arrays
     from spcompile.passes.base import list_passes
 
     if reorder and reorder not in list_passes():
@@ -103,7 +104,8 @@ def test_aspt_packing_emulation(name, pipe, reduce):
 
 
 def test_tc_mean_scaling_and_empty():
-    from spcompile.kernels.tc.template import emulate_tc_spmm, tc_arrays
+    from spcompile.kernels.tc.emulate import emulate_tc_spmm
+    from spcompile.kernels.tc.packer import tc_arrays
 
     A = MATRICES["random"]()
     mod = _mod(A, 5, "mean", pipeline=[("tile.sgt", {"shape": "tf32"})])
@@ -119,7 +121,8 @@ def test_tc_mean_scaling_and_empty():
 def test_mma_packing_emulation(name, prec, shape, max_blocks, K, reorder):
     """impl "mma": fragment packing, permuted column ids, lane column mapping, work items and the
     in-order combination of split windows reproduce A @ X (lane-level emulation)."""
-    from spcompile.kernels.tc.template import emulate_mma_spmm, mma_arrays
+    from spcompile.kernels.tc.emulate import emulate_mma_spmm
+    from spcompile.kernels.tc.packer import mma_arrays
     from spcompile.passes.base import list_passes
 
     if reorder and reorder not in list_passes():
@@ -139,7 +142,7 @@ def test_mma_packing_emulation(name, prec, shape, max_blocks, K, reorder):
 
 
 def test_split_windows_balanced():
-    from spcompile.kernels.tc.template import split_windows
+    from spcompile.kernels.tc.packer import split_windows
 
     wbp = np.array([0, 0, 100, 103, 103, 135])
     r = split_windows(wbp, 32)
@@ -172,7 +175,8 @@ def test_mma_packing_emulation_16bit(name, dtype, prec, max_blocks, K, pipe):
     """impl "mma" with 16-bit X: the 8-values-per-lane column mapping (64 columns per group), the
     byte-permuted B pairs, the C layout, fp32 partials and one rounding of Y reproduce A @ X."""
     from spcompile.passes.recipes import WINDOW_REUSE
-    from spcompile.kernels.tc.template import emulate_mma_spmm, mma_arrays, round_to
+    from spcompile.kernels.tc.emulate import emulate_mma_spmm, round_to
+    from spcompile.kernels.tc.packer import mma_arrays
 
     A = MATRICES[name]()
     pre = list(WINDOW_REUSE) if pipe == "reuse" else list(pipe)
@@ -190,7 +194,8 @@ def test_mma_packing_emulation_16bit(name, dtype, prec, max_blocks, K, pipe):
 @pytest.mark.parametrize("dense_a", [0, 1])
 def test_tc_packing_emulation_16bit(dtype, prec, dense_a):
     """impl "wmma" with 16-bit X (staged as loaded): the uploaded tiles reproduce A @ X."""
-    from spcompile.kernels.tc.template import emulate_tc_spmm, round_to, tc_arrays
+    from spcompile.kernels.tc.emulate import emulate_tc_spmm, round_to
+    from spcompile.kernels.tc.packer import tc_arrays
 
     A = MATRICES["random"]()
     mod = _mod(A, 24, "mean", pipeline=[("tile.sgt", {"shape": "fp16"})], dtype=dtype)
@@ -207,7 +212,8 @@ def test_sddmm_packing_emulation_16bit(name, dtype, prec, K):
     """tc.wmma_sgt_sddmm with 16-bit X / Y: 64-feature chunks, words of the loaded vectors used as
     MMA operands, one rounding of each output, in the caller's nonzero order (after reordering)."""
     from spcompile.passes.recipes import WINDOW_REUSE
-    from spcompile.kernels.tc.template import emulate_tc_sddmm, round_to, sddmm_arrays
+    from spcompile.kernels.tc.emulate import emulate_tc_sddmm, round_to
+    from spcompile.kernels.tc.packer import sddmm_arrays
     from spcompile.core.formats import as_csr
 
     A = MATRICES[name]()
@@ -226,7 +232,7 @@ def test_sddmm_packing_emulation_16bit(name, dtype, prec, K):
 def test_16bit_precision_policy(dtype, prec):
     """A 16-bit workload is offered (space, defaults, seeds) only its own precision and only 16-wide
     SGT pipelines; build() refuses another precision with a clear error."""
-    from spcompile.kernels.tc.template import input_type
+    from spcompile.kernels.tc.packer import input_type
 
     A = MATRICES["clustered"]()
     for tname, op in (("tc.wmma_sgt", "spmm"), ("tc.wmma_sgt_sddmm", "sddmm")):
@@ -259,7 +265,8 @@ def test_window_reuse_pipeline():
     """rcm -> cluster.lsh(16-row clusters) -> tile.sgt builds for both templates, keeps A @ X exact
     (emulated) and does not add SGT blocks on clustered input."""
     from spcompile.passes.recipes import WINDOW_REUSE
-    from spcompile.kernels.tc.template import emulate_mma_spmm, mma_arrays
+    from spcompile.kernels.tc.emulate import emulate_mma_spmm
+    from spcompile.kernels.tc.packer import mma_arrays
 
     A = MATRICES["clustered"]()
     rng = np.random.default_rng(8)
@@ -287,7 +294,8 @@ def test_window_reuse_pipeline():
 def test_sddmm_packing_emulation(name, prec, shape, K, reorder):
     """tc.wmma_sgt_sddmm: block windows / columns, the k-index mapping of the lanes' float4 loads,
     the C layout and the caller's nonzero order reproduce the float64 SDDMM (emulated in float64)."""
-    from spcompile.kernels.tc.template import emulate_tc_sddmm, sddmm_arrays
+    from spcompile.kernels.tc.emulate import emulate_tc_sddmm
+    from spcompile.kernels.tc.packer import sddmm_arrays
     from spcompile.core.formats import as_csr
     from spcompile.passes.base import list_passes
 

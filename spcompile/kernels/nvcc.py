@@ -200,8 +200,13 @@ class NvccTemplate(Template):
     def render(self, instances: list[tuple[str, tuple]]) -> str:
         """The template source plus one extern "C" wrapper per ``(name, template args)``."""
         lines = [self.source_text(), ""]
-        lines += [f"{self.instance_macro}({n}, {', '.join(str(int(a)) for a in args)})" for n, args in instances]
+        lines += [f"{self.instance_macro_of(n)}({n}, {', '.join(str(int(a)) for a in args)})" for n, args in instances]
         return "\n".join(lines) + "\n"
+
+    def instance_macro_of(self, name: str) -> str:
+        """The macro that defines instance ``name``: ``instance_macro``, unless the family's source
+        has several entry-point macros (it then picks one by the instance's name)."""
+        return self.instance_macro
 
     def compile(self, instances, arch: int | None = None, name: str = "") -> str:
         return rt.compile_cuda(self.render(instances), arch=arch, name=name or self.name.replace(".", "_"))
