@@ -219,12 +219,12 @@ def test_sddmm_plan_arguments_follow_the_signature(dtype, K):
     assert k.workspaces() == {}
 
 
-class _Recorder:
-    def __init__(self):
-        self.calls = []
-
-    def __call__(self, ptrs, stream):
-        self.calls.append((tuple(ptrs), stream))
+def _recorder():
+    """A stand-in launch plan that records the pointers and stream of each call."""
+    def plan(ptrs, stream):
+        plan.calls.append((tuple(ptrs), stream))
+    plan.calls = []
+    return plan
 
 
 @pytest.mark.parametrize("dtype,elem", [("float32", 4), ("float16", 2)])
@@ -236,7 +236,7 @@ def test_each_call_chooses_aligned_or_fallback_launch(dtype, elem):
     for impl, y_needs_alignment in (("mma", True), ("wmma", False)):
         k = t.build(mod, {**t.default_params(mod), "impl": impl}, compile=False)
         assert k.meta["vec"] * elem == 16
-        main, fb = _Recorder(), _Recorder()
+        main, fb = _recorder(), _recorder()
         k.use_plans([main, fb])
         k.launch((base,), base + 4096, 9)
         k.launch((base + 4 * elem,), base, 9)        # X one 4-element step off a 16-byte vector (fp16)
@@ -248,7 +248,7 @@ def test_each_call_chooses_aligned_or_fallback_launch(dtype, elem):
     s = get_template("tc.wmma_sgt_sddmm")
     smod = _mod(A, "sddmm", 64, None, dtype, "sddmm")
     sk = s.build(smod, s.default_params(smod), compile=False)
-    main, fb = _Recorder(), _Recorder()
+    main, fb = _recorder(), _recorder()
     sk.use_plans([main, fb])
     sk.launch((base, base), base + elem, 3)          # out needs no vector alignment
     sk.launch((base, base + elem), base, 3)
