@@ -1,7 +1,7 @@
 """Per-call dispatch cost of a CUDA module's call path, measured on a machine without a GPU.
 
 A compiled CUDA module's host work per call is: its checks, the output (``mod(X)``), the stream
-handle, the pointers and the launch.  ``benchmarks/call_overhead.py`` measures all of it on a GPU;
+handle, the pointers and the launch.  ``benchmarks/bench.py --call-overhead`` measures all of it on a GPU;
 this script measures everything but the launch itself, here: the module (a real
 :class:`~spcompile.module.CompiledModule` of a real workload) holds a CUDA kernel whose
 ``launch`` does nothing, and torch CPU tensors stand in for CUDA tensors through an adapter that
@@ -34,7 +34,7 @@ import scipy.sparse as sp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from call_overhead import per_call_us as _per_call_us  # noqa: E402
+from bench import _per_call_us  # noqa: E402
 from spcompile.compile import make_op  # noqa: E402
 from spcompile.core.config import Config  # noqa: E402
 from spcompile.module import CompiledModule  # noqa: E402

@@ -16,7 +16,7 @@ WINDOW_REUSE = ({"name": "reorder.rcm", "options": {}},
 #: rows of one ASpT panel (tall panels: more rows share a staged X row)
 ASPT_PANEL_HEIGHT = 256
 #: cluster.lsh round 1 in front of tile.aspt is skipped when the dense-tile ratio is already above
-#: this: LSH only pays where the dense part is small (measured on the H100, docs/aspt_benchmark.md),
+#: this: LSH only pays where the dense part is small (measured on the H100),
 #: and the skip keeps the pass cheap on large graphs whose panels are dense anyway (tu_collab,
 #: 24.5M entries: dense ratio 0.999, the ratio costs ~2 s, the clustering ~20 s)
 LSH_SKIP_DENSE_RATIO = 0.8

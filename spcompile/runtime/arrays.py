@@ -247,7 +247,7 @@ class _Torch(ArrayAdapter):
 
     def matcher(self, in_shapes, out_shape, dtype, device):
         # the generic check inlined (one Python frame per call, not one per tensor): torch CUDA
-        # tensors are the path whose per-call cost is measured (benchmarks/call_overhead.py)
+        # tensors are the path whose per-call cost is measured (benchmarks/bench.py --call-overhead)
         torch = sys.modules["torch"]
         T, dt, idx = torch.Tensor, getattr(torch, dtype), -1 if device is None else device
         shapes = tuple(torch.Size(s) for s in in_shapes)

@@ -163,7 +163,7 @@ class AsptTiled(NvccTemplate):
 
     def default_params(self, mod):
         # v3 ("tasks") stays the default: on the H100 v4 ("panel") won only on a few graphs
-        # (docs/aspt_benchmark.md); the panel seeds are offered beside it
+        # (H100, the retired aspt benchmark); the panel seeds are offered beside it
         return {"scheme": "tasks", "chunk": 128, "max_seg": 256, "max_ent": 1024, "vec": _largest_vec(mod.op.K, 4),
                 "cf": 1, "warps": 8, "rows_per_warp": 1, "nbuf": 1, "split": 2}
 

@@ -145,7 +145,7 @@ class SptcVnm(NvccTemplate):
 
     def seed_params(self, mod):
         d = self.default_params(mod)
-        # measured on the H100 (docs/sptc_benchmark.md): split 8 or 32 wins (32 on power-law graphs with
+        # measured on the H100 (the retired sptc benchmark): split 8 or 32 wins (32 on power-law graphs with
         # hub windows, 0 on small meshes); split 2 loses everywhere (too many atomics)
         seeds = [d, {**d, "split": 32}, {**d, "split": 0}, {**d, "slabs_per_warp": 8,
                                                             "warps_per_block": max(1, d["warps_per_block"] // 2)},
