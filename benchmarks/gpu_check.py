@@ -34,6 +34,7 @@ from spcompile.compile import build_from_config, make_op  # noqa: E402
 from spcompile.core.ir import SparseModule  # noqa: E402
 from spcompile.core.config import Config  # noqa: E402
 from spcompile.kernels import get_template  # noqa: E402
+from spcompile.kernels.base import unique_params  # noqa: E402
 
 KS = (1, 3, 32, 100, 128)
 REDUCES = ("sum", "max", "min", "mean")
@@ -71,13 +72,7 @@ def param_sets(tpl, mod):
     elif tpl.name == "csr.sddmm":
         sets.append({**tpl.default_params(mod), "k_chunks": 1, "group": 4})   # multi-tile path
         sets.append({**tpl.default_params(mod), "vec": 1, "k_chunks": 8, "group": 32})
-    out, seen = [], set()
-    for s in sets:
-        t = tuple(sorted(s.items()))
-        if t not in seen:
-            seen.add(t)
-            out.append(s)
-    return out
+    return unique_params(sets)
 
 
 def cases(quick: bool):
