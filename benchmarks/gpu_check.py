@@ -5,8 +5,10 @@ template's seeds plus every coarsening factor with split rows): random matrices 
 and one 10k-nonzero row, inputs as torch CUDA tensors, CuPy arrays and numpy arrays in turn, the
 output poisoned with NaN before every run, compared with the float64 reference.  Then 16-bit inputs
 (float16 / bfloat16, fp32 accumulation: every reduction, odd K and K=1, torch and CuPy arrays, at
-the fp16/bf16 tolerance against the float64 reference of the rounded inputs), the smallest graphs of
-the graph folder, and save/load of a CUDA module.  (Per-call overhead: ``benchmarks/bench.py
+the fp16/bf16 tolerance against the float64 reference of the rounded inputs), the template families
+that run behind their own pipelines (tensor-core SGT, sparse tensor-core V:N:M, ASpT: defaults and seeds
+at every precision and dtype they take), the smallest graphs of the graph folder, and save/load of a
+CUDA module.  (Per-call overhead: ``benchmarks/bench.py
 --call-overhead``.)
 
     python benchmarks/gpu_check.py --out DIR            # full check, JSON log in DIR
@@ -272,6 +274,65 @@ def check_half(A, label, log, quick=False, templates=None, kinds=("torch", "cupy
     return fails
 
 
+#: the families that run behind their own pipelines (formats made by passes)
+FAMILY_TEMPLATES = ("tc.wmma_sgt", "tc.wmma_sgt_sddmm", "sptc.vnm", "aspt.tiled")
+
+
+def check_families(A, label, log, Ks=(1, 33, 64), seeds: int = 2):
+    """Every template of :data:`FAMILY_TEMPLATES` behind each of its own pipelines: its default
+    parameters and first ``seeds`` seed configurations at every precision it offers, for each K
+    and dtype it takes; torch inputs, output poisoned with NaN, checked against the float64
+    reference of the rounded inputs at max(tolerance(precision), tolerance(dtype))."""
+    import torch
+
+    from spcompile.passes import Pipeline
+
+    fails = 0
+    rng = np.random.default_rng(3)
+    for tname in FAMILY_TEMPLATES:
+        tpl = get_template(tname)
+        for (op, red) in tpl.ops[:1]:
+            for dt in tpl.dtypes:
+                for K in Ks:
+                    sop = make_op(A, op, K, red, dtype=dt)
+                    mod0 = SparseModule.from_op(sop)
+                    ins32 = [rng.standard_normal(s).astype(np.float32) for s in sop.input_shapes]
+                    tdt = getattr(torch, dt)
+                    xs = [torch.from_numpy(a).cuda().to(tdt) for a in ins32]
+                    ref = reference.run(op, red, sop.A, *[x.double().cpu().numpy() for x in xs])
+                    for pipe in tpl.pipelines(mod0):
+                        rec = {"matrix": label, "template": tname, "op": op, "reduce": red, "K": K, "dtype": dt,
+                               "pipeline": [s["name"] for s in pipe]}
+                        try:
+                            mod = Pipeline(pipe)(mod0)
+                            if not tpl.supports(mod):
+                                continue
+                            psets = unique_params([tpl.default_params(mod), *tpl.seed_params(mod)[:seeds]])
+                        except Exception as e:  # results are data
+                            rec.update(ok=False, error=f"{type(e).__name__}: {e}"[:500])
+                            log.append(rec)
+                            fails += 1
+                            continue
+                        for params in psets:
+                            r = dict(rec, params=params)
+                            try:
+                                cfg = tpl.make_config(params, pipe, "cuda")
+                                cm = build_from_config(sop, cfg, module=mod)
+                                out = torch.full(sop.output_shape, float("nan"), dtype=tdt, device="cuda")
+                                cm(*xs, out=out)
+                                torch.cuda.synchronize()
+                                err = reference.rel_error(out.double().cpu().numpy(), ref)
+                                tol = max(numerics.tolerance(cm.config.precision), numerics.tolerance(dt))
+                                r.update(rel_err=err, precision=cm.config.precision, ok=bool(err <= tol))
+                            except Exception as e:  # results are data
+                                r.update(ok=False, error=f"{type(e).__name__}: {e}"[:500])
+                            fails += not r["ok"]
+                            log.append(r)
+                            if not r["ok"]:
+                                print("FAIL", json.dumps(r, default=str), flush=True)
+    return fails
+
+
 def check_save_load(log):
     import torch
 
@@ -317,10 +378,13 @@ def main(argv=None):
         A = random_matrix(3, m=100, n=3000, density=0.01, long_row=2500)
         fails += check_matrix(A, "random-quick", True, log, kinds=("torch",))
         fails += check_half(A, "random-quick", log, quick=True, kinds=("torch",))
+        fails += check_families(random_matrix(4, m=200, n=300, density=0.02, long_row=250), "random-families", log,
+                                Ks=(1, 33), seeds=1)
     else:
         for seed in (0, 1):
             fails += check_matrix(random_matrix(seed), f"random{seed}", False, log)
         fails += check_half(random_matrix(2), "random2-16bit", log)
+        fails += check_families(random_matrix(4, m=600, n=900, density=0.01, long_row=800), "random-families", log)
         if a.graphs and os.path.isdir(a.data or common.default_graph_dir()):
             for name, path, _ in common.find_graphs(data_dir=a.data)[: a.graphs]:
                 fails += check_matrix(common.load_matrix(path), name, True, log, kinds=("torch",))
