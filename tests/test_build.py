@@ -254,3 +254,22 @@ def test_cora_with_reordering(module_cache, cora):
     check_result(mod(X), cora, "spmm", "mean", (X,))
     m = mod.pass_log[0]["metrics"]
     assert m["bandwidth_after"] < m["bandwidth_before"]  # RCM does narrow Cora's band
+
+
+def test_unknown_parameter_error_lists_the_template_parameters():
+    A = sp.random(30, 30, density=0.1, format="csr", random_state=0, dtype=np.float32)
+    with pytest.raises(ValueError, match=r"unknown parameter\(s\) \['rows_per_task'\].*parameters are \[.*'k_tile'"):
+        spcompile.build(A, "spmm", K=8, target="cpu", template="cpu.csr_spmm", params={"rows_per_task": 64})
+
+
+def test_cli_version_and_template_availability(capsys, no_cuda):
+    from spcompile.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"spcompile {spcompile.__version__}"
+    assert main(["templates"]) == 0
+    out = capsys.readouterr().out
+    lines = {ln.split()[0]: ln for ln in out.splitlines() if "target=" in ln}
+    assert "run=no" in lines["csr.crc_cwm"] and "run=yes" in lines["cpu.csr_spmm"]   # no GPU: CUDA can't run
+    assert "no usable CUDA GPU" in out

@@ -485,3 +485,32 @@ def test_timing_mode_is_recorded_and_kept_apart(db):
     # a study measured in one mode takes no trials measured in another
     with pytest.raises(ValueError, match="timing mode 'cold_l2'"):
         Tuner(op, "cpu", storage=db, runner=ModeRunner("autorange"), study_name=cold.study_name).run(trials=6)
+
+
+def test_tuning_from_python_prints_no_optuna_info(db):
+    """Optuna's INFO lines stay out of the caller's program; the caller's own verbosity wins."""
+    import logging
+
+    import optuna
+
+    seen: list[str] = []
+
+    class Rec(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    handler = Rec(level=logging.DEBUG)
+    lib = logging.getLogger("optuna")
+    lib.addHandler(handler)
+    before = optuna.logging.get_verbosity()
+    optuna.logging.set_verbosity(optuna.logging.INFO)          # Optuna's default
+    try:
+        Tuner(make_op(graph(), "spmm", 16), "cpu", storage=db, runner=FakeRunner(), seed=0).run(trials=3)
+        assert not [m for m in seen if "A new study created" in m or "finished with value" in m], seen
+        assert optuna.logging.get_verbosity() == optuna.logging.INFO        # restored
+        optuna.logging.set_verbosity(optuna.logging.DEBUG)                 # the caller asks for more
+        Tuner(make_op(graph(), "spmm", 8), "cpu", storage=db, runner=FakeRunner(), seed=0).run(trials=2)
+        assert any("A new study created" in m for m in seen)
+    finally:
+        optuna.logging.set_verbosity(before)
+        lib.removeHandler(handler)

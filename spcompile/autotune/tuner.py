@@ -30,6 +30,7 @@ stale and is failed by the survivors, which then run the missing trials.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -91,6 +92,24 @@ def objective_value(res: MeasureResult, objective: str, expected_calls: float | 
 
 
 _WAIT = "wait"
+
+
+@contextlib.contextmanager
+def quiet_optuna():
+    """Optuna's INFO lines (a study created, each trial finished) are the tuner's business, not the
+    caller's output: while spcompile tunes, Optuna logs warnings and errors only -- unless the caller
+    has set Optuna's verbosity to something other than its default."""
+    import optuna
+
+    level = optuna.logging.get_verbosity()
+    if level != optuna.logging.INFO:
+        yield
+        return
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    try:
+        yield
+    finally:
+        optuna.logging.set_verbosity(level)
 
 
 @dataclass(frozen=True)
@@ -294,7 +313,8 @@ class Tuner:
         self.study_name = study_name or (f"spcompile-{op.op}{red}-K{op.K}-{self.key.digest()[:16]}-"
                                          f"{self.target_digest[:12]}-{self._label()}-{self.space_digest}")
         self._storage = optuna_storage(self.storage_url, heartbeat_interval, grace_period)
-        self.study = self._create_study()
+        with quiet_optuna():
+            self.study = self._create_study()
 
     def _label(self) -> str:
         """The objective, the precision policy and a non-default timing mode, for the study name."""
@@ -448,6 +468,10 @@ class Tuner:
 
     def run(self, trials: int | None = None, timeout: float | None = None, *,
             stop: StopRule | None = None) -> TuneResult:
+        with quiet_optuna():
+            return self._run(trials, timeout, stop)
+
+    def _run(self, trials, timeout, stop) -> TuneResult:
         """Tune until the study has ``trials`` trials with a verdict or ``timeout`` seconds pass
         (or until ``stop``, a :class:`StopRule`, says so).  Ctrl-C stops cleanly: the trial in
         flight is marked failed ('interrupted') and what was measured stays in the study and the

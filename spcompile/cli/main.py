@@ -8,6 +8,7 @@ import time
 
 import numpy as np
 
+from .._version import __version__
 from ..api import build, load
 from ..autotune.measure import Timer, Timing
 from .common import load_matrix, power_law_graph
@@ -115,11 +116,21 @@ def cmd_passes(args) -> int:
 
 
 def cmd_templates(args) -> int:
+    """Each template: can it be *built* here (its toolchain: TVM, nvcc, torch) and can its modules
+    *run* here (a usable GPU for CUDA templates), its dtypes, its parameters with their defaults'
+    names, and its ops."""
     from ..kernels import list_templates
+    from ..runtime import cuda_available
 
+    gpu = cuda_available()
     for t in list_templates(args.target):
         ops = ", ".join(o + ("/" + r if r else "") for o, r in t.ops)
-        print(f"{t.name:22s} target={t.target:5s} available={str(t.available()):5s} ops: {ops}")
+        build = t.available()
+        run = build and (t.target == "cpu" or gpu)
+        print(f"{t.name:22s} target={t.target:5s} build={'yes' if build else 'no':3s} "
+              f"run={'yes' if run else 'no':3s} dtypes={','.join(t.dtypes)} ops: {ops}")
+    if args.target in (None, "cuda") and not gpu:
+        print("(no usable CUDA GPU here: CUDA modules can be built and saved, and run where a GPU is)")
     return 0
 
 
@@ -133,6 +144,7 @@ def cmd_info(args) -> int:
 
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="spcompile", description="Sparse compiler and autotuner for SpMM / SDDMM.")
+    p.add_argument("--version", action="version", version=f"spcompile {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
     b = sub.add_parser("build", help="compile a matrix into a module artifact")

@@ -90,10 +90,13 @@ class Template:
 
     def check_params(self, mod: SparseModule, params: Mapping[str, Any]) -> dict:
         """Defaults filled in; unknown names are an error."""
-        full = {**self.default_params(mod), **dict(params)}
-        unknown = set(full) - set(self.default_params(mod)) - set(self.space(mod))
+        defaults = self.default_params(mod)
+        full = {**defaults, **dict(params)}
+        known = set(defaults) | set(self.space(mod))
+        unknown = set(full) - known
         if unknown:
-            raise ValueError(f"template {self.name!r} got unknown parameter(s) {sorted(unknown)}")
+            raise ValueError(f"template {self.name!r} got unknown parameter(s) {sorted(unknown)}; its parameters "
+                             f"are {sorted(known)} (defaults here: {defaults})")
         return full
 
     def precision_of(self, params: Mapping[str, Any]) -> str:
