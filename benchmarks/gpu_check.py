@@ -208,13 +208,7 @@ def half_param_sets(tpl, mod):
         sets = [d, {**d, "vec": 8, "group": 4, "k_chunks": 1}, {**d, "vec": 1, "k_chunks": 4, "group": 32}]
     else:
         sets = [d]
-    out, seen = [], set()
-    for s_ in sets:
-        t = tuple(sorted(s_.items()))
-        if t not in seen:
-            seen.add(t)
-            out.append(s_)
-    return out
+    return unique_params(sets)
 
 
 def _to_kind(kind, a, dtype):
