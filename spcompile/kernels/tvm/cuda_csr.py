@@ -259,16 +259,15 @@ class _TVMCudaKernel(rt.CUDAKernel):
         import cupy
 
         self.device_id = cupy.cuda.runtime.getDevice()
-        path = self.files["kernel.fatbin"]
-        arch = int(self.meta["arch"])
-        if not rt.check_arch(arch, self.device_id):
-            # an artifact for another GPU generation: the saved CUDA source rebuilds without TVM
-            if not rt.nvcc_available() or "kernel.cu" not in self.files:
-                raise RuntimeError(f"kernel was built for sm_{arch} and cannot run on this GPU "
-                                   f"(sm_{rt.device_arch(self.device_id)}); rebuild the module here")
-            arch = rt.device_arch(self.device_id)
+
+        def rebuild(arch):   # an artifact for another GPU generation: the saved CUDA source, no TVM
             with open(self.files["kernel.cu"]) as f:
-                path = compile_source(f.read(), arch, self.template.replace(".", "_"))
+                return compile_source(f.read(), arch, self.template.replace(".", "_"))
+
+        built = int(self.meta["arch"])
+        path, arch = rt.binary_for_device(self.files["kernel.fatbin"], built, self.device_id,
+                                          rebuild if "kernel.cu" in self.files else None)
+        if arch != built:
             self.files = {**self.files, "kernel.fatbin": path}
             self.meta = {**self.meta, "arch": arch}
         return path
