@@ -211,11 +211,6 @@ class NvccTemplate(Template):
     def compile(self, instances, arch: int | None = None, name: str = "") -> str:
         return rt.compile_cuda(self.render(instances), arch=arch, name=name or self.name.replace(".", "_"))
 
-    def signatures(self, instances) -> list[rt.KernelSignature]:
-        """The entry point signature of each instance, read from the rendered source."""
-        src = self.render(instances)
-        return [rt.kernel_signature(src, n) for n, _ in instances]
-
 
 class NvccKernel(rt.CUDAKernel):
     """A kernel of an :class:`NvccTemplate`: its binary, host arrays and meta.  A family names
@@ -277,10 +272,6 @@ class NvccKernel(rt.CUDAKernel):
 
         self.device_id = cupy.cuda.runtime.getDevice()
         return rt.load_module(self._binary(self.device_id))
-
-    def _load_functions(self):
-        mod = self._load_module()
-        return [mod.get_function(n) for n, _ in self.meta["instances"]]
 
     def _upload(self, names):
         import cupy

@@ -657,12 +657,6 @@ def call(kernel: CUDAKernel, inputs: Sequence[Any], out=None, out_shape: tuple |
     return runner(kernel, adapter, device, out_shape, dtype)([adapter.contiguous(x) for x in inputs], out)
 
 
-def current_device() -> int:
-    import cupy
-
-    return cupy.cuda.runtime.getDevice()
-
-
 def check_arch(built_arch: int, device: int) -> bool:
     """Whether a binary with SASS + PTX for ``built_arch`` runs on ``device`` (same major, not
     older; a newer major runs the PTX through the driver's JIT)."""
@@ -682,7 +676,3 @@ def binary_for_device(path: str, built_arch: int, device: int, rebuild=None) -> 
         raise RuntimeError(f"kernel was built for sm_{built_arch} and cannot run on this GPU (sm_{arch}); "
                            f"rebuild the module here")
     return rebuild(arch), arch
-
-
-def meta_json(d: Mapping[str, Any]) -> dict:
-    return {k: (v.item() if isinstance(v, np.generic) else v) for k, v in d.items()}
