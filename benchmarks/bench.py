@@ -179,10 +179,6 @@ class Workload:
         self.ref = None
 
 
-def tolerance(config_precision: str, dtype: str) -> float:
-    return max(numerics.tolerance(config_precision), numerics.tolerance(dtype))
-
-
 # -------------------------------------------------------------------------------------------------
 # oracle candidates: the tuner's space, every seed
 # -------------------------------------------------------------------------------------------------
@@ -295,7 +291,7 @@ def _checked(w: Workload, name, mod, rec, dtype=None) -> Column:
     except Exception as e:
         rec.update(status="error", error="run: " + _err(e))
         return Column(name, rec)
-    tol = tolerance(mod.config.precision, dtype or w.dtype)
+    tol = numerics.result_tolerance(mod.config.precision, dtype or w.dtype)
     rec.update(rel_err=err, tol=tol)
     if not err <= tol:
         rec.update(status="wrong_result", error=f"relative error {err:.3g} > tolerance {tol:.1g}")

@@ -316,7 +316,7 @@ def check_families(A, label, log, Ks=(1, 33, 64), seeds: int = 2):
                                 cm(*xs, out=out)
                                 torch.cuda.synchronize()
                                 err = reference.rel_error(out.double().cpu().numpy(), ref)
-                                tol = max(numerics.tolerance(cm.config.precision), numerics.tolerance(dt))
+                                tol = numerics.result_tolerance(cm.config.precision, dt)
                                 r.update(rel_err=err, precision=cm.config.precision, ok=bool(err <= tol))
                             except Exception as e:  # results are data
                                 r.update(ok=False, error=f"{type(e).__name__}: {e}"[:500])

@@ -551,7 +551,7 @@ class Runner:
         if self.rtol is not None:
             return self.rtol
         prec = cm.config.precision if cm is not None else "fp32"
-        return max(numerics.tolerance(prec), numerics.tolerance(op.dtype))
+        return numerics.result_tolerance(prec, op.dtype)
 
     def _time(self, op, fn, n, prune_above, deadline) -> Timing:
         limit = None if prune_above is None else self.prune_factor * prune_above

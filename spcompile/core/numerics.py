@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 __all__ = ["DType", "Precision", "DTYPES", "PRECISIONS", "dtype", "dtype_name", "precision",
-           "allowed_precisions", "tolerance", "round_to", "bf16_bits", "bf16_from_bits", "tf32_round",
+           "allowed_precisions", "tolerance", "result_tolerance", "round_to", "bf16_bits", "bf16_from_bits", "tf32_round",
            "NATIVE_PRECISION"]
 
 
@@ -139,6 +139,12 @@ def tolerance(name: str = "float32") -> float:
     if name in DTYPES:
         return DTYPES[name].tolerance
     return precision(name).tolerance
+
+
+def result_tolerance(precision_: str, dtype_: str) -> float:
+    """Tolerance of a result computed in precision ``precision_`` and returned in dtype ``dtype_``:
+    the looser of the two (a 16-bit result is rounded once, whatever the kernel's precision)."""
+    return max(tolerance(precision_), tolerance(dtype_))
 
 
 # -- rounding --------------------------------------------------------------------------------
