@@ -57,7 +57,6 @@ import common  # noqa: E402
 import spcompile  # noqa: E402
 from spcompile.compile import build_from_config, default_config, make_op  # noqa: E402
 from spcompile.core import numerics, reference  # noqa: E402
-from spcompile.core.formats import CSR  # noqa: E402
 from spcompile.core.ir import SparseModule  # noqa: E402
 from spcompile.kernels import get_template  # noqa: E402
 from spcompile.passes import Pipeline  # noqa: E402
@@ -84,26 +83,6 @@ def floor_bytes(op: str, m: int, n: int, nnz: int, K: int, dtype: str) -> int:
     return csr + (n * K * e + m * K * e if op == "spmm" else (m + n) * K * e + nnz * e)
 
 
-def reference_result(sop, inputs) -> np.ndarray:
-    """The float64 scipy reference; SDDMM in row blocks (never nnz x K doubles at once)."""
-    if sop.op == "spmm":
-        return reference.run("spmm", sop.reduce, sop.A, *inputs)
-    A = sop.A
-    X, Y = inputs
-    out = np.empty(A.nnz, dtype=np.float64)
-    per = max(1, (1 << 24) // max(sop.K, 1))
-    r0 = 0
-    m = A.shape[0]
-    while r0 < m:
-        r1 = int(np.searchsorted(A.indptr, A.indptr[r0] + per, side="right")) - 1
-        r1 = min(m, max(r1, r0 + 1))
-        p0, p1 = int(A.indptr[r0]), int(A.indptr[r1])
-        sub = CSR(np.asarray(A.indptr[r0:r1 + 1] - p0), A.indices[p0:p1], A.data[p0:p1], (r1 - r0, A.shape[1]))
-        out[p0:p1] = reference.sddmm(sub, X[r0:r1], Y)
-        r0 = r1
-    return out
-
-
 class Workload:
     """One (graph, K): the op, ``n_sets`` input sets (values exact in the dtype), an output per set,
     and the float64 reference of set 0.  ``io(dtype)`` gives the inputs converted to another dtype
@@ -117,7 +96,7 @@ class Workload:
         self.dtype = self.sop.dtype
         self.n_sets = n_sets
         self._host = make_inputs(self.sop, n_sets, seed)
-        ref = reference_result(self.sop, self._host[0])
+        ref = reference.run(self.sop.op, self.sop.reduce, self.sop.A, *self._host[0])
         self._io: dict = {}
         if target == "cuda":
             import torch

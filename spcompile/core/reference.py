@@ -30,12 +30,25 @@ def spmm(A: CSR, X: np.ndarray, reduce: str = "sum") -> np.ndarray:
     return Y
 
 
-def sddmm(A: CSR, X: np.ndarray, Y: np.ndarray) -> np.ndarray:
-    """float64 ``A.data[p] * dot(X[i], Y[j])`` for each stored (i, j), in A's CSR order."""
+def sddmm(A: CSR, X: np.ndarray, Y: np.ndarray, block: int = 1 << 24) -> np.ndarray:
+    """float64 ``A.data[p] * dot(X[i], Y[j])`` for each stored (i, j), in A's CSR order.  Computed
+    over blocks of whole rows of about ``block`` gathered doubles, so memory stays bounded (never
+    nnz x K doubles at once on a large graph)."""
     X = np.asarray(X, dtype=np.float64)
     Y = np.asarray(Y, dtype=np.float64)
-    rows = A.row_ids
-    return A.data.astype(np.float64) * np.einsum("ij,ij->i", X[rows], Y[A.indices])
+    indptr = np.asarray(A.indptr, dtype=np.int64)
+    m, K = A.shape[0], X.shape[1] if X.ndim == 2 else 1
+    out = np.empty(A.nnz, dtype=np.float64)
+    per = max(1, block // max(K, 1))
+    r0 = 0
+    while r0 < m:
+        r1 = int(np.searchsorted(indptr, indptr[r0] + per, side="right")) - 1
+        r1 = min(m, max(r1, r0 + 1))
+        p0, p1 = int(indptr[r0]), int(indptr[r1])
+        rows = np.repeat(np.arange(r0, r1), np.diff(indptr[r0:r1 + 1]))
+        out[p0:p1] = A.data[p0:p1].astype(np.float64) * np.einsum("ij,ij->i", X[rows], Y[A.indices[p0:p1]])
+        r0 = r1
+    return out
 
 
 def run(op: str, reduce, A: CSR, *inputs) -> np.ndarray:
