@@ -15,6 +15,8 @@ import sys
 import numpy as np
 import scipy.sparse as sp
 
+from spcompile.cli.common import load_matrix as cli_load_matrix
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GRAPH_SUFFIXES = (".npz", ".mtx")
 
@@ -43,14 +45,9 @@ def _manifest_nnz(folder: str) -> dict:
 
 
 def load_matrix(path: str) -> sp.csr_matrix:
-    """A graph file as a float32 CSR matrix with sorted indices and no duplicates."""
-    if path.endswith(".mtx"):
-        import scipy.io
-
-        A = sp.csr_matrix(scipy.io.mmread(path))
-    else:
-        A = sp.load_npz(path).tocsr()
-    A = A.astype(np.float32)
+    """A graph file (read like ``spcompile build`` reads it) as a float32 CSR matrix with sorted
+    indices and no duplicates."""
+    A = cli_load_matrix(path).tocsr().astype(np.float32)
     A.sum_duplicates()
     A.sort_indices()
     return A
