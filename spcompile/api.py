@@ -2,14 +2,15 @@
 
 Decision order of :func:`build`: an explicit ``template``/``pipeline``/``params`` from the caller,
 else the tuning database's best record for this workload and target, else (or with
-``tune=True``) the autotuner, else the default heuristics of the highest-priority template
-(:mod:`spcompile.autotune.policy`).
+``tune=True``) the autotuner, else the shipped knowledge (on a GPU: quick selection among the
+model's first choices and the vendor library), else the default heuristics of the
+highest-priority template (:mod:`spcompile.autotune.policy`).
 """
 from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-from .autotune.policy import choose_config
+from .autotune.policy import decide
 from .autotune.tuner import tune
 from .compile import build_from_config, check_dtype, default_config, make_op
 from .core.numerics import allowed_precisions
@@ -25,7 +26,7 @@ def build(A, op: str = "spmm", K: int | None = None, reduce: str | None = None, 
           dtype: str = "float32", template: str | None = None, params: Mapping[str, Any] | None = None,
           pipeline: Sequence | None = None, storage: str | None = None, tune: bool = False,
           trials: int | None = None, timeout: float | None = None, ctx: PassContext | None = None,
-          precision: str = "fp32", **tune_options) -> CompiledModule:
+          precision: str = "fp32", select_budget: float | None = None, **tune_options) -> CompiledModule:
     """Compile ``A`` for ``op`` ("spmm" with reduce sum/max/min/mean, or "sddmm") at width ``K``.
 
     ``target``: "auto" (cuda when a GPU is usable, else cpu), "cpu" or "cuda".
@@ -35,6 +36,9 @@ def build(A, op: str = "spmm", K: int | None = None, reduce: str | None = None, 
     ``precision``: the lowest arithmetic precision the chosen kernel may compute in: "fp32" (the
     default: exact fp32 kernels only), "tf32", "fp16" or "bf16" (tensor-core templates, with fp32
     accumulation).  An explicit ``template``/``params`` choice is built as given.
+    ``select_budget``: seconds of GPU measurement a build may spend on a database miss choosing
+    among the shipped model's first choices and the vendor library (default 1.0; 0: take the
+    model's first choice unmeasured).  ``mod.tuning["source"]`` says where the decision came from.
     """
     sop = make_op(A, op, K, reduce, dtype)
     target = resolve_target(target)
@@ -47,7 +51,10 @@ def build(A, op: str = "spmm", K: int | None = None, reduce: str | None = None, 
         tpl = get_template(template)
         cfg = tpl.make_config(dict(params or {}), Pipeline(pipeline or ()).spec(), target)
         return build_from_config(sop, cfg, ctx)
-    cfg, info = choose_config(sop, target, storage=storage, tune=tune, trials=trials, timeout=timeout,
-                              precision=precision, **tune_options)
+    cfg, info, mod = decide(sop, target, storage=storage, tune=tune, trials=trials, timeout=timeout,
+                            precision=precision, select_budget=select_budget, ctx=ctx, **tune_options)
     check_dtype(sop, target, cfg.template)
+    if mod is not None:
+        mod.tuning = dict(info)
+        return mod
     return build_from_config(sop, cfg, ctx, info)

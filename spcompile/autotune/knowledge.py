@@ -1,18 +1,408 @@
-"""Pre-tuned knowledge: a model that ranks candidate configs for a workload it has never seen.
+"""Pre-tuned knowledge: a model that ranks candidate configs for matrices it has never seen.
 
-Interface (the implementation is being written): :func:`ranked_configs` returns the configs the
-model expects to be fastest for ``op`` on ``target`` under the precision policy, best first, each
-with the model's expected speed-up over the vendor baseline (``None`` when unknown).
+The project ships measurements (``spcompile/autotune/data/knowledge_<arch>.json``): for every
+shared graph, op/reduce, dtype and K, the kernel time of each member of a fixed **portfolio** of
+configs (template x pipeline x parameters, described relative to the template's own heuristics
+so that a portfolio member means the same thing at every K), and the vendor baseline's time.
+``benchmarks/collect_knowledge.py`` produces the file on a GPU.
+
+The model is a distance-weighted k-nearest-neighbour ranking over cheap matrix features
+(:func:`features`: size, row-length statistics, column skew, window reuse, locality): a new
+matrix's candidates are ranked by the mean, over its nearest training graphs, of
+``log(time / best time of that graph)``; the expected speed-up over the baseline is the same
+mean of ``log(baseline / time)``.  Its quality is reported by leave-one-graph-out
+cross-validation (:func:`cross_validate`), so the numbers are those of a graph the model has not
+seen.
+
+:func:`ranked_configs` is what :func:`spcompile.build` (quick selection) and the tuner (seeds)
+call.
 """
 from __future__ import annotations
 
-from ..core.config import Config
-from ..core.ir import SparseOp
+import json
+import math
+import os
+from dataclasses import dataclass
+from typing import Iterable, Mapping, Sequence
 
-__all__ = ["ranked_configs"]
+import numpy as np
+
+from ..core.config import Config
+from ..core.ir import SparseOp, pattern_hash
+
+__all__ = ["ranked_configs", "features", "portfolio", "candidate_config", "Knowledge", "load_knowledge",
+           "cross_validate", "excluded", "FEATURES", "KNOWLEDGE_K"]
+
+#: feature names, in the model's order
+FEATURES = ("log_rows", "log_cols", "log_nnz", "log_mean_row", "row_cv", "log_max_over_mean", "empty_rows",
+            "col_cv", "window_reuse", "locality")
+#: the widths the shipped knowledge was measured at
+KNOWLEDGE_K = (32, 64, 128, 256, 512)
+
+_DATA_DIR = os.path.join(os.path.dirname(__file__), "data")
+
+
+# -- features --------------------------------------------------------------------------------
+def features(A) -> dict[str, float]:
+    """Cheap structure features of a CSR matrix (vectorised, O(nnz)); see :data:`FEATURES`.
+
+    * ``window_reuse``: nonzeros per distinct column inside windows of 32 consecutive rows (how
+      often a gathered X row is reused by neighbouring rows; sampled on up to 4096 windows);
+    * ``locality``: mean ``|i - j| / n`` (1 - ...: near 1 for banded patterns).
+    """
+    m, n = A.shape
+    nnz = int(A.nnz)
+    lens = np.diff(np.asarray(A.indptr, dtype=np.int64)).astype(np.float64)
+    mean = float(lens.mean()) if m else 0.0
+    f = {"log_rows": math.log2(m + 1), "log_cols": math.log2(n + 1), "log_nnz": math.log2(nnz + 1),
+         "log_mean_row": math.log2(mean + 1), "row_cv": float(lens.std() / mean) if mean > 0 else 0.0,
+         "log_max_over_mean": math.log2(float(lens.max()) / mean) if mean > 0 else 0.0,
+         "empty_rows": float(np.count_nonzero(lens == 0) / m) if m else 0.0}
+    if nnz == 0:
+        f.update(col_cv=0.0, window_reuse=1.0, locality=1.0)
+        return f
+    idx = np.asarray(A.indices, dtype=np.int64)
+    cc = np.bincount(idx, minlength=n).astype(np.float64)
+    f["col_cv"] = float(cc.std() / cc.mean()) if cc.mean() > 0 else 0.0
+    W = 32
+    nwin = -(-m // W)
+    rng = np.random.default_rng(0)
+    wins = np.arange(nwin) if nwin <= 4096 else np.sort(rng.choice(nwin, 4096, replace=False))
+    indptr = np.asarray(A.indptr, dtype=np.int64)
+    starts, ends = indptr[wins * W], indptr[np.minimum((wins + 1) * W, m)]
+    cnt = ends - starts
+    tot = int(cnt.sum())
+    if tot:
+        pos = np.repeat(starts - np.cumsum(cnt) + cnt, cnt) + np.arange(tot)
+        keys = np.repeat(np.arange(wins.size, dtype=np.int64), cnt) * (n + 1) + idx[pos]
+        f["window_reuse"] = float(tot / np.unique(keys).size)
+    else:
+        f["window_reuse"] = 1.0
+    rows = np.repeat(np.arange(m, dtype=np.int64), np.diff(indptr))
+    f["locality"] = float(1.0 - np.mean(np.abs(rows - idx)) / max(1, n))
+    return f
+
+
+def _vector(f: Mapping[str, float]) -> np.ndarray:
+    return np.array([float(f.get(k, 0.0)) for k in FEATURES], dtype=np.float64)
+
+
+# -- the portfolio ---------------------------------------------------------------------------
+_PIPES = {"none": [], "degree": [{"name": "reorder.degree", "options": {"descending": True}}],
+          "rcm": [{"name": "reorder.rcm", "options": {"symmetric_mode": True}}]}
+
+
+def portfolio(op: str, reduce: str | None, dtype: str) -> list[str]:
+    """The candidate ids measured for a workload class: ``template|pipeline|variant``."""
+    out: list[str] = []
+    if op == "spmm":
+        segs = (0, 16, 32, 64, 256) if dtype == "float32" else (0, 32, 64)
+        shapes = ("u2", "u8", "w8r2") if dtype == "float32" else ("u2", "w8r2")
+        for pipe in ("none", "degree", "rcm"):
+            for s in segs:
+                for shape in shapes:
+                    out.append(f"csr.crc_cwm|{pipe}|ms{s}-{shape}")
+        if dtype == "float32":
+            out.append("aspt.tiled|p0|default")
+        if dtype != "float32" and reduce in ("sum", "mean"):
+            out += ["tc.wmma_sgt|p0|default", "tc.wmma_sgt|p1|default", "sptc.vnm|p0|default", "sptc.vnm|p3|default"]
+        if reduce in ("sum", "mean") and dtype in ("float32", "float16"):
+            out.append("extern.cusparse|none|default")
+    elif op == "sddmm":
+        for pipe in ("none", "degree"):
+            for npw in (8, 32, 128):
+                for g in ("d", "g16", "g8"):
+                    out.append(f"csr.sddmm|{pipe}|npw{npw}-{g}")
+        if dtype in ("float32", "float16"):
+            out.append("extern.cusparse|none|default")
+    return out
+
+
+def _crc_params(tpl, mod, variant: str) -> dict:
+    ms, shape = variant.split("-")
+    d = dict(tpl.default_params(mod))
+    cf = int(d["cf"])
+    d["max_seg"] = int(ms[2:])
+    if shape == "u2":
+        d.update(warps_per_block=4, rows_per_warp=1, unroll=2 if cf <= 2 else 1)
+    elif shape == "u8":
+        d.update(warps_per_block=4, rows_per_warp=1, unroll={1: 8, 2: 4}.get(cf, 2))
+    elif shape == "w8r2":
+        d.update(warps_per_block=8, rows_per_warp=2, unroll=2 if cf <= 2 else 1)
+    else:
+        raise ValueError(f"unknown csr.crc_cwm variant {variant!r}")
+    return d
+
+
+def _sddmm_params(tpl, mod, variant: str) -> dict:
+    npw, g = variant.split("-")
+    d = dict(tpl.default_params(mod))
+    d["nnz_per_warp"] = int(npw[3:])
+    if g != "d":
+        group = int(g[1:])
+        K, vec = mod.op.K, int(d["vec"])
+        if group < d["group"]:
+            xc = min(4, max(1, -(-K // (group * vec))))
+            d.update(group=group, k_chunks=1 << (xc - 1).bit_length() if xc > 1 else 1)
+    return d
+
+
+def candidate_config(cid: str, op: SparseOp, target: str = "cuda") -> Config:
+    """The config of portfolio member ``cid`` for ``op`` (parameters from the template's own
+    heuristics at this K and dtype, modified as the member says)."""
+    from ..core.ir import SparseModule
+    from ..kernels import get_template
+    from ..passes import Pipeline
+
+    tname, pipe, variant = cid.split("|")
+    tpl = get_template(tname)
+    mod0 = SparseModule.from_op(op)
+    if pipe.startswith("p"):
+        spec = Pipeline(tpl.pipelines(mod0)[int(pipe[1:])]).spec()
+    else:
+        spec = Pipeline(_PIPES[pipe]).spec()
+    if tname == "csr.crc_cwm":
+        params = _crc_params(tpl, mod0, variant)
+    elif tname == "csr.sddmm":
+        params = _sddmm_params(tpl, mod0, variant)
+    elif variant == "default":
+        mod = Pipeline(spec)(mod0) if spec and tname != "extern.cusparse" else mod0
+        params = tpl.default_params(mod)
+    else:
+        raise ValueError(f"unknown portfolio member {cid!r}")
+    return tpl.make_config(params, spec, target)
+
+
+# -- the data and the model ------------------------------------------------------------------
+def workload_class(op: str, reduce: str | None, dtype: str, K: int) -> str:
+    return f"{op}/{reduce or '-'}/{dtype}/{int(K)}"
+
+
+@dataclass
+class Table:
+    """One workload class: candidate ids, and per training graph its features, baseline and
+    kernel times (``nan``: the candidate failed or does not apply)."""
+
+    candidates: list[str]
+    names: list[str]
+    digests: list[str]
+    X: np.ndarray          # graphs x features
+    times: np.ndarray      # graphs x candidates (seconds)
+    baseline: np.ndarray   # graphs (seconds; nan when unknown)
+
+
+class Knowledge:
+    """Measured portfolio times per workload class and the k-NN ranking over them."""
+
+    def __init__(self, doc: Mapping):
+        self.doc = doc
+        self.device = doc.get("device", "")
+        self.arch = doc.get("arch", "")
+        self.tables: dict[str, Table] = {}
+        for cls, t in (doc.get("workloads") or {}).items():
+            cands = list(t["candidates"])
+            gs = t["graphs"]
+            if not gs:
+                continue
+            X = np.array([_vector(g["features"]) for g in gs])
+            T = np.array([[np.nan if v is None else float(v) for v in g["times"]] for g in gs], dtype=np.float64)
+            B = np.array([np.nan if g.get("baseline_s") is None else float(g["baseline_s"]) for g in gs])
+            self.tables[cls] = Table(cands, [g["name"] for g in gs], [g["digest"] for g in gs], X, T, B)
+
+    def table_for(self, op: str, reduce: str | None, dtype: str, K: int) -> Table | None:
+        """The class measured at the nearest K (log scale); SpMM max/min/mean fall back to the
+        sum's measurements (same kernels and shapes) when they have none of their own."""
+        for red in ([reduce, "sum"] if op == "spmm" and reduce != "sum" else [reduce]):
+            best = None
+            for cls in self.tables:
+                o, r, d, k = cls.split("/")
+                if o == op and (r if r != "-" else None) == red and d == dtype:
+                    dist = abs(math.log2(int(k)) - math.log2(max(1, K)))
+                    if best is None or dist < best[0]:
+                        best = (dist, cls)
+            if best is not None:
+                return self.tables[best[1]]
+        return None
+
+    @staticmethod
+    def rank(table: Table, x: np.ndarray, exclude: Iterable[int] = (), k: int = 5,
+             allowed: Iterable[str] | None = None) -> list[tuple[str, float, float | None]]:
+        """Candidates best first as ``(id, predicted log time ratio to the best, expected speed-up
+        over the baseline)`` from the ``k`` nearest training graphs not in ``exclude``."""
+        keep = np.array([i for i in range(len(table.names)) if i not in set(exclude)], dtype=np.int64)
+        if keep.size == 0:
+            return []
+        X = table.X[keep]
+        mu, sd = X.mean(axis=0), X.std(axis=0)
+        sd[sd == 0] = 1.0
+        d = np.sqrt((((X - mu) / sd - (x - mu) / sd) ** 2).sum(axis=1))
+        nn = np.argsort(d, kind="stable")[:max(1, k)]
+        w = 1.0 / (d[nn] + 0.25)
+        T = table.times[keep][nn]
+        best = np.nanmin(T, axis=1, keepdims=True)
+        ratio = np.log(T / best)
+        base = np.log(table.baseline[keep][nn][:, None] / T)
+        ok = np.isfinite(ratio)
+        # a failed candidate counts as 4x slower than the best of that graph
+        ratio = np.where(ok, ratio, math.log(4.0))
+        score = (w[:, None] * ratio).sum(axis=0) / w.sum()
+        bw = np.where(np.isfinite(base), w[:, None], 0.0)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            sp = np.exp(np.nansum(np.where(np.isfinite(base), base, 0.0) * bw, axis=0) / bw.sum(axis=0))
+        allowed = None if allowed is None else set(allowed)
+        out = []
+        for j in np.argsort(score, kind="stable"):
+            cid = table.candidates[j]
+            if allowed is not None and cid not in allowed:
+                continue
+            out.append((cid, float(score[j]), float(sp[j]) if np.isfinite(sp[j]) else None))
+        return out
+
+
+_CACHE: dict[str, Knowledge | None] = {}
+_EXCLUDED: set[str] = set()
+
+
+def knowledge_path(arch: str) -> str:
+    return os.path.join(_DATA_DIR, f"knowledge_{arch}.json")
+
+
+def load_knowledge(target: str = "cuda", arch: str | None = None) -> Knowledge | None:
+    """The shipped knowledge for ``target`` (CUDA: the GPU's architecture, else the nearest
+    shipped one of the same major version, else sm_90's), or ``None``.  ``SPCOMPILE_KNOWLEDGE``
+    names another file."""
+    path = os.environ.get("SPCOMPILE_KNOWLEDGE")
+    if not path:
+        if target == "cpu":
+            path = os.path.join(_DATA_DIR, "knowledge_cpu.json")
+        else:
+            names = sorted(f for f in os.listdir(_DATA_DIR) if f.startswith("knowledge_sm_")) if os.path.isdir(_DATA_DIR) else []
+            want = f"knowledge_{arch}.json" if arch else None
+            path = os.path.join(_DATA_DIR, want if want in names else (names[-1] if names else "knowledge_sm_90.json"))
+    if path not in _CACHE:
+        try:
+            with open(path) as fh:
+                _CACHE[path] = Knowledge(json.load(fh))
+        except FileNotFoundError:
+            _CACHE[path] = None
+    return _CACHE[path]
+
+
+class excluded:
+    """``with excluded(A, ...):`` the model ignores the training graphs with these matrices'
+    patterns (leave-one-graph-out evaluation of the product path)."""
+
+    def __init__(self, *mats):
+        self.digests = {pattern_hash(_as_csr(a)) for a in mats}
+
+    def __enter__(self):
+        self._added = self.digests - _EXCLUDED
+        _EXCLUDED.update(self._added)
+        return self
+
+    def __exit__(self, *exc):
+        _EXCLUDED.difference_update(self._added)
+
+
+def _as_csr(A):
+    from ..core.formats import as_csr
+
+    return as_csr(A)
 
 
 def ranked_configs(op: SparseOp, target: str, precision: str = "fp32", k: int = 8) -> list[tuple[Config, float | None]]:
     """Up to ``k`` configs, best first, as ``(config, expected speed-up over the baseline)``.
     Empty when no knowledge applies (the caller falls back to its heuristics)."""
-    return []
+    from ..core.numerics import allowed_precisions
+    from ..kernels import get_template
+
+    kn = load_knowledge(target, _arch(target))
+    if kn is None:
+        return []
+    table = kn.table_for(op.op, op.reduce, op.dtype, op.K)
+    if table is None:
+        return []
+    x = _vector(features(op.A))
+    exclude = [i for i, dg in enumerate(table.digests) if dg in _EXCLUDED]
+    allowed_prec = set(allowed_precisions(precision, op.dtype))
+    out: list[tuple[Config, float | None]] = []
+    for cid, _score, sp in Knowledge.rank(table, x, exclude):
+        tname = cid.split("|")[0]
+        if not _applies(tname, op, target):
+            continue
+        try:
+            cfg = candidate_config(cid, op, target)
+        except Exception:
+            continue
+        if cfg.precision not in allowed_prec:
+            continue
+        tpl = get_template(tname)
+        if not tpl.available():
+            continue
+        out.append((cfg, sp))
+        if len(out) >= k:
+            break
+    return out
+
+
+def _applies(tname: str, op: SparseOp, target: str) -> bool:
+    from ..kernels import get_template
+
+    try:
+        tpl = get_template(tname)
+    except Exception:
+        return False
+    return tpl.target == target and (op.op, op.reduce) in tpl.ops and op.dtype in tpl.dtypes
+
+
+def _arch(target: str) -> str | None:
+    if target != "cuda":
+        return None
+    try:
+        from ..runtime import cuda as rt
+
+        return f"sm_{rt.device_arch()}"
+    except Exception:
+        return None
+
+
+# -- evaluation ------------------------------------------------------------------------------
+def cross_validate(kn: Knowledge, quick: int = 3, k: int = 5) -> dict:
+    """Leave-one-graph-out: for each class and graph, rank with that graph's measurements left
+    out, and report the held-out graph's real time of the model's first choice ("model") and of
+    the fastest of its first ``quick`` choices plus the baseline ("quick"), against the graph's
+    oracle (fastest candidate) and baseline."""
+    out = {}
+    for cls, t in kn.tables.items():
+        rows = []
+        base_idx = [j for j, c in enumerate(t.candidates) if c.startswith("extern.")]
+        for i, name in enumerate(t.names):
+            tt = t.times[i]
+            if not np.isfinite(tt).any():
+                continue
+            order = [c for c, _, _ in Knowledge.rank(t, t.X[i], exclude=[i], k=k)]
+            idx = {c: j for j, c in enumerate(t.candidates)}
+            first = next((tt[idx[c]] for c in order if np.isfinite(tt[idx[c]])), np.nan)
+            picks = [tt[idx[c]] for c in order[:quick]] + [tt[j] for j in base_idx]
+            picks = [p for p in picks if np.isfinite(p)]
+            qk = min(picks) if picks else np.nan
+            oracle = np.nanmin(tt)
+            rows.append({"graph": name, "oracle_s": oracle, "model_s": first, "quick_s": qk,
+                         "baseline_s": t.baseline[i]})
+        if not rows:
+            continue
+
+        def gm(vals):
+            v = [x for x in vals if np.isfinite(x) and x > 0]
+            return float(np.exp(np.mean(np.log(v)))) if v else None
+
+        out[cls] = {"graphs": len(rows),
+                    "model_over_oracle": gm([r["oracle_s"] / r["model_s"] for r in rows]),
+                    "quick_over_oracle": gm([r["oracle_s"] / r["quick_s"] for r in rows]),
+                    "oracle_speedup": gm([r["baseline_s"] / r["oracle_s"] for r in rows]),
+                    "model_speedup": gm([r["baseline_s"] / r["model_s"] for r in rows]),
+                    "quick_speedup": gm([r["baseline_s"] / r["quick_s"] for r in rows]),
+                    "quick_worst": min((r["baseline_s"] / r["quick_s"] for r in rows
+                                        if np.isfinite(r["baseline_s"] / r["quick_s"])), default=None),
+                    "rows": rows}
+    return out

@@ -1,5 +1,7 @@
-"""Where a build's decision comes from: the database's best valid record, else tuning (when
-asked), else the default heuristics."""
+"""Where a build's decision comes from: the database's best valid record; else tuning (when
+asked); else the shipped knowledge -- on a GPU, quick selection among the model's first choices
+and the vendor library within a small measurement budget, without one the model's first choice;
+else the default heuristics."""
 from __future__ import annotations
 
 import os
@@ -12,15 +14,27 @@ from .database import normalize_url, open_database, sqlite_path
 from .measure import MODES
 from .tuner import Tuner, objective_name, precision_name
 
-__all__ = ["choose_config", "safe_url"]
+__all__ = ["choose_config", "decide", "safe_url"]
 
 
 def choose_config(sop: SparseOp, target: str, storage: str | None = None, tune: bool = False,
                   trials: int | None = None, timeout: float | None = None, objective: str = "kernel_time",
                   expected_calls: float | None = None, precision: str = "fp32", **options) -> tuple[Config, dict]:
-    """The decision :func:`spcompile.build` replays: the database's best valid record (a hit:
-    no tuning); on a miss the default heuristics, or tuning when ``tune``/``trials``/``timeout``
-    asks for it.  Returns ``(config, info)``; ``info`` says where the decision came from."""
+    """The decision :func:`spcompile.build` replays (see :func:`decide`): ``(config, info)``."""
+    cfg, info, _ = decide(sop, target, storage, tune, trials, timeout, objective, expected_calls, precision, **options)
+    return cfg, info
+
+
+def decide(sop: SparseOp, target: str, storage: str | None = None, tune: bool = False,
+           trials: int | None = None, timeout: float | None = None, objective: str = "kernel_time",
+           expected_calls: float | None = None, precision: str = "fp32", select_budget: float | None = None,
+           ctx=None, **options):
+    """The database's best valid record (a hit: no tuning); on a miss, tuning when
+    ``tune``/``trials``/``timeout`` asks for it, else the shipped knowledge (quick selection on a
+    GPU within ``select_budget`` seconds of measurement, default
+    :data:`~spcompile.autotune.select.DEFAULT_BUDGET_S`; 0 turns it off), else the heuristics.
+    Returns ``(config, info, module)``: ``info`` says where the decision came from; ``module``
+    is the already-built module when quick selection built it (else None)."""
     obj = objective_name(objective, expected_calls)
     precision = precision_name(precision)
     url = normalize_url(storage)
@@ -47,7 +61,7 @@ def choose_config(sop: SparseOp, target: str, storage: str | None = None, tune: 
                                 "precision": precision, "timing": rec.timing,
                                 "kernel_ms": rec.kernel_ms, "preprocess_ms": rec.preprocess_ms,
                                 "baseline_ms": rec.baseline_ms, "baseline_name": rec.baseline_name,
-                                "study": rec.study_name, "trial": rec.trial_number}
+                                "study": rec.study_name, "trial": rec.trial_number}, None
     if want_tune:
         res = Tuner(sop, target, storage=url, objective=objective, expected_calls=expected_calls,
                     precision=precision, **options).run(trials, timeout)
@@ -55,13 +69,40 @@ def choose_config(sop: SparseOp, target: str, storage: str | None = None, tune: 
             return res.best_config, {"source": "tuned", "storage": safe_url(url), "objective": obj,
                                      "kernel_ms": res.best_kernel_ms, "preprocess_ms": res.best_preprocess_ms,
                                      "baseline_ms": res.baseline_ms, "baseline_name": res.baseline_name,
-                                     "study": res.study_name, "trials": res.n_trials}
+                                     "study": res.study_name, "trials": res.n_trials}, None
         cfg = default_config(sop, target)
-        return cfg, {"source": "heuristic", "reason": "tuning found no working config", "objective": obj}
-    info = {"source": "heuristic", "objective": obj}
+        return cfg, {"source": "heuristic", "reason": "tuning found no working config", "objective": obj}, None
+    extra = {}
     if db is None and "db_error" in locals():
-        info["db_error"] = db_error[-300:]
-    return default_config(sop, target), info
+        extra["db_error"] = db_error[-300:]
+    ranked, model_error = [], None
+    if obj == "kernel_time":
+        try:
+            from .knowledge import ranked_configs
+
+            ranked = ranked_configs(sop, target, precision, k=8)
+        except Exception as e:  # noqa: BLE001 - knowledge is an optimisation: never a reason to fail
+            model_error = f"{type(e).__name__}: {e}"[:300]
+    if model_error:
+        extra["model_error"] = model_error
+    from .select import DEFAULT_BUDGET_S, quick_select, vendor_config
+
+    budget = DEFAULT_BUDGET_S if select_budget is None else float(select_budget)
+    if target == "cuda" and budget > 0 and obj == "kernel_time" and (ranked or vendor_config(sop, target)):
+        if not ranked:
+            ranked = [(default_config(sop, target), None)]
+        try:
+            mod, qinfo = quick_select(sop, target, ranked, budget_s=budget, ctx=ctx)
+        except Exception as e:  # noqa: BLE001
+            mod, qinfo = None, {"error": f"{type(e).__name__}: {e}"[:300]}
+        if mod is not None:
+            return mod.config, {"source": "quick", "objective": obj, "precision": precision, **qinfo, **extra}, mod
+        extra["quick_error"] = qinfo.get("error") or "no candidate worked"
+    if ranked:
+        cfg, sp = ranked[0]
+        return cfg, {"source": "model", "objective": obj, "precision": precision,
+                     **({"expected_speedup": sp} if sp else {}), **extra}, None
+    return default_config(sop, target), {"source": "heuristic", "objective": obj, **extra}, None
 
 
 def safe_url(url: str) -> str:

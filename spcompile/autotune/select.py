@@ -1,0 +1,168 @@
+"""Quick selection: on a database miss, :func:`spcompile.build` measures a handful of
+model-ranked candidates and the vendor library on this GPU, within a small time budget, and
+keeps the fastest (Triton's and cuBLASLt's heuristics-plus-measurement, for sparse kernels).
+
+The candidates are built first (in parallel threads: nvcc runs outside the GIL; kernels already
+in the kernel cache cost no compilation), each result is checked against the vendor library's
+(or, without one, the first candidate's) on the same random inputs, then each is timed with the
+one timing rule (``Timer("cuda")``, a short setting) until the budget is spent; the model's
+first choice and the vendor library are always timed.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import time
+
+import numpy as np
+
+from ..compile import build_from_config
+from ..core.config import Config
+from ..core.ir import SparseModule, SparseOp
+from ..core.numerics import result_tolerance
+from ..kernels import get_template
+from ..passes import Pipeline
+from .measure import Timer, make_inputs
+
+__all__ = ["quick_select", "vendor_config", "DEFAULT_BUDGET_S", "DEFAULT_CANDIDATES"]
+
+#: seconds of measurement ``build()`` may spend choosing on a database miss (``select_budget``)
+DEFAULT_BUDGET_S = 1.0
+#: how many of the model's first choices are measured (plus the vendor library)
+DEFAULT_CANDIDATES = 3
+
+
+def vendor_config(op: SparseOp, target: str) -> Config | None:
+    """The vendor library's config for ``op`` (cuSPARSE through ``extern.cusparse``), if it
+    supports the op and dtype and can run here."""
+    if target != "cuda":
+        return None
+    try:
+        tpl = get_template("extern.cusparse")
+    except Exception:
+        return None
+    if (op.op, op.reduce) not in tpl.ops or op.dtype not in tpl.dtypes or not tpl.available():
+        return None
+    return tpl.make_config({}, (), target)
+
+
+def _framework_inputs(op: SparseOp):
+    host = make_inputs(op, 1, seed=12345)[0]
+    try:
+        import torch
+
+        tdt = getattr(torch, op.dtype)
+        ins = tuple(torch.from_numpy(x).cuda().to(tdt) for x in host)
+        out = torch.empty(op.output_shape, dtype=tdt, device="cuda")
+        return ins, out, (lambda a: a.double().cpu().numpy())
+    except ImportError:
+        import cupy
+
+        ins = tuple(cupy.asarray(x.astype(op.dtype)) for x in host)
+        out = cupy.empty(op.output_shape, dtype=op.dtype)
+        return ins, out, (lambda a: cupy.asnumpy(a).astype(np.float64))
+
+
+def quick_select(op: SparseOp, target: str, ranked: list[tuple[Config, float | None]], *,
+                 budget_s: float = DEFAULT_BUDGET_S, n: int = DEFAULT_CANDIDATES, ctx=None):
+    """Build and time the first ``n`` of ``ranked`` and the vendor library; returns
+    ``(module, info)`` of the fastest correct one, or ``(None, info)`` when none worked."""
+    t0 = time.perf_counter()
+    cands: list[tuple[str, Config, float | None]] = [("model", c, sp) for c, sp in ranked[:max(1, n)]]
+    vendor = vendor_config(op, target)
+    if vendor is not None:
+        cands.append(("vendor", vendor, 1.0))
+    seen, uniq = set(), []
+    for src, c, sp in cands:
+        k = (c.template, repr(c.pipeline), repr(sorted(c.params.items())))
+        if k not in seen:
+            seen.add(k)
+            uniq.append((src, c, sp))
+    # one pipeline run per distinct pipeline, shared by the candidates behind it
+    pipes: dict = {}
+    base = SparseModule.from_op(op)
+    for _, c, _ in uniq:
+        key = repr(c.pipeline)
+        if key not in pipes:
+            try:
+                pipes[key] = Pipeline(c.pipeline)(base, ctx) if c.pipeline else base
+            except Exception as e:  # noqa: BLE001 - a pass failing on this matrix drops its candidates
+                pipes[key] = e
+
+    def make(item):
+        src, c, sp = item
+        mod = pipes[repr(c.pipeline)]
+        if isinstance(mod, Exception):
+            raise mod
+        return build_from_config(op, c, ctx, module=mod)
+
+    built = []
+    with cf.ThreadPoolExecutor(max_workers=min(4, len(uniq))) as ex:
+        for item, fut in [(it, ex.submit(make, it)) for it in uniq]:
+            try:
+                built.append((item, fut.result(), None))
+            except Exception as e:  # noqa: BLE001
+                built.append((item, None, f"{type(e).__name__}: {e}"[:200]))
+    t_built = time.perf_counter()
+    ins, out, to_host = _framework_inputs(op)
+    ref = None
+    # the reference result: the vendor library's, else the first candidate that runs
+    order = sorted(range(len(built)), key=lambda i: built[i][0][0] != "vendor")
+    results = {}
+    for i in order:
+        (src, c, _), mod, err = built[i]
+        if mod is None:
+            continue
+        try:
+            out.fill_(float("nan")) if hasattr(out, "fill_") else out.fill(np.nan)
+            mod(*ins, out=out)
+            results[i] = to_host(out)
+        except Exception as e:  # noqa: BLE001
+            built[i] = (built[i][0], None, f"{type(e).__name__}: {e}"[:200])
+    for i in order:
+        if i in results:
+            ref = results[i]
+            break
+    timer = Timer("cuda", repeats=3, min_sample_s=2e-4, max_calls=200)
+    report, best = [], None
+    deadline = t_built + max(0.0, budget_s)
+    for rank, i in enumerate(range(len(built))):
+        (src, c, sp), mod, err = built[i]
+        row = {"template": c.template, "pipeline": [p["name"] for p in c.pipeline], "source": src}
+        if mod is None or i not in results:
+            row["error"] = err or "failed"
+            report.append(row)
+            continue
+        r = results[i]
+        num, den = np.linalg.norm(np.nan_to_num(r - ref, nan=np.inf)), np.linalg.norm(ref)
+        rel = num / den if den > 0 else num
+        tol = result_tolerance(c.precision, op.dtype)
+        if not np.isfinite(rel) or rel > 4 * tol:
+            row["error"] = f"result differs from the reference by {rel:.3g}"
+            report.append(row)
+            continue
+        must = rank == 0 or src == "vendor"
+        if not must and time.perf_counter() > deadline:
+            row["skipped"] = "budget spent"
+            report.append(row)
+            continue
+        try:
+            sec = timer.time(lambda _j: mod(*ins, out=out)).seconds
+        except Exception as e:  # noqa: BLE001
+            row["error"] = f"timing: {type(e).__name__}: {e}"[:200]
+            report.append(row)
+            continue
+        row["kernel_ms"] = sec * 1e3
+        report.append(row)
+        if best is None or sec < best[0]:
+            best = (sec, i)
+    info = {"build_s": round(t_built - t0, 4), "measure_s": round(time.perf_counter() - t_built, 4),
+            "budget_s": budget_s, "candidates": report}
+    if best is None:
+        return None, info
+    sec, i = best
+    (src, c, sp), mod, _ = built[i]
+    vend = next((r.get("kernel_ms") for r in report if r["source"] == "vendor"), None)
+    info.update(kernel_ms=sec * 1e3, chosen=src)
+    if vend:
+        info.update(baseline_ms=vend, baseline_name="extern.cusparse", expected_speedup=vend / (sec * 1e3))
+    return mod, info
