@@ -170,6 +170,9 @@ def main(argv=None):
     ap.add_argument("--prebuild-only", action="store_true", help="compile every portfolio kernel (all classes), measure nothing")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--only", nargs="*", default=None, help="workload classes prefixes to measure, e.g. spmm/sum/float32")
+    ap.add_argument("--K", nargs="+", type=int, default=None, help="measure only these widths")
+    ap.add_argument("--shuffle", type=int, default=None, metavar="SEED",
+                    help="visit graphs in a seeded random order (a time-limited run then covers all kinds)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--min-sample", type=float, default=5e-4)
     ap.add_argument("--skip-done", action="store_true")
@@ -185,8 +188,10 @@ def main(argv=None):
         return 0
     workloads = [w for w in WORKLOADS
                  if a.only is None or any(kn.workload_class(w[0], w[1], w[2], 0).startswith(p) for p in a.only)]
+    if a.K:
+        workloads = [(op, r, d, tuple(k for k in Ks if k in a.K)) for op, r, d, Ks in workloads]
     if a.prebuild_only:
-        prebuild(a.jobs, WORKLOADS)
+        prebuild(a.jobs, workloads)
         return 0
     if a.prebuild:
         prebuild(a.jobs, workloads)
@@ -200,6 +205,8 @@ def main(argv=None):
         with open(path) as fh:
             done = {(r["graph"], r["class"]) for r in map(json.loads, filter(str.strip, fh))}
     graphs = common.find_graphs(a.graphs, a.data, None, None)
+    if a.shuffle is not None:
+        graphs = [graphs[i] for i in np.random.default_rng(a.shuffle).permutation(len(graphs))]
     t_start = time.perf_counter()
 
     def emit(row):
