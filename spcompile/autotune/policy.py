@@ -88,11 +88,12 @@ def decide(sop: SparseOp, target: str, storage: str | None = None, tune: bool = 
     from .select import DEFAULT_BUDGET_S, quick_select, vendor_config
 
     budget = DEFAULT_BUDGET_S if select_budget is None else float(select_budget)
-    if target == "cuda" and budget > 0 and obj == "kernel_time" and (ranked or vendor_config(sop, target)):
+    if budget > 0 and obj == "kernel_time" and (ranked or vendor_config(sop, target) is not None):
+        label = "model" if ranked else "heuristic"
         if not ranked:
             ranked = [(default_config(sop, target), None)]
         try:
-            mod, qinfo = quick_select(sop, target, ranked, budget_s=budget, ctx=ctx)
+            mod, qinfo = quick_select(sop, target, ranked, budget_s=budget, ctx=ctx, label=label)
         except Exception as e:  # noqa: BLE001
             mod, qinfo = None, {"error": f"{type(e).__name__}: {e}"[:300]}
         if mod is not None:

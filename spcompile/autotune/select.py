@@ -1,11 +1,11 @@
 """Quick selection: on a database miss, :func:`spcompile.build` measures a handful of
-model-ranked candidates and the vendor library on this GPU, within a small time budget, and
-keeps the fastest (Triton's and cuBLASLt's heuristics-plus-measurement, for sparse kernels).
+model-ranked candidates (or the heuristic default) and the vendor library on this machine
+(cuSPARSE on a GPU, SciPy on the CPU), within a small time budget, and keeps the fastest (Triton's and cuBLASLt's heuristics-plus-measurement, for sparse kernels).
 
 The candidates are built first (in parallel threads: nvcc runs outside the GIL; kernels already
 in the kernel cache cost no compilation), each result is checked against the vendor library's
 (or, without one, the first candidate's) on the same random inputs, then each is timed with the
-one timing rule (``Timer("cuda")``, a short setting) until the budget is spent; the model's
+one timing rule (``Timer``, a short setting) until the budget is spent; the model's
 first choice and the vendor library are always timed.
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ from ..kernels import get_template
 from ..passes import Pipeline
 from .measure import Timer, make_inputs
 
-__all__ = ["quick_select", "vendor_config", "DEFAULT_BUDGET_S", "DEFAULT_CANDIDATES"]
+__all__ = ["quick_select", "vendor_config", "VENDOR", "DEFAULT_BUDGET_S", "DEFAULT_CANDIDATES"]
 
 #: seconds of measurement ``build()`` may spend choosing on a database miss (``select_budget``)
 DEFAULT_BUDGET_S = 1.0
@@ -31,13 +31,17 @@ DEFAULT_BUDGET_S = 1.0
 DEFAULT_CANDIDATES = 3
 
 
+#: the library a user would otherwise call, per target
+VENDOR = {"cuda": "extern.cusparse", "cpu": "extern.scipy"}
+
+
 def vendor_config(op: SparseOp, target: str) -> Config | None:
-    """The vendor library's config for ``op`` (cuSPARSE through ``extern.cusparse``), if it
-    supports the op and dtype and can run here."""
-    if target != "cuda":
+    """The vendor library's config for ``op`` (cuSPARSE through ``extern.cusparse`` on a GPU,
+    SciPy through ``extern.scipy`` on the CPU), if it supports the op and dtype and can run here."""
+    if target not in VENDOR:
         return None
     try:
-        tpl = get_template("extern.cusparse")
+        tpl = get_template(VENDOR[target])
     except Exception:
         return None
     if (op.op, op.reduce) not in tpl.ops or op.dtype not in tpl.dtypes or not tpl.available():
@@ -45,29 +49,53 @@ def vendor_config(op: SparseOp, target: str) -> Config | None:
     return tpl.make_config({}, (), target)
 
 
-def _framework_inputs(op: SparseOp):
+def _framework_inputs(op: SparseOp, target: str = "cuda"):
+    """Inputs and an output buffer on the target, and ``rel_err(out, ref)``: the relative error
+    of an output against a reference, computed where the output lives in float64 (a large
+    graph's outputs are never copied to the host); ``snapshot(out)`` keeps a float64 copy."""
     host = make_inputs(op, 1, seed=12345)[0]
+
+    def np_rel_err(a, ref):
+        d = np.nan_to_num(a.astype(np.float64) - ref, nan=np.inf)
+        num, den = float(np.linalg.norm(d)), float(np.linalg.norm(ref))
+        return num / den if den > 0 else num
+
+    if target == "cpu":
+        ins = tuple(np.ascontiguousarray(x.astype(op.dtype)) for x in host)
+        return ins, np.empty(op.output_shape, dtype=op.dtype), (lambda a: a.astype(np.float64)), np_rel_err
     try:
         import torch
 
         tdt = getattr(torch, op.dtype)
         ins = tuple(torch.from_numpy(x).cuda().to(tdt) for x in host)
         out = torch.empty(op.output_shape, dtype=tdt, device="cuda")
-        return ins, out, (lambda a: a.double().cpu().numpy())
+
+        def rel_err(a, ref):
+            d = torch.nan_to_num(a.double() - ref, nan=float("inf"))
+            num, den = float(torch.linalg.vector_norm(d)), float(torch.linalg.vector_norm(ref))
+            return num / den if den > 0 else num
+
+        return ins, out, (lambda a: a.double()), rel_err
     except ImportError:
         import cupy
 
         ins = tuple(cupy.asarray(x.astype(op.dtype)) for x in host)
         out = cupy.empty(op.output_shape, dtype=op.dtype)
-        return ins, out, (lambda a: cupy.asnumpy(a).astype(np.float64))
+
+        def rel_err(a, ref):
+            d = cupy.nan_to_num(a.astype(cupy.float64) - ref, nan=cupy.inf)
+            num, den = float(cupy.linalg.norm(d)), float(cupy.linalg.norm(ref))
+            return num / den if den > 0 else num
+
+        return ins, out, (lambda a: a.astype(cupy.float64)), rel_err
 
 
 def quick_select(op: SparseOp, target: str, ranked: list[tuple[Config, float | None]], *,
-                 budget_s: float = DEFAULT_BUDGET_S, n: int = DEFAULT_CANDIDATES, ctx=None):
+                 budget_s: float = DEFAULT_BUDGET_S, n: int = DEFAULT_CANDIDATES, ctx=None, label: str = "model"):
     """Build and time the first ``n`` of ``ranked`` and the vendor library; returns
     ``(module, info)`` of the fastest correct one, or ``(None, info)`` when none worked."""
     t0 = time.perf_counter()
-    cands: list[tuple[str, Config, float | None]] = [("model", c, sp) for c, sp in ranked[:max(1, n)]]
+    cands: list[tuple[str, Config, float | None]] = [(label, c, sp) for c, sp in ranked[:max(1, n)]]
     vendor = vendor_config(op, target)
     if vendor is not None:
         cands.append(("vendor", vendor, 1.0))
@@ -103,11 +131,11 @@ def quick_select(op: SparseOp, target: str, ranked: list[tuple[Config, float | N
             except Exception as e:  # noqa: BLE001
                 built.append((item, None, f"{type(e).__name__}: {e}"[:200]))
     t_built = time.perf_counter()
-    ins, out, to_host = _framework_inputs(op)
-    ref = None
-    # the reference result: the vendor library's, else the first candidate that runs
+    ins, out, snapshot, rel_err = _framework_inputs(op, target)
+    # the reference result: the vendor library's, else the first candidate that runs; each
+    # other result is compared with it as soon as it is computed (one float64 copy on the GPU)
     order = sorted(range(len(built)), key=lambda i: built[i][0][0] != "vendor")
-    results = {}
+    ref, checked = None, {}
     for i in order:
         (src, c, _), mod, err = built[i]
         if mod is None:
@@ -115,26 +143,26 @@ def quick_select(op: SparseOp, target: str, ranked: list[tuple[Config, float | N
         try:
             out.fill_(float("nan")) if hasattr(out, "fill_") else out.fill(np.nan)
             mod(*ins, out=out)
-            results[i] = to_host(out)
+            if ref is None:
+                ref, checked[i] = snapshot(out), 0.0
+            else:
+                checked[i] = rel_err(out, ref)
         except Exception as e:  # noqa: BLE001
             built[i] = (built[i][0], None, f"{type(e).__name__}: {e}"[:200])
-    for i in order:
-        if i in results:
-            ref = results[i]
-            break
-    timer = Timer("cuda", repeats=3, min_sample_s=2e-4, max_calls=200)
+    del ref
+    t_checked = time.perf_counter()
+    timer = (Timer("cuda", repeats=3, min_sample_s=2e-4, max_calls=200) if target == "cuda"
+             else Timer(target, repeats=3, min_sample_s=2e-3, max_calls=200))
     report, best = [], None
-    deadline = t_built + max(0.0, budget_s)
+    deadline = t_checked + max(0.0, budget_s)
     for rank, i in enumerate(range(len(built))):
         (src, c, sp), mod, err = built[i]
         row = {"template": c.template, "pipeline": [p["name"] for p in c.pipeline], "source": src}
-        if mod is None or i not in results:
+        if mod is None or i not in checked:
             row["error"] = err or "failed"
             report.append(row)
             continue
-        r = results[i]
-        num, den = np.linalg.norm(np.nan_to_num(r - ref, nan=np.inf)), np.linalg.norm(ref)
-        rel = num / den if den > 0 else num
+        rel = checked[i]
         tol = result_tolerance(c.precision, op.dtype)
         if not np.isfinite(rel) or rel > 4 * tol:
             row["error"] = f"result differs from the reference by {rel:.3g}"
@@ -155,7 +183,8 @@ def quick_select(op: SparseOp, target: str, ranked: list[tuple[Config, float | N
         report.append(row)
         if best is None or sec < best[0]:
             best = (sec, i)
-    info = {"build_s": round(t_built - t0, 4), "measure_s": round(time.perf_counter() - t_built, 4),
+    info = {"build_s": round(t_built - t0, 4), "check_s": round(t_checked - t_built, 4),
+            "measure_s": round(time.perf_counter() - t_checked, 4),
             "budget_s": budget_s, "candidates": report}
     if best is None:
         return None, info
@@ -164,5 +193,5 @@ def quick_select(op: SparseOp, target: str, ranked: list[tuple[Config, float | N
     vend = next((r.get("kernel_ms") for r in report if r["source"] == "vendor"), None)
     info.update(kernel_ms=sec * 1e3, chosen=src)
     if vend:
-        info.update(baseline_ms=vend, baseline_name="extern.cusparse", expected_speedup=vend / (sec * 1e3))
+        info.update(baseline_ms=vend, baseline_name=VENDOR[target], expected_speedup=vend / (sec * 1e3))
     return mod, info

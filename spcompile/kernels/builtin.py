@@ -2,7 +2,7 @@
 import importlib
 
 for _name in ("spcompile.kernels.tvm.cpu_csr", "spcompile.kernels.tvm.cuda_csr",
-              "spcompile.kernels.csr.template", "spcompile.kernels.cusparse",
+              "spcompile.kernels.csr.template", "spcompile.kernels.cusparse", "spcompile.kernels.scipy_ext",
               "spcompile.kernels.tc.template", "spcompile.kernels.aspt.template",
               "spcompile.kernels.sptc.template"):
     try:

@@ -1,0 +1,88 @@
+"""``extern.scipy``: SciPy's CSR product as a CPU template (the CPU counterpart of
+``extern.cusparse``), so that the module ``build()`` picks on the CPU is never slower than the
+library a user would otherwise call."""
+from __future__ import annotations
+
+import numpy as np
+
+from ..core.ir import SparseModule
+from ..runtime.kernel import Kernel
+from .base import Template, register_template
+
+
+def _host_view(a):
+    """A numpy view of a host array (numpy or torch CPU tensor), writable where ``a`` is."""
+    if isinstance(a, np.ndarray):
+        return a
+    if hasattr(a, "numpy"):
+        return a.numpy()
+    return np.asarray(a)
+
+
+class ScipyKernel(Kernel):
+    """``Y = A @ X`` by SciPy's CSR kernel, single-threaded, written into ``out``."""
+
+    target = "cpu"
+
+    def __init__(self, template, params, arrays, files, meta):
+        super().__init__(template, params, arrays, files, meta)
+        import scipy.sparse as sp
+
+        m, n = (int(v) for v in self.meta["shape"])
+        a = self.arrays
+        self._S = sp.csr_matrix((a["data"], a["indices"], a["indptr"]), shape=(m, n))
+        try:  # SciPy's own CSR x dense kernel, accumulating into a caller-owned output
+            from scipy.sparse import _sparsetools
+
+            self._matvecs = _sparsetools.csr_matvecs
+        except (ImportError, AttributeError):  # pragma: no cover - other SciPy layouts
+            self._matvecs = None
+
+    def __call__(self, *inputs, out):
+        X = _host_view(inputs[0])
+        Y = _host_view(out)
+        S = self._S
+        if self._matvecs is not None and X.dtype == S.dtype and Y.dtype == S.dtype and X.flags.c_contiguous \
+                and Y.flags.c_contiguous:
+            Y.fill(0)
+            self._matvecs(S.shape[0], S.shape[1], X.shape[1], S.indptr, S.indices, S.data, X.ravel(), Y.ravel())
+        else:
+            Y[...] = S @ X
+        return out
+
+
+@register_template
+class Scipy(Template):
+    """SciPy's CSR SpMM (sum and mean, float32) as a CPU candidate: quick selection and the tuner
+    offer it beside the compiled kernels, so a CPU module is never slower than ``A @ X`` in
+    SciPy.  Works on the original matrix (passes do not apply to a library call)."""
+
+    name = "extern.scipy"
+    version = "1"
+    target = "cpu"
+    priority = 1
+    ops = (("spmm", "sum"), ("spmm", "mean"))
+    dtypes = ("float32",)
+
+    def available(self) -> bool:
+        import importlib.util
+
+        return importlib.util.find_spec("scipy") is not None
+
+    def pipelines(self, mod):
+        return [[]]
+
+    def build(self, mod: SparseModule, params):
+        params = self.check_params(mod, params)
+        A = mod.op.A  # caller's order: the library needs no permutation folding
+        data = np.array(A.data, dtype=np.float32)
+        if mod.op.reduce == "mean":
+            lens = np.diff(A.indptr.astype(np.int64))
+            data = (data / np.repeat(np.maximum(lens, 1), lens)).astype(np.float32)
+        idx = np.int32 if max(A.nnz, A.shape[1]) < 2**31 else np.int64
+        arrays = {"indptr": np.array(A.indptr, dtype=idx), "indices": np.array(A.indices, dtype=idx), "data": data}
+        meta = {"op": "spmm", "reduce": mod.op.reduce, "shape": list(A.shape)}
+        return ScipyKernel(self.name, params, arrays, {}, meta)
+
+    def load(self, params, arrays, files, meta):
+        return ScipyKernel(self.name, params, arrays, files, meta)
