@@ -166,8 +166,9 @@ def candidate_config(cid: str, op: SparseOp, target: str = "cuda") -> Config:
     elif tname == "csr.sddmm":
         params = _sddmm_params(tpl, mod0, variant)
     elif variant == "default":
-        mod = Pipeline(spec)(mod0) if spec and tname != "extern.cusparse" else mod0
-        params = tpl.default_params(mod)
+        # the shipped templates' defaults depend on the op (K, dtype) only: no pipeline run here
+        # (ranking would otherwise run every candidate's preprocessing once more)
+        params = tpl.default_params(mod0)
     else:
         raise ValueError(f"unknown portfolio member {cid!r}")
     return tpl.make_config(params, spec, target)
