@@ -38,6 +38,8 @@ FEATURES = ("log_rows", "log_cols", "log_nnz", "log_mean_row", "row_cv", "log_ma
             "col_cv", "window_reuse", "locality")
 #: the widths the shipped knowledge was measured at
 KNOWLEDGE_K = (32, 64, 128, 256, 512)
+#: smallest spread a feature gets when distances are standardised
+SD_FLOOR = 0.05
 
 _DATA_DIR = os.path.join(os.path.dirname(__file__), "data")
 
@@ -113,7 +115,7 @@ def portfolio(op: str, reduce: str | None, dtype: str) -> list[str]:
             for npw in (8, 32, 128):
                 for g in ("d", "g16", "g8"):
                     out.append(f"csr.sddmm|{pipe}|npw{npw}-{g}")
-        if dtype in ("float32", "float16"):
+        if dtype == "float32":   # cuSPARSE's SDDMM (torch.sparse.sampled_addmm) has no 16-bit kernels
             out.append("extern.cusparse|none|default")
     return out
 
@@ -235,7 +237,9 @@ class Knowledge:
             return []
         X = table.X[keep]
         mu, sd = X.mean(axis=0), X.std(axis=0)
-        sd[sd == 0] = 1.0
+        # a floor on the spread: a feature (nearly) constant over the training graphs must not
+        # dominate the distance of a matrix that differs from them in it a little
+        sd = np.maximum(sd, SD_FLOOR)
         d = np.sqrt((((X - mu) / sd - (x - mu) / sd) ** 2).sum(axis=1))
         nn = np.argsort(d, kind="stable")[:max(1, k)]
         w = 1.0 / (d[nn] + 0.25)

@@ -1,0 +1,238 @@
+"""The shipped knowledge and the model over it (autotune.knowledge), quick selection
+(autotune.select) and the SciPy template it measures on the CPU (extern.scipy)."""
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+
+import spcompile
+from spcompile.autotune import knowledge as kn
+from spcompile.autotune import select
+from spcompile.autotune.policy import decide
+from spcompile.compile import make_op
+from spcompile.core import reference
+
+from conftest import random_matrix
+
+
+# -- features ---------------------------------------------------------------------------------
+def test_features_values_and_pattern_only():
+    A = sp.csr_matrix(np.array([[1, 0, 2, 0], [0, 0, 0, 0], [3, 4, 5, 6], [0, 0, 0, 7]], dtype=np.float32))
+    f = kn.features(A)
+    assert set(f) == set(kn.FEATURES)
+    assert f["empty_rows"] == pytest.approx(0.25)
+    assert f["log_nnz"] == pytest.approx(math.log2(7 + 1))
+    assert f["log_mean_row"] == pytest.approx(math.log2(7 / 4 + 1))
+    assert f["log_max_over_mean"] == pytest.approx(math.log2(4 / (7 / 4)))
+    assert f["window_reuse"] == pytest.approx(7 / 4)   # one 32-row window: 7 nonzeros, 4 columns
+    B = A.copy()
+    B.data[:] = -9.0
+    assert kn.features(B) == f                        # the pattern decides, not the values
+    g = kn.features(sp.csr_matrix((5, 3), dtype=np.float32))   # no nonzeros at all
+    assert all(np.isfinite(v) for v in g.values()) and g["empty_rows"] == 1.0
+
+
+def test_features_are_linear_and_separate_structures():
+    n = 20000
+    banded = sp.diags([np.ones(n - k) for k in range(4)], list(range(4)), format="csr", dtype=np.float32)
+    rng = np.random.default_rng(0)
+    scattered = sp.random(n, n, density=4 / n, format="csr", random_state=rng, dtype=np.float32)
+    fb, fs = kn.features(banded), kn.features(scattered)
+    assert fb["locality"] > 0.99 and fs["locality"] < 0.8
+    assert fb["window_reuse"] > 3 and fs["window_reuse"] < 1.2
+
+
+# -- the shipped knowledge ----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def shipped():
+    k = kn.load_knowledge("cuda", "sm_90")
+    assert k is not None, "the package ships knowledge_sm_90.json"
+    return k
+
+
+def test_shipped_knowledge_matches_the_portfolio(shipped):
+    """A stale knowledge file (portfolio changed since it was measured) would rank the wrong
+    configs: every class's candidates must be today's portfolio, every graph a full row."""
+    want = {"spmm/sum/float32/%d" % K for K in kn.KNOWLEDGE_K} | {"spmm/sum/float16/128", "sddmm/-/float32/128"}
+    assert want <= set(shipped.tables)
+    for cls, t in shipped.tables.items():
+        op, red, dt, K = cls.split("/")
+        assert t.candidates == kn.portfolio(op, None if red == "-" else red, dt), cls
+        assert t.times.shape == (len(t.names), len(t.candidates))
+        assert t.X.shape == (len(t.names), len(kn.FEATURES)) and np.isfinite(t.X).all()
+        assert len(set(t.digests)) == len(t.digests)
+        assert (np.isfinite(t.times).sum(axis=1) >= len(t.candidates) // 2).all(), cls
+    assert len(shipped.tables["spmm/sum/float32/128"].names) >= 50
+
+
+def test_every_portfolio_member_is_a_valid_config():
+    A = random_matrix(300, 300, density=0.02, seed=3)
+    from spcompile.kernels import get_template
+    from spcompile.core.ir import SparseModule
+
+    for op, red, dt, K in [("spmm", "sum", "float32", 128), ("spmm", "sum", "float16", 64),
+                           ("spmm", "mean", "float32", 32), ("sddmm", None, "float32", 256)]:
+        sop = make_op(A, op, K, red, dt)
+        seen = set()
+        for cid in kn.portfolio(op, red, dt):
+            cfg = kn.candidate_config(cid, sop)
+            tpl = get_template(cfg.template)
+            assert tpl.check_params(SparseModule.from_op(sop), cfg.params) == {**tpl.default_params(
+                SparseModule.from_op(sop)), **cfg.params}
+            seen.add(json.dumps(cfg.to_dict(), sort_keys=True))
+        assert len(seen) >= len(kn.portfolio(op, red, dt)) // 2   # members differ
+
+
+def test_leave_one_graph_out_quality(shipped):
+    """The model on graphs it has not seen (each graph's own measurements left out): its first
+    choice and the best of its first three plus the vendor library, against the graph's best."""
+    cv = kn.cross_validate(shipped)
+    for K in (64, 128, 256):
+        r = cv[f"spmm/sum/float32/{K}"]
+        assert r["graphs"] >= 50
+        assert r["model_over_oracle"] >= 0.88, r["model_over_oracle"]
+        assert r["quick_over_oracle"] >= 0.93, r["quick_over_oracle"]
+        assert r["quick_speedup"] >= 1.5 and r["quick_worst"] >= 0.95
+        # the held-out rows really are held out: the model's pick is not always the oracle
+        assert any(row["model_s"] > row["oracle_s"] for row in r["rows"])
+
+
+# -- the model on matrices outside its training set --------------------------------------------
+def _doc(train):
+    """A knowledge document with candidates 'a' (fast on short rows) and 'b' (fast on long rows)."""
+    cands = ["csr.crc_cwm|none|ms0-u2", "csr.crc_cwm|none|ms32-w8r2", "extern.cusparse|none|default"]
+    graphs = []
+    for i, A in enumerate(train):
+        f = kn.features(A)
+        long_rows = f["log_mean_row"] > 3
+        times = [2e-5, 1e-5, 4e-5] if long_rows else [1e-5, 3e-5, 4e-5]
+        graphs.append({"name": f"g{i}", "digest": spcompile.core.ir.pattern_hash(spcompile.core.formats.as_csr(A)),
+                       "features": f, "baseline_s": 4e-5, "times": times})
+    return {"workloads": {"spmm/sum/float32/128": {"candidates": cands, "graphs": graphs}}}, cands
+
+
+def test_model_ranks_by_structure_on_unseen_matrices():
+    rng = np.random.default_rng(5)
+    short = [sp.random(3000, 3000, density=d, format="csr", random_state=rng, dtype=np.float32)
+             for d in (0.0005, 0.001, 0.0015)]
+    long_ = [sp.random(3000, 3000, density=d, format="csr", random_state=rng, dtype=np.float32)
+             for d in (0.02, 0.03, 0.04)]
+    doc, cands = _doc(short + long_)
+    k = kn.Knowledge(doc)
+    t = k.table_for("spmm", "sum", "float32", 100)      # nearest K
+    new_short = sp.random(5000, 5000, density=0.0008, format="csr", random_state=rng, dtype=np.float32)
+    new_long = sp.random(2000, 2000, density=0.05, format="csr", random_state=rng, dtype=np.float32)
+    top_s = kn.Knowledge.rank(t, kn._vector(kn.features(new_short)), k=3)
+    top_l = kn.Knowledge.rank(t, kn._vector(kn.features(new_long)), k=3)
+    assert top_s[0][0] == cands[0] and top_l[0][0] == cands[1]
+    assert top_l[0][2] == pytest.approx(4.0, rel=0.01)   # expected speed-up over the baseline
+    assert k.table_for("spmm", "max", "float32", 128) is t   # max falls back to the sum's data
+    assert k.table_for("sddmm", None, "float32", 128) is None
+
+
+def test_excluded_leaves_the_graph_out(monkeypatch, tmp_path):
+    rng = np.random.default_rng(9)
+    mats = [sp.random(2000, 2000, density=d, format="csr", random_state=rng, dtype=np.float32)
+            for d in (0.001, 0.002, 0.03)]
+    doc, cands = _doc(mats)
+    # the first matrix's own row says 'c' (the vendor) wins on it
+    doc["workloads"]["spmm/sum/float32/128"]["graphs"][0]["times"] = [9e-5, 9e-5, 1e-6]
+    path = tmp_path / "k.json"
+    path.write_text(json.dumps(doc))
+    monkeypatch.setenv("SPCOMPILE_KNOWLEDGE", str(path))
+    kn._CACHE.clear()
+    sop = make_op(mats[0], "spmm", 128, "sum", "float32")
+    monkeypatch.setattr(kn, "_applies", lambda *a: True)
+    monkeypatch.setattr(kn, "_arch", lambda t: "sm_90")
+    from spcompile.kernels import get_template
+
+    monkeypatch.setattr(type(get_template("csr.crc_cwm")), "available", lambda self: True)
+    monkeypatch.setattr(type(get_template("extern.cusparse")), "available", lambda self: True)
+    seen = kn.ranked_configs(sop, "cuda", k=3)
+    assert seen[0][0].template == "extern.cusparse"       # memory: its own record
+    with kn.excluded(mats[0]):
+        held_out = kn.ranked_configs(sop, "cuda", k=3)
+    assert held_out[0][0].template == "csr.crc_cwm"       # generalisation from the others
+    assert kn.ranked_configs(sop, "cuda", k=3)[0][0].template == "extern.cusparse"   # restored
+    kn._CACHE.clear()
+
+
+# -- extern.scipy ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("reduce", ["sum", "mean"])
+@pytest.mark.parametrize("K", [1, 7, 64])
+def test_scipy_template_matches_reference(reduce, K):
+    A = random_matrix(130, 90, density=0.05, seed=K)
+    mod = spcompile.build(A, "spmm", K, reduce=reduce, target="cpu", template="extern.scipy")
+    X = np.random.default_rng(K).standard_normal((90, K)).astype(np.float32)
+    Y = np.full((130, K), np.nan, np.float32)
+    mod(X, out=Y)
+    ref = reference.spmm(spcompile.core.formats.as_csr(A), X.astype(np.float64), reduce)
+    assert reference.rel_error(Y, ref) < 1e-5
+    import torch
+
+    Yt = mod(torch.from_numpy(X))
+    assert isinstance(Yt, torch.Tensor) and np.allclose(Yt.numpy(), Y)
+
+
+def test_scipy_template_artifact_roundtrip(tmp_path):
+    A = random_matrix(60, 50, density=0.1, seed=2)
+    mod = spcompile.build(A, "spmm", 5, target="cpu", template="extern.scipy")
+    p = mod.save(str(tmp_path / "m.spc"))
+    X = np.random.default_rng(0).standard_normal((50, 5)).astype(np.float32)
+    assert np.array_equal(spcompile.load(p)(X), mod(X))
+
+
+# -- quick selection ----------------------------------------------------------------------------
+def test_quick_selection_on_cpu_picks_the_fastest_correct(no_tuning_db):
+    A = random_matrix(400, 400, density=0.02, seed=4)
+    mod = spcompile.build(A, "spmm", 32, target="cpu")
+    t = mod.tuning
+    assert t["source"] == "quick"
+    rows = {r["source"]: r for r in t["candidates"]}
+    assert set(rows) == {"heuristic", "vendor"} and rows["vendor"]["template"] == "extern.scipy"
+    fastest = min(t["candidates"], key=lambda r: r["kernel_ms"])
+    assert mod.config.template == fastest["template"]
+    assert t["expected_speedup"] == pytest.approx(rows["vendor"]["kernel_ms"] / fastest["kernel_ms"])
+    X = np.random.default_rng(1).standard_normal((400, 32)).astype(np.float32)
+    assert reference.rel_error(mod(X), A.astype(np.float64) @ X) < 1e-5
+    # no budget: no measurement, the heuristic default
+    mod0 = spcompile.build(A, "spmm", 32, target="cpu", select_budget=0)
+    assert mod0.tuning["source"] == "heuristic" and mod0.config.template == "cpu.csr_spmm"
+
+
+def test_quick_selection_rejects_a_wrong_candidate(monkeypatch):
+    A = random_matrix(200, 150, density=0.03, seed=8)
+    sop = make_op(A, "spmm", 16, "sum", "float32")
+    real = select.build_from_config
+
+    class Wrong:
+        def __init__(self, m):
+            self._m, self.config = m, m.config
+
+        def __call__(self, *ins, out):
+            self._m(*ins, out=out)
+            out[0, 0] += 1e3   # a wrong result, faster than anything
+            return out
+
+    monkeypatch.setattr(select, "build_from_config",
+                        lambda op, c, ctx=None, module=None: (Wrong if c.template == "cpu.csr_spmm" else (lambda m: m))(
+                            real(op, c, ctx, module=module)))
+    from spcompile.compile import default_config
+
+    mod, info = select.quick_select(sop, "cpu", [(default_config(sop, "cpu"), None)], budget_s=0.5)
+    assert mod.config.template == "extern.scipy"
+    bad = [r for r in info["candidates"] if r["template"] == "cpu.csr_spmm"][0]
+    assert "differs from the reference" in bad["error"]
+
+
+def test_decide_reports_where_the_decision_came_from(no_tuning_db):
+    A = random_matrix(100, 100, density=0.05, seed=1)
+    sop = make_op(A, "spmm", 8, "max", "float32")
+    cfg, info, mod = decide(sop, "cpu")
+    assert info["source"] == "heuristic" and mod is None     # no vendor max, no CPU knowledge
+    cfg, info, mod = decide(make_op(A, "spmm", 8, "sum", "float32"), "cpu")
+    assert info["source"] == "quick" and mod is not None and mod.config == cfg
