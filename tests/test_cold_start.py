@@ -79,3 +79,18 @@ def test_tvm_version_is_read_without_importing_tvm(tmp_path):
     out = _run("import sys, json; from spcompile._version import tvm_version; "
                "print(json.dumps([tvm_version(), 'tvm' in sys.modules]))", tmp_path)
     assert out == [tvm.__version__, False]
+
+
+def test_cold_start_benchmark_splits_the_fresh_process(tmp_path):
+    """``bench.py --cold-start`` on the CPU: a correct result, the wall time and the process's own
+    split into import / load / first call (each part of the wall time)."""
+    r = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "bench.py"), "--cold-start", "--target",
+                        "cpu", "--cold-runs", "2", "--out", str(tmp_path)], capture_output=True, text=True,
+                       timeout=600, env={**os.environ, "PYTHONPATH": REPO}, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads((tmp_path / "cold_start_cpu.json").read_text())
+    rec = doc["result"]["targets"]["cpu"]
+    assert rec["status"] == "ok" and len(rec["samples_s"]) == 2
+    parts = [rec[k] for k in ("import_s", "load_s", "first_call_s")]
+    assert all(p >= 0 for p in parts) and sum(parts) < rec["median_s"] * 1.5
+    assert "| import + load + call, target cpu |" in (tmp_path / "cold_start_cpu.md").read_text()
