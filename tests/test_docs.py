@@ -96,3 +96,27 @@ def test_doc_block_runs(lang, code, tmp_path):
         r = subprocess.run([sys.executable, "-m", "spcompile", *args], cwd=tmp_path, env=env, capture_output=True,
                            text=True, timeout=600)
         assert r.returncode == 0, f"`spcompile {' '.join(args)}` failed:\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
+
+
+def test_datasets_page_describes_the_benchmark_graphs():
+    """docs/datasets.md: one table row per graph of the set, its summary counts agree with the
+    table, and (where the graphs are beside the checkout) with their manifest."""
+    import collections
+    import json
+
+    text = (REPO / "docs" / "datasets.md").read_text()
+    table = text.split("## The 58 graphs", 1)[1]
+    rows = [[c.strip() for c in ln.strip("|").split("|")] for ln in table.splitlines()
+            if ln.startswith("| ") and not ln.startswith("| graph")]
+    assert len(rows) == 58 and len({r[0] for r in rows}) == 58
+    kinds = collections.Counter(r[1] for r in rows)
+    sizes = collections.Counter(r[5] for r in rows)
+    assert kinds == {"gnn": 26, "suitesparse": 32} and sizes == {"small": 18, "medium": 29, "large": 11}
+    nnz = [int(r[4].replace(",", "")) for r in rows]
+    assert nnz == sorted(nnz) and sum(n > 200_000 for n in nnz) == 18 and sum(n > 2_000_000 for n in nnz) == 1
+    manifest = pathlib.Path(os.environ.get("SPCOMPILE_GRAPHS") or REPO.parent / "shared" / "data" / "graphs") / "manifest.json"
+    if manifest.exists():
+        m = json.loads(manifest.read_text())
+        assert {(e["name"], e["nnz"]) for e in m["matrices"]} == {(r[0], n) for r, n in zip(rows, nnz)}
+        terms = text.split("| source | terms |", 1)[1].split("\n\n", 1)[0]
+        assert len([ln for ln in terms.splitlines() if ln.startswith("| ") and "---" not in ln]) == len(m["licenses"])
