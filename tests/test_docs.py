@@ -1,5 +1,7 @@
-"""The README's and docs/' code blocks run as they are written (in a fresh process, in a temporary
-folder, with a temporary tuning database): documentation that does not run is a bug.
+"""The README's and docs/' code blocks run as they are written (each in a fresh process; the
+blocks of one document in order, in one temporary folder of their own, so a later block may use
+what an earlier one wrote, as a reader running them would; a temporary tuning database):
+documentation that does not run is a bug.
 
 * every ```python block runs as a script;
 * in every ```bash block, each command that starts with ``spcompile`` runs (the CLI, through
@@ -60,7 +62,7 @@ def _params():
         if lang == "bash" and not spcompile_commands(code):
             continue
         marks = [pytest.mark.gpu, pytest.mark.skipif(not cuda_available(), reason="no usable CUDA GPU")] if gpu else []
-        out.append(pytest.param(lang, code, id=ident, marks=marks))
+        out.append(pytest.param(lang, code, ident.split(":")[0], id=ident, marks=marks))
     return out
 
 
@@ -84,8 +86,20 @@ def test_spcompile_commands_are_found_in_bash_blocks():
     assert spcompile_commands(code) == [["demo", "--rows", "10"], ["info", "a b.spc"]]
 
 
-@pytest.mark.parametrize("lang,code", PARAMS)
-def test_doc_block_runs(lang, code, tmp_path):
+_DIRS: dict = {}
+
+
+@pytest.fixture
+def doc_dir(request, tmp_path_factory):
+    doc = request.node.callspec.params["doc"]
+    if doc not in _DIRS:
+        _DIRS[doc] = tmp_path_factory.mktemp("doc")
+    return _DIRS[doc]
+
+
+@pytest.mark.parametrize("lang,code,doc", PARAMS)
+def test_doc_block_runs(lang, code, doc, doc_dir):
+    tmp_path = doc_dir
     env = _env(tmp_path)
     if lang == "python":
         r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,

@@ -11,6 +11,7 @@ import numpy as np
 from .._version import __version__
 from ..api import build, load
 from ..autotune.measure import Timer, Timing
+from . import report as cli_report
 from . import templates as cli_templates
 from .common import load_matrix, power_law_graph
 
@@ -157,6 +158,7 @@ def make_parser() -> argparse.ArgumentParser:
     ps = sub.add_parser("passes", help="list registered passes")
     ps.set_defaults(func=cmd_passes)
     cli_templates.add_command(sub)
+    cli_report.add_command(sub)
     i = sub.add_parser("info", help="describe a saved artifact")
     i.add_argument("artifact")
     i.set_defaults(func=cmd_info)
