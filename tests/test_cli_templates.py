@@ -66,3 +66,15 @@ def test_params_of_every_template_are_its_space_and_defaults():
         params = cli_templates.template_params(t)
         mod = cli_templates.example_module(t)
         assert set(params) == set(t.default_params(mod)) | set(t.space(mod)), t.name
+
+
+def test_listing_on_a_runtime_only_tvm(capsys, no_cuda, monkeypatch):
+    """A serving machine's TVM without its compiler: CPU modules still run there (saved ones load
+    with TVM's runtime), nothing TVM-generated can be built."""
+    monkeypatch.setattr(cli_templates, "_tvm_compiler_library", lambda: None)
+    assert main(["templates"]) == 0
+    lines = _lines(capsys.readouterr().out)
+    assert "build=no" in lines["cpu.csr_spmm"] and "run=yes" in lines["cpu.csr_spmm"]
+    assert "run only: no TVM compiler" in lines["cpu.csr_spmm"]
+    assert "unavailable: no TVM compiler" in lines["tvm.cuda_csr_spmm"] and "no GPU" in lines["tvm.cuda_csr_spmm"]
+    assert "build only: no GPU" in lines["csr.crc_cwm"]

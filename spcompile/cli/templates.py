@@ -102,6 +102,19 @@ def template_params(t, K: int = 64) -> dict:
     return out
 
 
+def runnable(t, gpu: bool) -> tuple[bool, str]:
+    """Whether saved modules of template ``t`` can run here (no compiler needed: a CPU module
+    needs TVM's runtime, a CUDA module a usable GPU, cuSPARSE modules torch too) and, when not, why."""
+    if t.target == "cpu":
+        ok = importlib.util.find_spec("tvm") is not None
+        return ok, "" if ok else "no TVM runtime"
+    if not gpu:
+        return False, "no GPU"
+    if "torch" in (template_tools(t) or ()) and importlib.util.find_spec("torch") is None:
+        return False, "no torch"
+    return True, ""
+
+
 def cmd_templates(args) -> int:
     from ..kernels import list_templates
     from ..runtime import cuda_available
@@ -110,14 +123,17 @@ def cmd_templates(args) -> int:
     for t in list_templates(args.target):
         ops = ", ".join(o + ("/" + r if r else "") for o, r in t.ops)
         ok, why = buildable(t, args.check)
-        if not ok:
-            state = f"unavailable: {why}"
-        elif t.target == "cuda" and not gpu:
-            state = "build only: no GPU"
-        else:
+        run, why_not_run = runnable(t, gpu)
+        if ok and run:
             state = "available"
+        elif ok:
+            state = f"build only: {why_not_run}"
+        elif run:
+            state = f"run only: {why}"
+        else:
+            state = f"unavailable: {why}" + (f"; {why_not_run}" if why_not_run and why_not_run not in why else "")
         print(f"{t.name:22s} target={t.target:5s} build={'yes' if ok else 'no':3s} "
-              f"run={'yes' if ok and (t.target == 'cpu' or gpu) else 'no':3s} {state:24s} "
+              f"run={'yes' if run else 'no':3s} {state:24s} "
               f"dtypes={','.join(t.dtypes)} ops: {ops}")
         if args.params:
             params = template_params(t, args.K)
