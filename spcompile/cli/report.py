@@ -61,13 +61,15 @@ def studies(storage_url: str) -> list[dict]:
     times in seconds from the study's first trial start."""
     import optuna
 
+    from ..autotune.database import optuna_storage
     from ..autotune.tuner import quiet_optuna
 
     out = []
     with quiet_optuna():
-        summaries = optuna.get_all_study_summaries(storage_url, include_best_trial=False)
+        storage = optuna_storage(storage_url, heartbeat_interval=None, grace_period=None)
+        summaries = optuna.get_all_study_summaries(storage, include_best_trial=False)
         for s in summaries:
-            study = optuna.load_study(study_name=s.study_name, storage=storage_url)
+            study = optuna.load_study(study_name=s.study_name, storage=storage)
             trials = [t for t in study.get_trials(deepcopy=False)
                       if t.datetime_start is not None and t.datetime_complete is not None]
             if not trials:
