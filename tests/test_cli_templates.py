@@ -78,3 +78,22 @@ def test_listing_on_a_runtime_only_tvm(capsys, no_cuda, monkeypatch):
     assert "run only: no TVM compiler" in lines["cpu.csr_spmm"]
     assert "unavailable: no TVM compiler" in lines["tvm.cuda_csr_spmm"] and "no GPU" in lines["tvm.cuda_csr_spmm"]
     assert "build only: no GPU" in lines["csr.crc_cwm"]
+
+
+def test_a_cpu_template_without_tvm_runs_where_it_builds(monkeypatch):
+    """A CPU template that is not a TVM kernel (e.g. a library call) needs no TVM to run."""
+
+    class LibraryCall(spcompile.Template):
+        name, target, ops = "test.library_call", "cpu", (("spmm", "sum"),)
+
+        def __init__(self, ok):
+            self.ok = ok
+
+        def available(self):
+            return self.ok
+
+    real = cli_templates.importlib.util.find_spec
+    monkeypatch.setattr(cli_templates.importlib.util, "find_spec", lambda name, *a: None if name == "tvm" else real(name, *a))
+    assert cli_templates.runnable(LibraryCall(True), gpu=False)[0]
+    assert not cli_templates.runnable(LibraryCall(False), gpu=False)[0]
+    assert not cli_templates.runnable(spcompile.get_template("cpu.csr_spmm"), gpu=False)[0]   # TVM kernel, no TVM

@@ -105,12 +105,15 @@ def template_params(t, K: int = 64) -> dict:
 def runnable(t, gpu: bool) -> tuple[bool, str]:
     """Whether saved modules of template ``t`` can run here (no compiler needed: a CPU module
     needs TVM's runtime, a CUDA module a usable GPU, cuSPARSE modules torch too) and, when not, why."""
+    tools = template_tools(t)
     if t.target == "cpu":
+        if tools is None or not any(x.startswith("tvm") for x in tools):  # not a TVM kernel: runs where it builds
+            return buildable(t, check=False)
         ok = importlib.util.find_spec("tvm") is not None
         return ok, "" if ok else "no TVM runtime"
     if not gpu:
         return False, "no GPU"
-    if "torch" in (template_tools(t) or ()) and importlib.util.find_spec("torch") is None:
+    if "torch" in (tools or ()) and importlib.util.find_spec("torch") is None:
         return False, "no torch"
     return True, ""
 
