@@ -79,9 +79,20 @@ def test_tuning_curve_and_time_split_follow_the_study(tuned_db):
     assert sum(split.values()) == pytest.approx(max(wall, sum(split.values())), rel=1e-6)
 
 
+def test_report_shows_a_cold_start_result_as_a_table(tmp_path):
+    doc = {"mode": "cold_start", "command": "python benchmarks/bench.py --cold-start", "env": {"device": "cpu"},
+           "result": {"python -c pass": {"median_s": 0.05}, "import spcompile": {"median_s": 0.17},
+                      "targets": {"cpu": {"median_s": 0.26, "import_s": 0.12, "load_s": 0.078,
+                                          "first_call_s": 0.0004, "status": "ok"}}}}
+    p = tmp_path / "cold.json"
+    p.write_text(json.dumps(doc))
+    page = report.render(bench=[str(p)], include_db=False)
+    assert "<td>import + load + first call, target cpu</td><td>0.260</td><td>0.120</td><td>0.078</td>" in page
+
+
 def test_report_errors_are_clear(tmp_path):
     bad = tmp_path / "x.json"
-    bad.write_text(json.dumps({"mode": "cold_start", "result": {}}))
+    bad.write_text(json.dumps({"name": "something else"}))
     with pytest.raises(ValueError, match="not a benchmarks/bench.py result"):
         report.render(bench=[str(bad)], include_db=False)
     with pytest.raises(FileNotFoundError, match="no tuning database"):
