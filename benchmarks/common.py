@@ -131,7 +131,8 @@ def device_name(target: str) -> str:
     try:
         from spcompile.runtime import cpu as rt_cpu
 
-        return f"{rt_cpu.host_cpu_name()} ({os.cpu_count()} CPUs)"
+        n = rt_cpu.num_threads()  # TVM_NUM_THREADS, else every CPU this process may use
+        return f"{rt_cpu.host_cpu_name()} ({os.cpu_count()} CPUs, kernels on {n} thread{'s' if n > 1 else ''})"
     except Exception:
         return f"{platform.processor() or platform.machine()} ({os.cpu_count()} CPUs)"
 

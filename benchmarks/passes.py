@@ -4,7 +4,8 @@
 For each pass and graph it calls ``spcompile.passes.run(name, A, **options)`` (in a forked child
 process, so that a per-pass per-graph time limit can be enforced and a crash is only a table
 entry) and records the pass's metric dict.  Writes a markdown report (default
-``docs/passes.md``) and the raw results as JSON (default ``benchmarks/results/passes.json``).
+``benchmarks/results/passes.md``; ``--write-docs``: ``docs/passes.md``, the published table) and
+the raw results as JSON (default ``benchmarks/results/passes.json``).
 
     python benchmarks/passes.py                              # all passes, all graphs
     python benchmarks/passes.py --passes tile.sgt --graphs cora pubmed
@@ -457,10 +458,15 @@ def main(argv=None) -> int:
                     help="run in this process (no time limit, a crash stops the run)")
     ap.add_argument("--merge", action="store_true",
                     help="keep the existing JSON's results for passes not run now")
-    ap.add_argument("--out-md", default=os.path.join(ROOT, "docs", "passes.md"))
+    ap.add_argument("--out-md", default=None,
+                    help="markdown report (default benchmarks/results/passes.md; see --write-docs)")
+    ap.add_argument("--write-docs", action="store_true", help="write the markdown report to docs/passes.md")
     ap.add_argument("--out-json", default=os.path.join(ROOT, "benchmarks", "results", "passes.json"))
     ap.add_argument("--quiet", action="store_true")
     args = ap.parse_args(argv)
+    if args.out_md is None:
+        args.out_md = os.path.join(ROOT, "docs" if args.write_docs else os.path.join("benchmarks", "results"),
+                                   "passes.md")
 
     gdir = args.graphs_dir or os.environ.get("SPCOMPILE_GRAPHS") or \
         os.path.join(ROOT, "..", "shared", "data", "graphs")

@@ -11,6 +11,8 @@ import numpy as np
 from .._version import __version__
 from ..api import build, load
 from ..autotune.measure import Timer, Timing
+from . import report as cli_report
+from . import templates as cli_templates
 from .common import load_matrix, power_law_graph
 
 
@@ -115,25 +117,6 @@ def cmd_passes(args) -> int:
     return 0
 
 
-def cmd_templates(args) -> int:
-    """Each template: can it be *built* here (its toolchain: TVM, nvcc, torch) and can its modules
-    *run* here (a usable GPU for CUDA templates), its dtypes, its parameters with their defaults'
-    names, and its ops."""
-    from ..kernels import list_templates
-    from ..runtime import cuda_available
-
-    gpu = cuda_available()
-    for t in list_templates(args.target):
-        ops = ", ".join(o + ("/" + r if r else "") for o, r in t.ops)
-        build = t.available()
-        run = build and (t.target == "cpu" or gpu)
-        print(f"{t.name:22s} target={t.target:5s} build={'yes' if build else 'no':3s} "
-              f"run={'yes' if run else 'no':3s} dtypes={','.join(t.dtypes)} ops: {ops}")
-    if args.target in (None, "cuda") and not gpu:
-        print("(no usable CUDA GPU here: CUDA modules can be built and saved, and run where a GPU is)")
-    return 0
-
-
 def cmd_info(args) -> int:
     mod = load(args.artifact)
     print(repr(mod))
@@ -174,9 +157,8 @@ def make_parser() -> argparse.ArgumentParser:
 
     ps = sub.add_parser("passes", help="list registered passes")
     ps.set_defaults(func=cmd_passes)
-    t = sub.add_parser("templates", help="list kernel templates")
-    t.add_argument("--target", default=None, choices=["cpu", "cuda"])
-    t.set_defaults(func=cmd_templates)
+    cli_templates.add_command(sub)
+    cli_report.add_command(sub)
     i = sub.add_parser("info", help="describe a saved artifact")
     i.add_argument("artifact")
     i.set_defaults(func=cmd_info)

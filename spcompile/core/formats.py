@@ -15,7 +15,9 @@ import warnings
 from dataclasses import dataclass
 
 import numpy as np
-import scipy.sparse as sp
+
+# scipy is imported where a function needs it, not here: loading and calling a saved module
+# (``import spcompile; spcompile.load(p)(X)``) never needs it
 
 INT32_MAX = np.iinfo(np.int32).max
 
@@ -53,7 +55,9 @@ class CSR:
         """Row index of every stored entry (length nnz)."""
         return np.repeat(np.arange(self.shape[0], dtype=self.indices.dtype), self.row_lengths)
 
-    def to_scipy(self) -> sp.csr_matrix:
+    def to_scipy(self) -> "scipy.sparse.csr_matrix":  # noqa: F821
+        import scipy.sparse as sp
+
         m = sp.csr_matrix((self.data, self.indices, self.indptr), shape=self.shape, copy=False)
         m.has_sorted_indices = True
         return m
@@ -120,6 +124,8 @@ def _from_arrays(indptr, indices, data, shape, dtype) -> CSR:
         if hi >= n:
             raise ValueError(f"column index {hi} out of range for {n} columns")
     data = _check_value_dtype(data, dtype)
+    import scipy.sparse as sp
+
     mat = sp.csr_matrix((data, indices.astype(np.int64, copy=False), indptr), shape=shape)
     if not mat.has_canonical_format:
         # the arrays may be the caller's (no copy above): sort / merge a copy, never the caller's matrix
@@ -145,6 +151,8 @@ def _from_torch(A, dtype) -> CSR:
         shape = _check_shape(A.shape)
         if idx.size and idx.min() < 0:
             raise ValueError("negative index in torch COO tensor")
+        import scipy.sparse as sp
+
         coo = sp.coo_matrix((vals, (idx[0], idx[1])), shape=shape)
         csr = coo.tocsr()
         return _from_arrays(csr.indptr, csr.indices, csr.data, shape, dtype)
@@ -163,7 +171,8 @@ def as_csr(A, dtype=np.float32) -> CSR:
     dtype = np.dtype(dtype)
     if isinstance(A, CSR):
         return A if A.data.dtype == dtype else A.astype(dtype)
-    if sp.issparse(A):
+    scipy_sparse = sys.modules.get("scipy.sparse")  # a scipy matrix means scipy is imported
+    if scipy_sparse is not None and scipy_sparse.issparse(A):
         if A.ndim != 2:
             raise ValueError(f"sparse matrix must be 2-D, got {A.ndim}-D")
         if A.format == "csr":

@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import numpy as np
-import scipy.sparse as sp
 
 from .formats import CSR
 
 
 def spmm(A: CSR, X: np.ndarray, reduce: str = "sum") -> np.ndarray:
     """float64 ``reduce_j A[i, j] * X[j, :]``; empty rows give 0 for every reduction."""
+    import scipy.sparse as sp
+
     X = np.asarray(X, dtype=np.float64)
     S = sp.csr_matrix((A.data.astype(np.float64), A.indices, A.indptr), shape=A.shape)
     lens = A.row_lengths

@@ -54,6 +54,10 @@ class Template:
     #: the parameter that selects the arithmetic precision (tensor-core templates), or None:
     #: every configuration computes in exact fp32
     precision_param: str | None = None
+    #: toolchains that building needs, by name ("tvm-llvm", "tvm-cuda", "nvcc", "torch"): what a
+    #: quick listing (``spcompile templates``) checks without importing them; None: unknown, the
+    #: listing calls :meth:`available` (the full check)
+    tools: tuple[str, ...] | None = None
 
     # -- availability / applicability --------------------------------------------------------
     def available(self) -> bool:

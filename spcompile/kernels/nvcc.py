@@ -124,6 +124,8 @@ class NvccTemplate(Template):
         return self.kernel_class
 
     # -- skeleton ----------------------------------------------------------------------------
+    tools = ("nvcc",)
+
     def available(self) -> bool:
         return rt.nvcc_available()
 

@@ -1,10 +1,18 @@
 """CPU runtime: compiling TensorIR for the host with TVM's llvm backend, loading exported
-libraries, and zero-copy DLPack views of numpy arrays."""
+libraries, and zero-copy DLPack views of numpy arrays.
+
+Loading and running a saved CPU module needs only TVM's FFI and runtime libraries, not the
+compiler: :func:`load` opens the library through ``tvm_ffi`` with ``libtvm_runtime`` loaded
+beside it (about 0.1 s), where ``import tvm`` would load the compiler, its Python packages and
+torch (seconds).  Compiling (:func:`compile_primfunc`) imports ``tvm`` as usual.
+"""
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 import platform
+import sys
 import tempfile
 
 
@@ -64,10 +72,55 @@ def export(lib, directory: str | None = None, name: str = "kernel.so") -> str:
     return path
 
 
-def load(path: str):
-    import tvm
+def ffi():
+    """The ``tvm_ffi`` module.  Its import tries ``import torch`` first (a work-around for a symbol
+    clash seen on Windows), which costs a second or more where torch is installed and unused; on
+    other systems, when the program has not imported torch itself, that attempt is made to fail
+    (torch stays importable afterwards).  tvm_ffi then reads torch tensors through DLPack."""
+    mod = sys.modules.get("tvm_ffi")
+    if mod is not None:
+        return mod
+    block = "torch" not in sys.modules and not sys.platform.startswith("win")
+    if block:
+        sys.modules["torch"] = None  # makes `import torch` raise ImportError
+    try:
+        import tvm_ffi
+    finally:
+        if block and sys.modules.get("torch", 0) is None:
+            del sys.modules["torch"]
+    return tvm_ffi
 
+
+@functools.lru_cache(maxsize=None)
+def _runtime_library() -> bool:
+    """Load TVM's runtime library (thread pool, workspace allocation: what exported kernels call)
+    the way ``import tvm`` does, without importing tvm; False when it cannot be found here."""
+    if "tvm" in sys.modules:
+        return True
+    spec = importlib.util.find_spec("tvm")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("running a CPU module needs TVM's runtime: pip install apache-tvm")
+    from pathlib import Path
+
+    dirs = [Path(os.environ["TVM_LIBRARY_PATH"])] if os.environ.get("TVM_LIBRARY_PATH") else []
+    dirs.append(Path(list(spec.submodule_search_locations)[0]) / "lib")
+    try:
+        ffi()  # first: tvm_ffi without torch
+        from tvm_ffi.libinfo import load_lib_ctypes
+
+        load_lib_ctypes("tvm", "tvm_runtime", "RTLD_GLOBAL", extra_lib_paths=dirs)
+    except (ImportError, OSError, RuntimeError):
+        return False
+    return True
+
+
+def load(path: str):
+    """A kernel library exported by :func:`export`, loaded without TVM's compiler."""
     configure_threads()
+    if _runtime_library():
+        return ffi().load_module(os.path.realpath(path))
+    import tvm  # an unusual layout: let TVM find its libraries
+
     return tvm.runtime.load_module(path)
 
 
@@ -98,7 +151,5 @@ def configure_threads() -> int:
 
 def as_tensor(a):
     """Zero-copy TVM view of a C-contiguous numpy array (or anything with __dlpack__)."""
-    import tvm_ffi
-
     # kernels declare 4-byte alignment (align=4 in match_buffer), so any float32 view is fine
-    return tvm_ffi.from_dlpack(a, require_alignment=0)
+    return ffi().from_dlpack(a, require_alignment=0)
