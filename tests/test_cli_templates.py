@@ -50,8 +50,11 @@ def test_quick_listing_agrees_with_each_templates_own_check(no_cuda):
 def test_params_lists_what_build_accepts(capsys):
     assert main(["templates", "--params", "--target", "cpu"]) == 0
     out = capsys.readouterr().out
-    block = out.split("cpu.csr_spmm", 1)[1].split("\n(")[0]
-    names = [ln.split()[0] for ln in block.splitlines()[1:] if ln.startswith("    ")]
+    names = []
+    for ln in out.split("cpu.csr_spmm", 1)[1].splitlines()[1:]:
+        if not ln.startswith("    "):
+            break   # the next template's line
+        names.append(ln.split()[0])
     assert {"tasks_per_thread", "k_tile"} <= set(names) and "rows_per_task" not in names
     A = sp.random(40, 40, density=0.1, format="csr", random_state=0, dtype=np.float32)
     mod = spcompile.build(A, "spmm", K=16, target="cpu", template="cpu.csr_spmm",
