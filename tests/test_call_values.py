@@ -46,6 +46,26 @@ def test_spmm_call_values_match_reference(reduce, pipeline):
     assert np.array_equal(mod(X), built)
 
 
+def test_same_tensor_rewritten_only_when_changed():
+    A = random_matrix(21, 17, density=0.2, seed=8)
+    mod = spcompile.build(A, "spmm", K=3, target="cpu", template="cpu.csr_spmm", pipeline=[{"name": "reorder.rcm"}])
+    X = np.random.default_rng(3).standard_normal((17, 3)).astype(np.float32)
+    C = as_csr(A)
+    v = torch.randn(A.nnz, dtype=torch.float64)
+    w = torch.randn(A.nnz)
+
+    def ref(vals):
+        return reference.run("spmm", "sum", as_csr(_with_values(C, vals.numpy())), X)
+
+    assert reference.rel_error(mod(X, values=v), ref(v)) < 1e-5
+    v.mul_(-2.0)                                   # changed in place: written again
+    assert reference.rel_error(mod(X, values=v), ref(v)) < 1e-5
+    assert reference.rel_error(mod(X, values=w), ref(w)) < 1e-5
+    assert reference.rel_error(mod(X, values=v), ref(v)) < 1e-5   # back to v after w
+    assert reference.rel_error(mod(X), reference.run("spmm", "sum", C, X)) < 1e-5
+    assert reference.rel_error(mod(X, values=v), ref(v)) < 1e-5   # and again after the built values
+
+
 def test_sddmm_call_values():
     A = random_matrix(23, 31, density=0.2, seed=5)
     mod = spcompile.build(A, "sddmm", K=5, target="cpu", pipeline=[{"name": "reorder.rcm"}],

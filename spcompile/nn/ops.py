@@ -99,7 +99,9 @@ def _sddmm(g: SparseGraph, X: torch.Tensor, Y: torch.Tensor, values: Optional[to
 def _transposed(g: SparseGraph, X: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``A_w^T X`` (w in A's entry order) through the transposed graph's module."""
     T = g.transpose()
-    return _spmm(T, X, w[g.tperm], "sum")
+    # the graph's own values: the transposed graph holds them in its order already (one tensor,
+    # so the module need not rewrite them each call)
+    return _spmm(T, X, None if w is g.values else w[g.tperm], "sum")
 
 
 @torch.library.custom_op("spcompile::spmm", mutates_args=())
@@ -135,7 +137,7 @@ def spmm_backward_op(dY: torch.Tensor, X: torch.Tensor, values: Optional[torch.T
     dX = X.new_empty((0,))
     dv = torch.empty((0,), dtype=torch.float32, device=X.device)
     try:
-        v = (values if values is not None else _values(g, None, X.device)).detach().float()
+        v = values.detach().float() if values is not None else _values(g, None, X.device)
         dY = dY.detach()
         X = X.detach()
         if reduce in ("sum", "mean"):
