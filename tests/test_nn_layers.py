@@ -157,3 +157,20 @@ def test_training_reduces_loss():
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < 0.5 * losses[0]
+
+
+def test_layers_and_graphs_pickle_and_copy():
+    import copy
+    import pickle
+
+    torch.manual_seed(9)
+    ei = _edges(10)
+    conv = snn.GCNConv(F, 3)
+    x = torch.randn(N, F)
+    out = conv(x, ei)                       # the layer has prepared and cached a graph
+    for twin in (pickle.loads(pickle.dumps(conv)), copy.deepcopy(conv)):
+        assert torch.allclose(twin(x, ei), out)
+    g = snn.gcn_norm(ei, N)
+    g2 = pickle.loads(pickle.dumps(g))
+    assert g2.id != g.id and g2.shape == g.shape and torch.equal(g2.values, g.values)
+    assert torch.allclose(conv(x, g2), out)

@@ -73,6 +73,13 @@ class SparseGraph:
     def __repr__(self):
         return f"SparseGraph(shape={self.shape}, nnz={self.nnz}, device={self.device})"
 
+    def __reduce__(self):
+        # the matrix, build options and device; modules are built again where it is unpickled
+        # (a new graph: new id; modules given by the caller travel pickled with it)
+        C = self.csr
+        return (_rebuild, ((C.indptr, C.indices, C.data, self.shape), self.build_options,
+                           str(self.device), list(self._user.values())))
+
     # -- construction ---------------------------------------------------------------------
     @classmethod
     def from_module(cls, mod: CompiledModule) -> "SparseGraph":
@@ -172,3 +179,10 @@ class SparseGraph:
                 errors.append(f"{tpl.name}: {e}")
         raise RuntimeError(f"no template on target {target!r} takes call-time values for op={op!r} "
                            f"reduce={reduce!r} dtype={dtype!r} ({'; '.join(errors) or 'none available'})")
+
+
+def _rebuild(A, build_options, device, user) -> SparseGraph:
+    g = SparseGraph(A, **build_options)
+    for mod in user:
+        g._user[(mod.op, mod.K, mod.reduce, mod.key.dtype, mod.target)] = mod
+    return g.to(device)

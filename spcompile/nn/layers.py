@@ -36,6 +36,12 @@ class _GraphCache:
         self._src = None
         self._graph = None
 
+    def __getstate__(self):      # pickled / copied layers prepare their graph again
+        return {}
+
+    def __setstate__(self, state):
+        self._src = self._graph = None
+
     def get(self, obj, make):
         src = self._src() if self._src is not None else None
         if src is not obj or self._graph is None:
