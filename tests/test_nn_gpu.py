@@ -117,3 +117,18 @@ def test_layers_and_inductor_on_gpu():
         out = eager(x)
     torch.nn.functional.cross_entropy(out.float(), y).backward()
     assert all(torch.isfinite(p.grad).all() for p in eager.parameters())
+
+
+def test_spmm_of_a_built_cuda_module():
+    A = random_matrix(300, 280, density=0.03, seed=4)
+    mod = spcompile.build(A, "spmm", K=64, target="cuda")
+    X = torch.randn(280, 64, device="cuda", requires_grad=True)
+    Y = snn.spmm(mod, X)
+    C = as_csr(A)
+    Ad = torch.from_numpy(C.to_scipy().toarray().astype(np.float64))
+    Xd = X.detach().double().cpu().requires_grad_(True)
+    Yd = Ad @ Xd
+    assert torch.allclose(Y.double().cpu(), Yd, atol=1e-4, rtol=1e-4)
+    Y.square().sum().backward()
+    Yd.square().sum().backward()
+    assert torch.allclose(X.grad.double().cpu(), Xd.grad, atol=1e-3, rtol=1e-4)

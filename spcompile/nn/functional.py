@@ -49,6 +49,8 @@ def spmm(A, X: torch.Tensor, values: torch.Tensor | None = None, reduce: str | N
                 return A(X.detach(), values=values.detach())
             return A(X.detach())
     g = as_graph(A)
+    if isinstance(A, CompiledModule) and g.device != X.device:
+        g.to(X.device)          # a module's graph follows its inputs
     return torch.ops.spcompile.spmm(X, values, g.id, reduce or "sum")
 
 
@@ -58,6 +60,8 @@ def sddmm(A, X: torch.Tensor, Y: torch.Tensor, values: torch.Tensor | None = Non
     if isinstance(A, CompiledModule) and A.op != "sddmm":
         raise ValueError(f"sddmm needs an op='sddmm' module (or a SparseGraph), got op={A.op!r}")
     g = as_graph(A)
+    if isinstance(A, CompiledModule) and g.device != X.device:
+        g.to(X.device)
     return torch.ops.spcompile.sddmm(X, Y, values, g.id)
 
 
