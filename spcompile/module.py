@@ -175,31 +175,34 @@ class CompiledModule:
             if a.dtype(values) not in ("float32", "float64", "float16", "bfloat16"):
                 raise TypeError(f"values must be floating point, got {a.dtype(values)}")
             self._swapped = True
-            st["last"] = (values, values._version) if a.name == "torch" else None
-        if nnz == 0:
-            return
-        src = self.values_src
-        if self.config.target == "cpu":
-            buf = self.kernel.arrays[name]
-            if "baked" not in st:
-                st["baked"] = buf.copy()
-            if values is None:
-                np.copyto(buf, st["baked"])
-                return
-            if a.name == "torch":
-                if values.device.type != "cpu":
-                    raise ValueError("values must be on the host for a target='cpu' module")
-                v = values.detach().float().numpy()
-            elif a.name == "numpy":
-                v = np.asarray(values, dtype=np.float32)
+        # remembered only once written: a call that fails below never leaves a stale "written"
+        st["last"] = None
+        if nnz != 0:
+            if self.config.target == "cpu":
+                self._use_host_values(name, values, st)
             else:
-                raise ValueError("values must be on the host for a target='cpu' module")
-            if src is None:
-                np.copyto(buf, v)
-            else:
-                np.take(v, src, out=buf)
+                self._use_device_values(name, values, self.values_src, st)
+        if values is not None and a.name == "torch":
+            st["last"] = (values, values._version)
+
+    def _use_host_values(self, name, values, st) -> None:
+        buf = self.kernel.arrays[name]      # the kernel reads this array in place (zero-copy)
+        if "baked" not in st:
+            st["baked"] = buf.copy()
+        if values is None:
+            np.copyto(buf, st["baked"])
             return
-        self._use_device_values(name, values, src, st)
+        a = adapter_for(values)
+        if a.name == "torch" and values.device.type == "cpu":
+            v = values.detach().float().numpy()
+        elif a.name == "numpy":
+            v = np.asarray(values, dtype=np.float32)
+        else:
+            raise ValueError("values must be on the host for a target='cpu' module")
+        if self.values_src is None:
+            np.copyto(buf, v)
+        else:
+            np.take(v, self.values_src, out=buf)
 
     def _use_device_values(self, name, values, src, st) -> None:
         kernel = self.kernel
@@ -210,6 +213,10 @@ class CompiledModule:
             raise ValueError(f"template {self.config.template!r} keeps no device copy of {name!r}: call-time "
                              f"values are not supported by this module")
         a = None if values is None else adapter_for(values)
+        if values is None and st.get("torch_buf") is not None:
+            # torch wrote the device copy: restore on torch's stream too (ordered after its launches)
+            st["torch_buf"].copy_(st["torch_baked"])
+            return
         if values is None or a.name != "torch":
             host = self.kernel.arrays[name]
             if values is None:
@@ -229,6 +236,7 @@ class CompiledModule:
         if st.get("torch_buf") is None:
             st["torch_buf"] = torch.from_dlpack(dev)
             st["torch_src"] = None if src is None else torch.from_numpy(np.asarray(src, np.int64)).to(values.device)
+            st["torch_baked"] = torch.from_numpy(self.kernel.arrays[name]).to(values.device)
         v = values.detach()
         if v.dtype != torch.float32:
             v = v.float()

@@ -67,6 +67,11 @@ def test_same_tensor_rewritten_only_when_changed():
     assert reference.rel_error(mod(X, values=v), ref(v)) < 1e-5   # back to v after w
     assert reference.rel_error(mod(X), reference.run("spmm", "sum", C, X)) < 1e-5
     assert reference.rel_error(mod(X, values=v), ref(v)) < 1e-5   # and again after the built values
+    # a failed call leaves nothing remembered: the next call with that tensor writes it
+    bad = torch.zeros(A.nnz, dtype=torch.float32, device="meta")
+    with pytest.raises(ValueError, match="on the host"):
+        mod(X, values=bad)
+    assert reference.rel_error(mod(X, values=w), ref(w)) < 1e-5
 
 
 def test_sddmm_call_values():
