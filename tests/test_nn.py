@@ -188,3 +188,31 @@ def test_opcheck(A, graph, reduce):
     C = as_csr(A)
     Xs = torch.randn(C.shape[0], K, requires_grad=True)
     torch.library.opcheck(torch.ops.spcompile.sddmm.default, (Xs, X, None, graph.id))
+
+
+@pytest.mark.parametrize("reduce", ["sum", "max"])
+def test_eager_functions_equal_the_registered_ops(A, graph, reduce):
+    # outside torch.compile spmm()/sddmm() run autograd Functions; the custom ops (what compiled
+    # graphs call) give the same values and gradients
+    grads = []
+    for path in ("function", "op"):
+        X, v = _inputs(A, 9)
+        X.requires_grad_(True)
+        v.requires_grad_(True)
+        Y = snn.spmm(graph, X, values=v, reduce=reduce) if path == "function" else \
+            torch.ops.spcompile.spmm(X, v, graph.id, reduce)
+        Y.square().sum().backward()
+        grads.append((Y.detach(), X.grad, v.grad))
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+    C = as_csr(A)
+    outs = []
+    for path in ("function", "op"):
+        g = torch.Generator().manual_seed(3)
+        X = torch.randn(C.shape[0], K, generator=g, requires_grad=True)
+        Y = torch.randn(C.shape[1], K, generator=g, requires_grad=True)
+        o = snn.sddmm(graph, X, Y) if path == "function" else torch.ops.spcompile.sddmm(X, Y, None, graph.id)
+        o.square().sum().backward()
+        outs.append((o.detach(), X.grad, Y.grad))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)

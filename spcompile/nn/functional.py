@@ -51,7 +51,9 @@ def spmm(A, X: torch.Tensor, values: torch.Tensor | None = None, reduce: str | N
     g = as_graph(A)
     if isinstance(A, CompiledModule) and g.device != X.device:
         g.to(X.device)          # a module's graph follows its inputs
-    return torch.ops.spcompile.spmm(X, values, g.id, reduce or "sum")
+    if torch.compiler.is_compiling():
+        return torch.ops.spcompile.spmm(X, values, g.id, reduce or "sum")
+    return ops.SpmmFunction.apply(X, values, g.id, reduce or "sum")
 
 
 def sddmm(A, X: torch.Tensor, Y: torch.Tensor, values: torch.Tensor | None = None) -> torch.Tensor:
@@ -62,7 +64,9 @@ def sddmm(A, X: torch.Tensor, Y: torch.Tensor, values: torch.Tensor | None = Non
     g = as_graph(A)
     if isinstance(A, CompiledModule) and g.device != X.device:
         g.to(X.device)
-    return torch.ops.spcompile.sddmm(X, Y, values, g.id)
+    if torch.compiler.is_compiling():
+        return torch.ops.spcompile.sddmm(X, Y, values, g.id)
+    return ops.SddmmFunction.apply(X, Y, values, g.id)
 
 
 def edge_softmax(logits: torch.Tensor, graph: SparseGraph) -> torch.Tensor:

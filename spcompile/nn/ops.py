@@ -18,7 +18,9 @@ Gradients (``A_v``: A with values v; ``T``: the transposed graph, ``g.tperm[q]``
   Memory: one nnz x K temporary in the backward.
 * SDDMM: ``dX = A_{v*dO} Y``, ``dY = A_{v*dO}^T X`` (two SpMMs), ``dv = dO * SDDMM_1(X, Y)``.
 
-Each backward is one op of its own (``spcompile::spmm_backward``, ``spcompile::sddmm_backward``,
+Outside ``torch.compile`` the same computations run as :class:`torch.autograd.Function`\ s
+(:class:`SpmmFunction`, :class:`SddmmFunction`), which skip the custom-op dispatch.  Each
+backward is one op of its own (``spcompile::spmm_backward``, ``spcompile::sddmm_backward``,
 with fake shape functions), so that AOT autograd traces the backward graph without touching the
 graph's index tensors.  Second derivatives are not supported.
 
@@ -34,7 +36,7 @@ import torch
 
 from .graph import SparseGraph, graph_by_id
 
-__all__ = ["spmm_op", "sddmm_op", "spmm_backward_op", "sddmm_backward_op"]
+__all__ = ["spmm_op", "sddmm_op", "spmm_backward_op", "sddmm_backward_op", "SpmmFunction", "SddmmFunction"]
 
 _REDUCES = ("sum", "mean", "max", "min")
 
@@ -133,6 +135,10 @@ def _arg_entries(g: SparseGraph, X, v, reduce):
 def spmm_backward_op(dY: torch.Tensor, X: torch.Tensor, values: Optional[torch.Tensor], graph: int, reduce: str,
                      need_x: bool, need_v: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(dX, dvalues) of ``spmm``; an empty tensor for a gradient not asked for."""
+    return _spmm_backward_impl(dY, X, values, graph, reduce, need_x, need_v)
+
+
+def _spmm_backward_impl(dY, X, values, graph, reduce, need_x, need_v):
     g = graph_by_id(graph)
     dX = X.new_empty((0,))
     dv = torch.empty((0,), dtype=torch.float32, device=X.device)
@@ -207,6 +213,10 @@ def sddmm_backward_op(dO: torch.Tensor, X: torch.Tensor, Y: torch.Tensor, values
                       graph: int, need_x: bool, need_y: bool,
                       need_v: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dX, dY, dvalues) of ``sddmm``; an empty tensor for a gradient not asked for."""
+    return _sddmm_backward_impl(dO, X, Y, values, graph, need_x, need_y, need_v)
+
+
+def _sddmm_backward_impl(dO, X, Y, values, graph, need_x, need_y, need_v):
     g = graph_by_id(graph)
     dX, dY = X.new_empty((0,)), Y.new_empty((0,))
     dv = torch.empty((0,), dtype=torch.float32, device=X.device)
@@ -246,3 +256,36 @@ def _sddmm_backward(ctx, dO):
 
 
 torch.library.register_autograd("spcompile::sddmm", _sddmm_backward, setup_context=_sddmm_setup)
+
+
+# -- eager mode -----------------------------------------------------------------------------
+# The same computations as autograd Functions: outside torch.compile the functions of
+# spcompile.nn call these, which skip the custom-op dispatch (tens of microseconds a call).
+class SpmmFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, X, values, graph, reduce):
+        ctx.graph, ctx.reduce = graph, reduce
+        ctx.save_for_backward(X, values)
+        return _spmm(graph_by_id(graph), X, values, reduce)
+
+    @staticmethod
+    def backward(ctx, dY):
+        X, values = ctx.saved_tensors
+        need_x, need_v = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        dX, dv = _spmm_backward_impl(dY, X, values, ctx.graph, ctx.reduce, need_x, need_v)
+        return (dX if need_x else None), (dv.to(values.dtype) if need_v else None), None, None
+
+
+class SddmmFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, X, Y, values, graph):
+        ctx.graph = graph
+        ctx.save_for_backward(X, Y, values)
+        return _sddmm(graph_by_id(graph), X, Y, values)
+
+    @staticmethod
+    def backward(ctx, dO):
+        X, Y, values = ctx.saved_tensors
+        need_x, need_y, need_v = ctx.needs_input_grad[:3]
+        dX, dY, dv = _sddmm_backward_impl(dO, X, Y, values, ctx.graph, need_x, need_y, need_v)
+        return (dX if need_x else None), (dY if need_y else None), (dv.to(values.dtype) if need_v else None), None
