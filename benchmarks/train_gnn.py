@@ -199,6 +199,8 @@ def main(argv=None) -> int:
     p.add_argument("--compile", action="store_true", help="also time the spcompile model under torch.compile(fullgraph=True)")
     p.add_argument("--build-options", default="{}", help="JSON keyword arguments of spcompile.build for the graphs' "
                                                         "modules, e.g. '{\"tune\": true, \"timeout\": 60}'")
+    p.add_argument("--resume", action="store_true", help="keep the rows of an earlier run's train_gnn.json under "
+                                                      "--out and measure only the others (long runs in pieces)")
     p.add_argument("--require-pyg", action="store_true", help="fail when torch_geometric does not import")
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
@@ -219,7 +221,16 @@ def main(argv=None) -> int:
         if q not in PRECISIONS:
             raise SystemExit(f"unknown precision {q!r}; choose from {list(PRECISIONS)}")
     results = []
+    out_json = os.path.join(a.out, "train_gnn.json")
+    if a.resume and os.path.isfile(out_json):
+        with open(out_json) as f:
+            results = [r for r in json.load(f).get("results", [])
+                       if "error" not in r["impls"].get("spcompile", {"error": 1})]
+        print(f"resuming: {len(results)} rows already measured", flush=True)
+    done = {(r["graph"], r["model"], r["precision"]) for r in results}
     for name, path, nnz in graphs:
+        if all((name, k, q) in done for k in models for q in precisions):
+            continue
         A = common.load_matrix(path)
         if A.shape[0] != A.shape[1]:
             print(f"{name}: not square, skipped", flush=True)
@@ -234,6 +245,8 @@ def main(argv=None) -> int:
                 (["pyg_edge_index", "pyg_adj_t"] if kind == "gcn" else ["pyg"])
             hidden = a.hidden if kind == "gcn" else max(1, a.hidden // a.heads)
             for prec in precisions:
+                if (name, kind, prec) in done:
+                    continue
                 torch.manual_seed(1)
                 ms = make_models(kind, a.features, hidden, a.classes, a.heads, pyg_nn, impls)
                 row = {"graph": name, "rows": n, "nnz": int(A.nnz), "model": kind, "precision": prec,
@@ -260,7 +273,7 @@ def main(argv=None) -> int:
                     row["max_loss_diff"] = max(max(abs(p - q) for p, q in zip(ours["losses"], v["losses"]))
                                                for v in base.values())
                 results.append(row)
-                common.write_json(os.path.join(a.out, "train_gnn.json"), {
+                common.write_json(out_json, {
                     "args": vars(a), "versions": common.versions(), "device": common.device_name(device.type),
                     "pyg": None if isinstance(pyg_nn, Exception) else "imported", "results": results})
     common.write_text(os.path.join(a.out, "train_gnn.md"), markdown(results, device))

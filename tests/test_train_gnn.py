@@ -97,6 +97,13 @@ def test_harness_with_stand_in_baselines(graph_file, tmp_path, monkeypatch):
         assert x["max_loss_diff"] < 1e-4 and x["speedup"] > 0
     md = open(out / "train_gnn.md").read()
     assert "Geometric mean speedup" in md
+    # --resume keeps what was measured and measures only the rest (here: bf16)
+    args = ["--device", "cpu", "--graphs", str(graph_file), "--steps", "3", "--warmup", "1", "--features", "8",
+            "--hidden", "8", "--heads", "2", "--classes", "3", "--models", "gcn", "--out", str(out), "--resume"]
+    assert train_gnn.main(args + ["--precisions", "fp32,bf16"]) == 0
+    again = json.load(open(out / "train_gnn.json"))["results"]
+    assert [r for r in again if r["precision"] == "fp32"] == [r for r in res]
+    assert {(r["model"], r["precision"]) for r in again} == {("gcn", "fp32"), ("gat", "fp32"), ("gcn", "bf16")}
 
 
 def test_mapped_state_refuses_mismatched_models():
