@@ -174,3 +174,18 @@ def test_layers_and_graphs_pickle_and_copy():
     g2 = pickle.loads(pickle.dumps(g))
     assert g2.id != g.id and g2.shape == g.shape and torch.equal(g2.values, g.values)
     assert torch.allclose(conv(x, g2), out)
+
+
+def test_graph_from_edge_index_and_errors():
+    ei = _edges(11)
+    w = torch.rand(ei.shape[1])
+    g = snn.graph_from_edge_index(ei, N, edge_weight=w)
+    dense = torch.zeros(N, N, dtype=torch.float64).index_put_((ei[1], ei[0]), w.double(), accumulate=True)
+    got = torch.zeros(N, N, dtype=torch.float64).index_put_((g.rows, g.cols), g.values.double())
+    assert torch.allclose(got, dense, atol=1e-6)
+    with pytest.raises(ValueError, match="outside"):
+        snn.graph_from_edge_index(ei, 3)
+    with pytest.raises(ValueError, match="shape \\(2, E\\)"):
+        snn.gcn_norm(torch.zeros(3, 4, dtype=torch.long), N)
+    with pytest.raises(TypeError, match="integers"):
+        snn.gat_graph(torch.zeros(2, 4), N)

@@ -115,15 +115,6 @@ class SparseGraph:
             self.tperm = torch.from_numpy(self._tperm_np).to(device)
         return self
 
-    def with_values(self, values) -> "SparseGraph":
-        """A graph of the same pattern with other default values (shares nothing mutable)."""
-        C = self.csr
-        v = values.detach().cpu().numpy() if hasattr(values, "detach") else np.asarray(values)
-        if v.shape != (self.nnz,):
-            raise ValueError(f"values has shape {v.shape}, expected ({self.nnz},)")
-        g = SparseGraph((C.indptr, C.indices, v.astype(np.float32), self.shape), **self.build_options)
-        return g.to(self.device)
-
     # -- transpose ------------------------------------------------------------------------
     def transpose(self) -> "SparseGraph":
         """The graph of ``A^T`` (built once); ``tperm[q]``: the entry of ``A`` that ``A^T``'s stored
