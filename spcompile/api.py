@@ -56,5 +56,7 @@ def build(A, op: str = "spmm", K: int | None = None, reduce: str | None = None, 
     check_dtype(sop, target, cfg.template)
     if mod is not None:
         mod.tuning = dict(info)
+        if mod.matrix is None:
+            mod.matrix = sop.A
         return mod
     return build_from_config(sop, cfg, ctx, info)

@@ -84,4 +84,7 @@ def build_from_config(op: SparseOp, config: Config, ctx: PassContext | None = No
     # config replays to exactly this module
     ran = tuple({"name": r.name, "options": dict(r.options)} for r in mod.log)
     cfg = tpl.make_config(params, ran, config.target)
-    return CompiledModule(op.key(), cfg, kernel, [r.to_dict() for r in mod.log], values_hash(op.A), tuning)
+    out = CompiledModule(op.key(), cfg, kernel, [r.to_dict() for r in mod.log], values_hash(op.A), tuning)
+    out.matrix = op.A
+    out.values_src = mod.nnz_perm
+    return out

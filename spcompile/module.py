@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
 import weakref
 from typing import Any, Mapping
 
+import numpy as np
 
 from ._version import __version__, tvm_version
 from .artifact import FORMAT_VERSION, ArtifactError, check_manifest_digest, read_arrays, read_artifact, write_artifact
@@ -23,7 +25,10 @@ from .kernels import get_template
 from .runtime import cuda as rt_cuda
 from .runtime.arrays import ArrayAdapter, adapter_for
 
-__all__ = ["CompiledModule", "load"]
+__all__ = ["CompiledModule", "load", "loads"]
+
+#: the arrays.npz entry holding a module's value permutation (not one of the kernel's arrays)
+_VALUES_SRC = "_module_values_src"
 
 
 class CompiledModule:
@@ -46,6 +51,12 @@ class CompiledModule:
         self._tmpdir = None  # holds extracted binaries of a loaded single-file artifact
         self._plans: dict = {}   # (adapter, device) -> _Plan, made by the first checked call of each
         self._plan = None        # the plan of the last checked call
+        self.matrix = None       # the canonical CSR (set by build and by load(path, A))
+        #: values_src[p]: the caller's stored entry whose value the kernel's value slot p holds
+        #: (the passes' nonzero permutation); None: the identity
+        self.values_src = None
+        self._swapped = False    # the kernel holds call-time values (restored before a plain call)
+        self._values_state: dict = {}
 
     # -- properties -----------------------------------------------------------------------
     op = property(lambda self: self.key.op)
@@ -59,7 +70,20 @@ class CompiledModule:
                 f"nnz={self.key.nnz}, K={self.K}, {self.config})")
 
     # -- calling ---------------------------------------------------------------------------
-    def __call__(self, *inputs, out=None):
+    @property
+    def supports_call_values(self) -> bool:
+        """Whether calls may pass new matrix values (``mod(X, values=v)``): the template reads
+        the values from one array laid out like the matrix's stored entries.  Formats that bake
+        the values into a packed layout (tiles, tensor-core fragments) say False."""
+        return get_template(self.config.template).call_values_array is not None
+
+    def __call__(self, *inputs, out=None, values=None):
+        """Run the op.  ``values``: the matrix's values for this call, one per stored entry of
+        the CSR it was built for, in that CSR's order (``spcompile.as_csr(A)``: row by row,
+        columns sorted, duplicates summed); numpy / torch / CuPy, cast to float32; on the
+        module's device.  Later calls without ``values`` use the built values again."""
+        if values is not None or self._swapped:
+            self._use_values(values)
         plan = self._plan
         if plan is None or not plan.same(inputs, out):
             plan, inputs = self._checked(inputs, out)
@@ -78,6 +102,12 @@ class CompiledModule:
             a = adapter_for(x)
             if a is None:
                 raise TypeError(f"{name} must be a numpy array, torch tensor or cupy array, got {type(x).__name__}")
+            if a.name == "torch" and x.requires_grad and sys.modules["torch"].is_grad_enabled():
+                raise RuntimeError(
+                    f"{name} requires grad, but calling a compiled module directly is not differentiable "
+                    f"(its output would silently carry no gradient): use spcompile.nn.spmm(mod, X) / "
+                    f"spcompile.nn.sddmm(mod, X, Y) for autograd, or pass {name}.detach() / call under "
+                    f"torch.no_grad()")
             a.check(x, name, self._in_shapes[i], self.key.dtype)
             if adapter is not None and a is not adapter:
                 raise TypeError(f"inputs mix array types {[adapter.name, a.name]}; pass them all of one kind")
@@ -114,6 +144,121 @@ class CompiledModule:
             return run_empty
         return lambda inputs, out: kernel(*inputs, out=alloc() if out is None else out)
 
+    # -- call-time values -----------------------------------------------------------------
+    def _use_values(self, values) -> None:
+        """Write ``values`` (None: the built values) into the kernel's value array, permuted like
+        the kernel's stored entries.  CPU kernels read the host array in place; CUDA kernels read
+        their device copy, written on the caller's current stream (ordered before the launch)."""
+        st = self._values_state
+        name = get_template(self.config.template).call_values_array
+        if name is None:
+            raise ValueError(
+                f"template {self.config.template!r} bakes the matrix values into its packed format, so this "
+                f"module cannot take values at call time; build one for the new values, or build with a "
+                f"template that supports them (e.g. template='cpu.csr_spmm' / 'csr.crc_cwm')")
+        nnz = self.key.nnz
+        if values is None:            # back to the built values
+            values, self._swapped = None, False
+            st["last"] = None
+        else:
+            last = st.get("last")
+            # the same torch tensor, unmodified since it was written (its version counter counts
+            # in-place changes): the kernel holds these values already
+            if last is not None and last[0] is values and last[1] == values._version:
+                return
+            a = adapter_for(values)
+            if a is None:
+                raise TypeError(f"values must be a numpy array, torch tensor or cupy array, got {type(values).__name__}")
+            if tuple(values.shape) != (nnz,):
+                raise ValueError(f"values has shape {tuple(values.shape)}, expected ({nnz},): one value per stored "
+                                 f"entry of the matrix the module was built for")
+            if a.dtype(values) not in ("float32", "float64", "float16", "bfloat16"):
+                raise TypeError(f"values must be floating point, got {a.dtype(values)}")
+            self._swapped = True
+        # remembered only once written: a call that fails below never leaves a stale "written"
+        st["last"] = None
+        if nnz != 0:
+            if self.config.target == "cpu":
+                self._use_host_values(name, values, st)
+            else:
+                self._use_device_values(name, values, self.values_src, st)
+        if values is not None and a.name == "torch":
+            st["last"] = (values, values._version)
+
+    def _use_host_values(self, name, values, st) -> None:
+        buf = self.kernel.arrays[name]      # the kernel reads this array in place (zero-copy)
+        if "baked" not in st:
+            st["baked"] = buf.copy()
+        if values is None:
+            np.copyto(buf, st["baked"])
+            return
+        a = adapter_for(values)
+        if a.name == "torch" and values.device.type == "cpu":
+            v = values.detach().float().numpy()
+        elif a.name == "numpy":
+            v = np.asarray(values, dtype=np.float32)
+        else:
+            raise ValueError("values must be on the host for a target='cpu' module")
+        if self.values_src is None:
+            np.copyto(buf, v)
+        else:
+            np.take(v, self.values_src, out=buf)
+
+    def _use_device_values(self, name, values, src, st) -> None:
+        kernel = self.kernel
+        if not kernel._ready:
+            kernel.prepare()
+        dev = getattr(kernel, "_dev", {}).get(name)
+        if dev is None:
+            raise ValueError(f"template {self.config.template!r} keeps no device copy of {name!r}: call-time "
+                             f"values are not supported by this module")
+        a = None if values is None else adapter_for(values)
+        if values is None and st.get("torch_buf") is not None:
+            # torch wrote the device copy: restore on torch's stream too (ordered after its launches)
+            st["torch_buf"].copy_(st["torch_baked"])
+            return
+        if values is None or a.name != "torch":
+            host = self.kernel.arrays[name]
+            if values is None:
+                dev.set(host)
+                return
+            if a.name == "numpy":
+                v = np.asarray(values, dtype=np.float32)
+                dev.set(v if src is None else np.take(v, src))
+                return
+            cupy = sys.modules["cupy"]
+            v = values.astype(np.float32, copy=False)
+            dev[...] = v if src is None else cupy.take(v, cupy.asarray(src))
+            return
+        torch = sys.modules["torch"]
+        if values.device.type != "cuda" or values.device.index != kernel.device_id:
+            raise ValueError(f"values must be on cuda:{kernel.device_id} (the module's device), got {values.device}")
+        if st.get("torch_buf") is None:
+            st["torch_buf"] = torch.from_dlpack(dev)
+            st["torch_src"] = None if src is None else torch.from_numpy(np.asarray(src, np.int64)).to(values.device)
+            st["torch_baked"] = torch.from_numpy(self.kernel.arrays[name]).to(values.device)
+        v = values.detach()
+        if v.dtype != torch.float32:
+            v = v.float()
+        if st["torch_src"] is None:
+            st["torch_buf"].copy_(v)
+        else:
+            torch.index_select(v, 0, st["torch_src"], out=st["torch_buf"])
+
+    # -- pickling ----------------------------------------------------------------------------
+    def to_bytes(self) -> bytes:
+        """The artifact (:meth:`save`) as bytes, for :func:`loads`."""
+        with tempfile.TemporaryDirectory(prefix="spcompile-bytes-") as d:
+            p = self.save(os.path.join(d, "module.spc"))
+            with open(p, "rb") as f:
+                return f.read()
+
+    def __reduce__(self):
+        # pickled through the artifact: the binaries and arrays, checked again on unpickling
+        m = self.matrix
+        mat = None if m is None else (m.indptr, m.indices, m.data, tuple(m.shape))
+        return (_unpickle, (self.to_bytes(), mat))
+
     # -- artifacts -------------------------------------------------------------------------
     def _manifest(self) -> dict:
         tpl = get_template(self.config.template)
@@ -131,7 +276,12 @@ class CompiledModule:
         """Write the artifact (see :mod:`spcompile.artifact`).  A path that is an existing
         directory, ends with a separator, or ``as_dir=True`` gives a directory; otherwise one zip
         file (e.g. ``model.spc``)."""
-        return write_artifact(path, self._manifest(), self.kernel.arrays, self.kernel.files, as_dir=as_dir)
+        if self._swapped:
+            self._use_values(None)   # the artifact holds the built values
+        arrays = dict(self.kernel.arrays)
+        if self.values_src is not None:
+            arrays[_VALUES_SRC] = np.asarray(self.values_src)
+        return write_artifact(path, self._manifest(), arrays, self.kernel.files, as_dir=as_dir)
 
     @classmethod
     def load(cls, path: str, A=None) -> "CompiledModule":
@@ -190,12 +340,34 @@ def load(path: str, A=None) -> CompiledModule:
             if values_hash(C) != manifest.get("values_hash"):
                 raise ArtifactError("artifact was built for a different matrix (values differ)")
         arrays = read_arrays(paths.pop("arrays.npz"))
+        values_src = arrays.pop(_VALUES_SRC, None)
         kernel = tpl.load(config.params, arrays, paths, manifest.get("kernel_meta", {}))
         mod = CompiledModule(key, config, kernel, manifest.get("pass_log", []), manifest.get("values_hash", ""),
                              manifest.get("tuning"))
+        mod.values_src = values_src
+        if A is not None:
+            mod.matrix = C
         mod._tmpdir = workdir
         weakref.finalize(mod, shutil.rmtree, workdir, True)  # binaries stay while the module lives
         return mod
     except BaseException:
         shutil.rmtree(workdir, ignore_errors=True)
         raise
+
+
+def loads(data: bytes, A=None) -> CompiledModule:
+    """A module from the bytes of :meth:`CompiledModule.to_bytes` (checked like :func:`load`)."""
+    fd, path = tempfile.mkstemp(prefix="spcompile-", suffix=".spc")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        return load(path, A)
+    finally:
+        os.remove(path)
+
+
+def _unpickle(data: bytes, mat) -> CompiledModule:
+    mod = loads(data)
+    if mat is not None:
+        mod.matrix = as_csr(mat)
+    return mod

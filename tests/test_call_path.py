@@ -125,7 +125,12 @@ def test_cpu_module_plans_per_framework(cpu_mods, torch):
     plan_np = mod._plan
     assert plan_np.same((X,), out) and plan_np.same((X,), None)
     # torch CPU tensors go to the kernel as they are (DLPack), into a torch output
-    Xt = torch.from_numpy(X.copy()).requires_grad_(True)
+    Xg = torch.from_numpy(X.copy()).requires_grad_(True)
+    with pytest.raises(RuntimeError, match="requires grad.*spcompile.nn.spmm"):
+        mod(Xg)                     # not differentiable: an error, never a silently detached result
+    with torch.no_grad():
+        assert np.array_equal(mod(Xg).numpy(), out)
+    Xt = torch.from_numpy(X.copy())
     outt = torch.full((41, 5), float("nan"))
     assert mod(Xt, out=outt) is outt and np.array_equal(outt.numpy(), out)
     plan_t = mod._plan

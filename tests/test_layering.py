@@ -3,7 +3,7 @@ and there is no import cycle except the registries' register-on-import.
 
 Layers, bottom to top (``docs/architecture.md`` explains them)::
 
-    core, _version < runtime < passes < kernels < artifact < module < compile < autotune < api < cli < spcompile
+    core, _version < runtime < passes < kernels < artifact < module < compile < autotune < api < nn < cli < spcompile
 
 Function-local imports count like module-level ones: a lazy import is still a dependency.
 """
@@ -18,7 +18,7 @@ import spcompile
 
 PKG_DIR = os.path.dirname(os.path.abspath(spcompile.__file__))
 
-LAYERS = ["core", "runtime", "passes", "kernels", "artifact", "module", "compile", "autotune", "api", "cli",
+LAYERS = ["core", "runtime", "passes", "kernels", "artifact", "module", "compile", "autotune", "api", "nn", "cli",
           "__init__"]
 SAME_LAYER = {"_version": "core", "__main__": "__init__"}
 

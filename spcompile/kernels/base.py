@@ -59,6 +59,14 @@ class Template:
     #: listing calls :meth:`available` (the full check)
     tools: tuple[str, ...] | None = None
 
+    @property
+    def call_values_array(self) -> str | None:
+        """The kernel array holding the matrix values as one float32 entry per stored entry of
+        the permuted CSR (``csr_kernel_arrays``' ``data``), so that a call may pass new values
+        (``mod(X, values=v)``); None where the format bakes the values into a packed layout.
+        Declared in :data:`CALL_VALUE_ARRAYS`."""
+        return CALL_VALUE_ARRAYS.get(self.name)
+
     # -- availability / applicability --------------------------------------------------------
     def available(self) -> bool:
         """Whether this machine has the toolchain to *build* this template."""
@@ -144,6 +152,18 @@ def source_hash_of(obj, *extra: str, paths: tuple = ()) -> str:
         h.update(str(e).encode())
     return h.hexdigest()[:16]
 
+
+#: templates whose kernels read the matrix values from one array laid out like the permuted
+#: CSR's stored entries (template name -> the array): their modules take values at call time.
+#: Kept here rather than on the template classes, so that declaring it leaves the templates'
+#: source hashes (which key tuning records and artifacts) as they are.  cuSPARSE is absent (its
+#: mean pre-scales the values; its library matrix is built once); the tensor-core and tiled
+#: formats pack the values into fragments and tiles.
+CALL_VALUE_ARRAYS: dict[str, str] = {
+    "cpu.csr_spmm": "data", "cpu.csr_sddmm": "data",
+    "csr.crc_cwm": "data", "csr.sddmm": "data",
+    "tvm.cuda_csr_spmm": "data", "tvm.cuda_csr_sddmm": "data",
+}
 
 _TEMPLATES: dict[str, Template] = {}
 _LOCK = threading.Lock()

@@ -16,7 +16,8 @@ An adapter is what the call path needs to know of a framework, so that nothing a
   ``device_adapter`` is the framework of the device copy (CuPy for numpy arrays).
 * ``matcher(in_shapes, out_shape, dtype, device)``: the cheap signature check a module keeps
   after a first checked call: ``same(inputs, out)`` is True when every array is exactly of this
-  framework, dtype, shape and device and C-contiguous (``out`` may be None) -- a few attribute
+  framework, dtype, shape and device and C-contiguous, and (torch) does not require grad
+  (``out`` may be None) -- a few attribute
   reads, so that repeated calls skip the full checks and their error formatting.
 """
 from __future__ import annotations
@@ -259,7 +260,7 @@ class _Torch(ArrayAdapter):
                 return False
             for x, s in zip(inputs, shapes):
                 if (type(x) is not T or x.dtype is not dt or x.shape != s or x.get_device() != idx
-                        or not x.is_contiguous()):
+                        or not x.is_contiguous() or x.requires_grad):
                     return False
             return out is None or (type(out) is T and out.dtype is dt and out.shape == oshape
                                    and out.get_device() == idx and out.is_contiguous())
