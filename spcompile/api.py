@@ -26,7 +26,8 @@ def build(A, op: str = "spmm", K: int | None = None, reduce: str | None = None, 
           dtype: str = "float32", template: str | None = None, params: Mapping[str, Any] | None = None,
           pipeline: Sequence | None = None, storage: str | None = None, tune: bool = False,
           trials: int | None = None, timeout: float | None = None, ctx: PassContext | None = None,
-          precision: str = "fp32", select_budget: float | None = None, **tune_options) -> CompiledModule:
+          precision: str = "fp32", select_budget: float | None = None, call_values: bool = False,
+          **tune_options) -> CompiledModule:
     """Compile ``A`` for ``op`` ("spmm" with reduce sum/max/min/mean, or "sddmm") at width ``K``.
 
     ``target``: "auto" (cuda when a GPU is usable, else cpu), "cpu" or "cuda".
@@ -39,6 +40,8 @@ def build(A, op: str = "spmm", K: int | None = None, reduce: str | None = None, 
     ``select_budget``: seconds of GPU measurement a build may spend on a database miss choosing
     among the shipped model's first choices and the vendor library (default 1.0; 0: take the
     model's first choice unmeasured).  ``mod.tuning["source"]`` says where the decision came from.
+    ``call_values``: the module will be called with new values (``mod(X, values=v)``, e.g. attention
+    weights in training): only templates that read the values per call are considered.
     """
     sop = make_op(A, op, K, reduce, dtype)
     target = resolve_target(target)
@@ -52,7 +55,8 @@ def build(A, op: str = "spmm", K: int | None = None, reduce: str | None = None, 
         cfg = tpl.make_config(dict(params or {}), Pipeline(pipeline or ()).spec(), target)
         return build_from_config(sop, cfg, ctx)
     cfg, info, mod = decide(sop, target, storage=storage, tune=tune, trials=trials, timeout=timeout,
-                            precision=precision, select_budget=select_budget, ctx=ctx, **tune_options)
+                            precision=precision, select_budget=select_budget, ctx=ctx,
+                            **({"call_values": True} if call_values else {}), **tune_options)
     check_dtype(sop, target, cfg.template)
     if mod is not None:
         mod.tuning = dict(info)

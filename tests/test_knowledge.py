@@ -236,3 +236,17 @@ def test_decide_reports_where_the_decision_came_from(no_tuning_db):
     assert info["source"] == "heuristic" and mod is None     # no vendor max, no CPU knowledge
     cfg, info, mod = decide(make_op(A, "spmm", 8, "sum", "float32"), "cpu")
     assert info["source"] == "quick" and mod is not None and mod.config == cfg
+
+
+def test_call_values_builds_only_templates_that_read_values_per_call(no_tuning_db):
+    from spcompile.kernels import get_template
+
+    A = random_matrix(300, 300, density=0.03, seed=6)
+    mod = spcompile.build(A, "spmm", 16, target="cpu", call_values=True)
+    assert get_template(mod.config.template).call_values_array is not None
+    assert all(r["source"] != "vendor" for r in mod.tuning.get("candidates", []))
+    v = np.random.default_rng(0).standard_normal(A.nnz).astype(np.float32)
+    X = np.random.default_rng(1).standard_normal((300, 16)).astype(np.float32)
+    B = A.copy()
+    B.data[:] = v
+    assert reference.rel_error(mod(X, values=v), B.astype(np.float64) @ X) < 1e-5

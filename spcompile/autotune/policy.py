@@ -28,13 +28,20 @@ def choose_config(sop: SparseOp, target: str, storage: str | None = None, tune: 
 def decide(sop: SparseOp, target: str, storage: str | None = None, tune: bool = False,
            trials: int | None = None, timeout: float | None = None, objective: str = "kernel_time",
            expected_calls: float | None = None, precision: str = "fp32", select_budget: float | None = None,
-           ctx=None, **options):
+           ctx=None, call_values: bool = False, **options):
     """The database's best valid record (a hit: no tuning); on a miss, tuning when
     ``tune``/``trials``/``timeout`` asks for it, else the shipped knowledge (quick selection on a
     GPU within ``select_budget`` seconds of measurement, default
     :data:`~spcompile.autotune.select.DEFAULT_BUDGET_S`; 0 turns it off), else the heuristics.
     Returns ``(config, info, module)``: ``info`` says where the decision came from; ``module``
-    is the already-built module when quick selection built it (else None)."""
+    is the already-built module when quick selection built it (else None).  ``call_values``:
+    only templates that take the matrix values at call time (records of others are passed over,
+    the vendor library is not a candidate)."""
+    from ..kernels import get_template
+
+    def takes_values(cfg) -> bool:
+        return not call_values or get_template(cfg.template).call_values_array is not None
+
     obj = objective_name(objective, expected_calls)
     precision = precision_name(precision)
     url = normalize_url(storage)
@@ -56,7 +63,8 @@ def decide(sop: SparseOp, target: str, storage: str | None = None, tune: bool = 
             if storage is not None:
                 raise
             rec, db_error = None, str(e)
-        if rec is not None and rec.config.precision in allowed_precisions(precision, sop.dtype):
+        if rec is not None and rec.config.precision in allowed_precisions(precision, sop.dtype) \
+                and takes_values(rec.config):
             return rec.config, {"source": "database", "storage": safe_url(url), "objective": obj,
                                 "precision": precision, "timing": rec.timing,
                                 "kernel_ms": rec.kernel_ms, "preprocess_ms": rec.preprocess_ms,
@@ -80,7 +88,7 @@ def decide(sop: SparseOp, target: str, storage: str | None = None, tune: bool = 
         try:
             from .knowledge import ranked_configs
 
-            ranked = ranked_configs(sop, target, precision, k=8)
+            ranked = [r for r in ranked_configs(sop, target, precision, k=8) if takes_values(r[0])]
         except Exception as e:  # noqa: BLE001 - knowledge is an optimisation: never a reason to fail
             model_error = f"{type(e).__name__}: {e}"[:300]
     if model_error:
@@ -88,12 +96,13 @@ def decide(sop: SparseOp, target: str, storage: str | None = None, tune: bool = 
     from .select import DEFAULT_BUDGET_S, quick_select, vendor_config
 
     budget = DEFAULT_BUDGET_S if select_budget is None else float(select_budget)
-    if budget > 0 and obj == "kernel_time" and (ranked or vendor_config(sop, target) is not None):
+    vendor_ok = not call_values and vendor_config(sop, target) is not None
+    if budget > 0 and obj == "kernel_time" and (ranked or vendor_ok):
         label = "model" if ranked else "heuristic"
         if not ranked:
             ranked = [(default_config(sop, target), None)]
         try:
-            mod, qinfo = quick_select(sop, target, ranked, budget_s=budget, ctx=ctx, label=label)
+            mod, qinfo = quick_select(sop, target, ranked, budget_s=budget, ctx=ctx, label=label, vendor=vendor_ok)
         except Exception as e:  # noqa: BLE001
             mod, qinfo = None, {"error": f"{type(e).__name__}: {e}"[:300]}
         if mod is not None:

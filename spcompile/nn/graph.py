@@ -156,7 +156,10 @@ class SparseGraph:
     def _build(self, op, K, reduce, dtype, target) -> CompiledModule:
         C = self.csr
         pattern = (C.indptr, C.indices, np.ones(self.nnz, np.float32), self.shape)
-        mod = build(pattern, op, K=K, reduce=reduce, target=target, dtype=dtype, **self.build_options)
+        opts = dict(self.build_options)
+        if not any(k in opts for k in ("template", "params", "pipeline")):
+            opts.setdefault("call_values", True)   # the values come with every call
+        mod = build(pattern, op, K=K, reduce=reduce, target=target, dtype=dtype, **opts)
         if mod.supports_call_values:
             return mod
         # the decision's format bakes the values in: the best template that reads them per call
