@@ -260,6 +260,30 @@ class Record:
                 "extra": dict(self.extra)}
 
 
+_WARNED: set = set()
+_WARN_LOCK = threading.Lock()
+
+
+def _warn_once(key, message: str) -> None:
+    """One warning per ``key`` per process (a damaged database must not flood the caller)."""
+    with _WARN_LOCK:
+        if key in _WARNED:
+            return
+        _WARNED.add(key)
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def _valid(rec: "Record") -> bool:
+    """``rec.valid``, with a record whose validity cannot even be checked (damaged fields)
+    counted as invalid, with a warning."""
+    try:
+        return rec.valid
+    except Exception as e:  # noqa: BLE001
+        _warn_once(("invalid", rec.id, rec.workload_digest), f"skipping tuning record {rec.id}: it cannot be "
+                   f"checked ({type(e).__name__}: {str(e)[:200]})")
+        return False
+
+
 def _feature_vector(workload: Mapping) -> dict[str, float]:
     f = dict(workload.get("features") or {})
     f["K"] = float(workload.get("K", 0))
@@ -290,6 +314,8 @@ class Database:
         import sqlalchemy as sa
 
         self.url = normalize_url(storage)
+        #: opened read-only (lookups work; storing raises :class:`DatabaseError`)
+        self.read_only = False
         path = sqlite_path(self.url)
         if path is not None:
             os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
@@ -438,12 +464,16 @@ class Database:
         return [self._to_record(r) for r in rows]
 
     def lookup(self, key: WorkloadKey, target: str | Mapping, objective: str = "kernel_time",
-               precision: str = "fp32", timing: str | tuple | None = None) -> Record | None:
+               precision: str = "fp32", timing: str | tuple | None = None, skip: Iterable[int] = ()) -> Record | None:
         """The best *valid* record for this workload and target found under ``precision`` and
-        measured with Timer mode ``timing`` (a mode, a tuple of modes, or None: any) -- None on a miss."""
+        measured with Timer mode ``timing`` (a mode, a tuple of modes, or None: any) -- None on a miss.
+        ``skip``: record ids not to return (e.g. records that failed to build)."""
+        skip = set(skip or ())
         for rec in self.records(key.digest(), target_digest(target), objective, precision=precision,
                                 timing=timing):
-            if rec.valid:
+            if rec.id in skip:
+                continue
+            if _valid(rec):
                 return rec
         return None
 

@@ -28,13 +28,17 @@ def choose_config(sop: SparseOp, target: str, storage: str | None = None, tune: 
 def decide(sop: SparseOp, target: str, storage: str | None = None, tune: bool = False,
            trials: int | None = None, timeout: float | None = None, objective: str = "kernel_time",
            expected_calls: float | None = None, precision: str = "fp32", select_budget: float | None = None,
-           ctx=None, **options):
+           ctx=None, skip_records=(), **options):
     """The database's best valid record (a hit: no tuning); on a miss, tuning when
     ``tune``/``trials``/``timeout`` asks for it, else the shipped knowledge (quick selection on a
     GPU within ``select_budget`` seconds of measurement, default
     :data:`~spcompile.autotune.select.DEFAULT_BUDGET_S`; 0 turns it off), else the heuristics.
-    Returns ``(config, info, module)``: ``info`` says where the decision came from; ``module``
-    is the already-built module when quick selection built it (else None)."""
+    Returns ``(config, info, module)``: ``info`` says where the decision came from (``source``:
+    "database" -- an exact record --, "tuned" -- a record this call's tuning stored --, "quick",
+    "model" or "heuristic"; for records their measured speed-up over the baseline measured with
+    them, the study, trial and graph file; for the model its expected speed-up); ``module``
+    is the already-built module when quick selection built it (else None).  ``skip_records``:
+    ids of database records not to use (records that failed to build)."""
     obj = objective_name(objective, expected_calls)
     precision = precision_name(precision)
     url = normalize_url(storage)
@@ -51,28 +55,35 @@ def decide(sop: SparseOp, target: str, storage: str | None = None, tune: bool = 
             db_error = str(e)
     if db is not None:
         try:
-            rec = db.lookup(sop.key(), target, obj, precision=precision, timing=(MODES[target][0], ""))
+            rec = db.lookup(sop.key(), target, obj, precision=precision, timing=(MODES[target][0], ""),
+                            skip=skip_records)
         except Exception as e:  # an unreadable default database must not break build()
             if storage is not None:
                 raise
             rec, db_error = None, str(e)
         if rec is not None and rec.config.precision in allowed_precisions(precision, sop.dtype):
-            return rec.config, {"source": "database", "storage": safe_url(url), "objective": obj,
-                                "precision": precision, "timing": rec.timing,
-                                "kernel_ms": rec.kernel_ms, "preprocess_ms": rec.preprocess_ms,
-                                "baseline_ms": rec.baseline_ms, "baseline_name": rec.baseline_name,
-                                "study": rec.study_name, "trial": rec.trial_number}, None
+            return rec.config, record_info(rec, "database", url, obj, precision), None
+    extra = {}
     if want_tune:
         res = Tuner(sop, target, storage=url, objective=objective, expected_calls=expected_calls,
                     precision=precision, **options).run(trials, timeout)
-        if res.best_config is not None:
-            return res.best_config, {"source": "tuned", "storage": safe_url(url), "objective": obj,
-                                     "kernel_ms": res.best_kernel_ms, "preprocess_ms": res.best_preprocess_ms,
-                                     "baseline_ms": res.baseline_ms, "baseline_name": res.baseline_name,
-                                     "study": res.study_name, "trials": res.n_trials}, None
-        cfg = default_config(sop, target)
-        return cfg, {"source": "heuristic", "reason": "tuning found no working config", "objective": obj}, None
-    extra = {}
+        rec = None
+        try:
+            rec = db.lookup(sop.key(), target, obj, precision=precision, timing=(MODES[target][0], ""),
+                            skip=skip_records)
+        except Exception:  # noqa: BLE001
+            rec = None
+        if rec is not None and rec.config.precision in allowed_precisions(precision, sop.dtype):
+            mine = rec.study_name == res.study_name
+            info = record_info(rec, "tuned" if mine else "database", url, obj, precision)
+            info["trials"] = res.n_trials
+            if not mine:
+                info["tune_note"] = res.store_note
+            return rec.config, info, None
+        # nothing stored (the search's best was slower than the default or the baseline, or
+        # nothing worked): the other paths decide, and the info says why
+        extra["tune_note"] = res.store_note or "tuning found no working config"
+        extra["tune_study"] = res.study_name
     if db is None and "db_error" in locals():
         extra["db_error"] = db_error[-300:]
     ranked, model_error = [], None
@@ -103,6 +114,21 @@ def decide(sop: SparseOp, target: str, storage: str | None = None, tune: bool = 
         return cfg, {"source": "model", "objective": obj, "precision": precision,
                      **({"expected_speedup": sp} if sp else {}), **extra}, None
     return default_config(sop, target), {"source": "heuristic", "objective": obj, **extra}, None
+
+
+def record_info(rec, source: str, url: str, objective: str, precision: str) -> dict:
+    """What a decision taken from a database record says about itself."""
+    info = {"source": source, "storage": safe_url(url), "objective": objective, "precision": precision,
+            "timing": rec.timing, "kernel_ms": rec.kernel_ms, "preprocess_ms": rec.preprocess_ms,
+            "baseline_ms": rec.baseline_ms, "baseline_name": rec.baseline_name,
+            "study": rec.study_name, "trial": rec.trial_number, "record_id": rec.id, "measured": rec.created}
+    if rec.speedup is not None:
+        info["measured_speedup"] = rec.speedup
+    extra = rec.extra or {}
+    for k in ("graph", "default_ms", "confirmed"):
+        if extra.get(k) is not None:
+            info[k] = extra[k]
+    return info
 
 
 def safe_url(url: str) -> str:
