@@ -727,3 +727,47 @@ def test_cli_more_and_nothing_to_do(tmp_path, capsys, monkeypatch):
     assert rec.extra["graph"] == "social.npz"
     assert Tuner(make_op(power_law_graph(300, 6, seed=1), "spmm", 8), "cpu", storage=dbp,
                  runner=FakeRunner()).study.user_attrs["graph"] == "social.npz"
+
+
+def test_provenance_of_every_decision(tmp_path, capsys, monkeypatch):
+    """mod.tuning says where the decision came from; `spcompile info` and `spcompile best` show it."""
+    from spcompile.autotune import knowledge
+    from spcompile.autotune.policy import describe
+    import importlib
+
+    cli_main = importlib.import_module("spcompile.cli.main")
+
+    dbp = str(tmp_path / "prov.db")
+    A = graph(150, seed=11)
+    op = make_op(A, "spmm", 16)
+    res = Tuner(op, "cpu", storage=dbp, runner=FakeRunner(), seed=0, graph="cora.npz").run(trials=6)
+    assert res.stored and res.graph == "cora.npz"
+    mod = spcompile.build(A, "spmm", K=16, target="cpu", storage=dbp)
+    t = mod.tuning
+    assert t["source"] == "database" and t["graph"] == "cora.npz" and t["study"] == res.study_name
+    assert t["trial"] == res.best_trial and t["baseline_name"] == "fake-baseline"
+    assert t["measured_speedup"] == pytest.approx(res.baseline_ms / res.best_kernel_ms)
+    line = describe(t)
+    assert "decision: database" in line and "cora.npz" in line and f"trial {res.best_trial}" in line
+    assert "over fake-baseline" in line
+    art = str(tmp_path / "m.spc")
+    mod.save(art)
+    assert cli_main.main(["info", art]) == 0
+    out = capsys.readouterr().out
+    assert "decision: database (tuning record)" in out and "graph cora.npz" in out and "measured" in out
+    assert cli_main.main(["best", "--storage", dbp]) == 0
+    out = capsys.readouterr().out
+    assert "cora.npz" in out and "fake-baseline" in out and f"#{res.best_trial}" in out
+    # tuned by this build
+    mod = spcompile.build(A, "spmm", K=8, target="cpu", storage=dbp, trials=5, runner=FakeRunner())
+    assert mod.tuning["source"] == "tuned" and mod.tuning["trial"] is not None and mod.tuning["measured_speedup"] > 0
+    # the default heuristics, the model's first choice (expected speed-up), the caller's choice
+    assert spcompile.build(A, "spmm", K=4, target="cpu", storage=dbp).tuning["source"] == "heuristic"
+    dflt = _default_cfg(make_op(A, "spmm", 4))
+    monkeypatch.setattr(knowledge, "ranked_configs", lambda *a, **k: [(dflt, 1.7)])
+    m = spcompile.build(A, "spmm", K=4, target="cpu", storage=dbp)
+    assert m.tuning["source"] == "model" and m.tuning["expected_speedup"] == pytest.approx(1.7)
+    assert "expected 1.70x" in describe(m.tuning)
+    m = spcompile.build(A, "spmm", K=4, target="cpu", template=dflt.template)
+    assert m.tuning["source"] == "explicit"
+    assert describe({}) .startswith("decision: unknown")

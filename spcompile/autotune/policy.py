@@ -14,7 +14,7 @@ from .database import normalize_url, open_database, sqlite_path
 from .measure import MODES
 from .tuner import Tuner, objective_name, precision_name
 
-__all__ = ["choose_config", "decide", "safe_url"]
+__all__ = ["choose_config", "decide", "safe_url", "record_info", "describe"]
 
 
 def choose_config(sop: SparseOp, target: str, storage: str | None = None, tune: bool = False,
@@ -129,6 +129,44 @@ def record_info(rec, source: str, url: str, objective: str, precision: str) -> d
         if extra.get(k) is not None:
             info[k] = extra[k]
     return info
+
+
+_SOURCES = {"database": "tuning record", "tuned": "tuned by this build", "quick": "quick selection",
+            "model": "shipped model's first choice", "heuristic": "default heuristics",
+            "explicit": "chosen by the caller"}
+
+
+def describe(info: dict | None) -> str:
+    """One line saying where a module's decision came from (``mod.tuning``), for people."""
+    info = dict(info or {})
+    src = info.get("source")
+    if not src:
+        return "decision: unknown (built by an older spcompile)"
+    parts = [f"decision: {src} ({_SOURCES.get(src, src)})"]
+    sp, base = info.get("measured_speedup"), info.get("baseline_name")
+    if sp is None and info.get("baseline_ms") and info.get("kernel_ms") and src in ("database", "tuned", "quick"):
+        sp = info["baseline_ms"] / info["kernel_ms"]
+    if sp is not None:
+        parts.append(f"measured {sp:.2f}x over {base or 'the baseline'}"
+                     + (f" ({info['kernel_ms']:.4g} ms vs {info['baseline_ms']:.4g} ms)"
+                        if info.get("kernel_ms") and info.get("baseline_ms") else ""))
+    elif info.get("expected_speedup") is not None:
+        parts.append(f"expected {float(info['expected_speedup']):.2f}x over the vendor library")
+    where = []
+    if info.get("graph"):
+        where.append(f"graph {info['graph']}")
+    if info.get("study"):
+        where.append(f"study {info['study']}")
+    if info.get("trial") is not None:
+        where.append(f"trial {info['trial']}")
+    if info.get("storage") and src in ("database", "tuned"):
+        where.append(f"in {info['storage']}")
+    if where:
+        parts.append(", ".join(where))
+    for k in ("tune_note", "quick_error", "model_error", "db_error"):
+        if info.get(k):
+            parts.append(f"{k.replace('_', ' ')}: {info[k]}")
+    return "; ".join(parts)
 
 
 def safe_url(url: str) -> str:

@@ -11,6 +11,7 @@ import numpy as np
 from .._version import __version__
 from ..api import build, load
 from ..autotune.measure import Timer, Timing
+from ..autotune.policy import describe
 from .common import load_matrix, power_law_graph
 
 
@@ -47,6 +48,7 @@ def cmd_build(args) -> int:
     print(f"built {mod.op}{'/' + mod.reduce if mod.reduce else ''} for {args.matrix} "
           f"({mod.shape[0]}x{mod.shape[1]}, nnz={mod.key.nnz}, K={mod.K})")
     print(f"config: {mod.config}")
+    print(describe(mod.tuning))
     print(f"wrote {out}")
     return 0
 
@@ -137,6 +139,7 @@ def cmd_templates(args) -> int:
 def cmd_info(args) -> int:
     mod = load(args.artifact)
     print(repr(mod))
+    print(describe(mod.tuning))
     for rec in mod.pass_log:
         print(f"  pass {rec['name']}: {rec.get('metrics', {})}")
     return 0

@@ -311,6 +311,14 @@ def _safe(url: str) -> str:
 
 
 # -- best ---------------------------------------------------------------------------------------
+def _short_study(name: str) -> str:
+    """A study name without its digests (``spcompile-spmm-sum-K64-<digests>-kernel_time-<space>``)."""
+    parts = name.split("-")
+    if name.startswith("spcompile-") and len(parts) > 5:
+        keep = [p for p in parts[1:] if not (len(p) >= 8 and all(c in "0123456789abcdef" for c in p))]
+        return "-".join(keep)
+    return name
+
 def cmd_best(args) -> int:
     from ..autotune.database import Database, normalize_url, sqlite_path
 
@@ -325,8 +333,8 @@ def cmd_best(args) -> int:
         print(json.dumps([dict(r.to_dict(), valid=r.valid, invalid_reason=r.invalid_reason()) for r in recs],
                          indent=1, default=str))
         return 0
-    head = ["op", "shape", "nnz", "K", "target", "objective", "precision", "timing", "baseline ms", "best ms",
-            "speed-up", "config"]
+    head = ["op", "graph", "shape", "nnz", "K", "target", "objective", "precision", "timing", "baseline ms",
+            "best ms", "speed-up", "study/trial", "config"]
     lines = []
     for r in recs:
         w = r.workload
@@ -336,9 +344,12 @@ def cmd_best(args) -> int:
         cfg = str(r.config).replace(f"target={r.config.target} ", "")
         if not r.valid:
             cfg = f"[invalid: {r.invalid_reason()}] " + cfg
-        lines.append([op, f"{w.get('rows')}x{w.get('cols')}", str(w.get("nnz")), str(w.get("K")), tgt,
+        src = "-" if not r.study_name else f"{_short_study(r.study_name)}#{r.trial_number}"
+        lines.append([op, str((r.extra or {}).get("graph") or "-"), f"{w.get('rows')}x{w.get('cols')}",
+                      str(w.get("nnz")), str(w.get("K")), tgt,
                       r.objective, r.precision, r.timing or "-", _fmt_ms(r.baseline_ms), _fmt_ms(r.kernel_ms),
-                      "-" if sp is None else f"{sp:.2f}x", cfg])
+                      "-" if sp is None else f"{sp:.2f}x" + (f" vs {r.baseline_name}" if r.baseline_name else ""),
+                      src, cfg])
     if not lines:
         print(f"no records in {_safe(url)}")
         return 0
