@@ -146,6 +146,9 @@ def _worker_main(jobs, opts, worker, cuda_device):
         _run_jobs(jobs, opts, progress=False, worker=worker)
     except KeyboardInterrupt:
         pass
+    except (ValueError, RuntimeError) as e:   # e.g. a DatabaseError: one line, and a non-zero exit
+        print(f"error (worker {worker}): {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 def _visible_gpus() -> list[str]:
@@ -231,9 +234,11 @@ def cmd_tune(args) -> int:
         rows = _run_jobs(jobs, opts, progress=not args.no_progress)
     except KeyboardInterrupt:
         rows, interrupted = [], True
+    worker_failed = False
     for p in procs:
         try:
             p.join()
+            worker_failed = worker_failed or bool(p.exitcode)
         except KeyboardInterrupt:
             interrupted = True
             for q in procs:
@@ -252,7 +257,7 @@ def cmd_tune(args) -> int:
             print("\n" + "\n".join(notes))
         print(f"\nstorage: {_safe(storage)}   ({time.perf_counter() - t0:.1f} s"
               + (", interrupted: partial results kept" if interrupted else "") + ")")
-    return 130 if interrupted else 0
+    return 130 if interrupted else (2 if worker_failed else 0)
 
 
 def _row_label(r: dict) -> str:
