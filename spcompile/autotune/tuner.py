@@ -456,7 +456,7 @@ class Tuner:
         try:
             from .knowledge import ranked_configs
 
-            ranked = ranked_configs(self.op, self.target, self.precision, k=max(4 * self.model_seeds, 32))
+            ranked = ranked_configs(self.op, self.target, self.precision, k=max(8 * self.model_seeds, 64))
         except Exception:  # noqa: BLE001 - knowledge is an optimisation, never a reason to fail
             return []
         out, templates = [], set()
