@@ -322,3 +322,22 @@ def test_bad_storage_urls_in_the_cli(tmp_path, capsys):
                         "-o", str(tmp_path / "m.spc")])
     err = capsys.readouterr().err
     assert rc == 2 and err.startswith("error:") and "Traceback" not in err
+
+
+def test_only_writes_take_the_write_lock(tmp_path):
+    """Lookups begin a plain (deferred) transaction; only a write begins with BEGIN IMMEDIATE."""
+    import sqlalchemy as sa
+
+    op = make_op(graph(seed=8), "spmm", 8)
+    db = Database(tmp_path / "stmts.db")
+    seen: list[str] = []
+    sa.event.listen(db.engine, "before_cursor_execute",
+                    lambda conn, cur, stmt, *a: seen.append(stmt.strip().split("\n")[0]))
+    assert db.save_if_better(make_record(op, 1.0))
+    assert "BEGIN IMMEDIATE" in seen
+    seen.clear()
+    assert db.lookup(op.key(), "cpu") is not None
+    db.best_records()
+    db.similar(op.key(), "cpu")
+    begins = [s for s in seen if s.startswith("BEGIN")]
+    assert begins and all(s == "BEGIN" for s in begins), begins

@@ -776,3 +776,19 @@ def test_provenance_of_every_decision(tmp_path, capsys, monkeypatch):
     m = spcompile.build(A, "spmm", K=4, target="cpu", template=dflt.template)
     assert m.tuning["source"] == "explicit"
     assert describe({}) .startswith("decision: unknown")
+
+
+def test_cli_says_when_nothing_was_stored(tmp_path, capsys, monkeypatch):
+    from spcompile.autotune import tuner as tuner_mod
+
+    real = tuner_mod.Tuner
+    monkeypatch.setattr(tuner_mod, "Tuner", lambda *a, **k: real(*a, **{**k, "runner": Drifting(1e-3)}))
+    g = tmp_path / "tiny.npz"
+    sp.save_npz(g, graph(100, seed=2))
+    dbp = str(tmp_path / "cli.db")
+    args = _cli(tmp_path).parse_args(["tune", str(g), "-K", "8", "--trials", "3", "--storage", dbp, "--target", "cpu",
+                                      "--no-progress"])
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    assert "tiny.npz K=8: nothing stored: the best config" in out and "slower than the baseline fake-baseline" in out
+    assert not open_database(dbp).records()
