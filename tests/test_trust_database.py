@@ -341,3 +341,23 @@ def test_only_writes_take_the_write_lock(tmp_path):
     db.similar(op.key(), "cpu")
     begins = [s for s in seen if s.startswith("BEGIN")]
     assert begins and all(s == "BEGIN" for s in begins), begins
+
+
+def test_broken_default_database_warns_once_and_builds(tmp_path, monkeypatch):
+    from spcompile.autotune import policy
+
+    junk = tmp_path / "default.db"
+    junk.write_text("not sqlite at all\n" * 20)
+    monkeypatch.setenv(dbm.ENV_VAR, str(junk))
+    monkeypatch.setattr(policy, "_WARNED_DEFAULT", set())
+    A = graph(seed=9)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        m1 = spcompile.build(A, "spmm", K=8, target="cpu")
+        m2 = spcompile.build(A, "spmm", K=8, target="cpu")
+    msgs = [str(x.message) for x in w if "cannot be used" in str(x.message)]
+    assert len(msgs) == 1 and "not an SQLite database" in msgs[0], msgs
+    assert m1.tuning["source"] == m2.tuning["source"] == "heuristic" and "db_error" in m1.tuning
+    # with the storage named explicitly it is an error, not a silent fallback
+    with pytest.raises(DatabaseError, match="not an SQLite database"):
+        spcompile.build(A, "spmm", K=8, target="cpu", storage=str(junk))

@@ -643,8 +643,11 @@ class Database:
             q = q.where(t.c.timing.in_([timing] if isinstance(timing, str) else list(timing)))
         if self._table_missing:
             return []
-        with self._reader() as conn:
-            rows = conn.execute(q.order_by(t.c.value_ms)).fetchall()
+        try:
+            with self._reader() as conn:
+                rows = conn.execute(q.order_by(t.c.value_ms)).fetchall()
+        except sa.exc.SQLAlchemyError as e:   # a server gone, a file replaced under us: one line
+            raise DatabaseError(f"cannot read the tuning records in {_hide_password(self.url)}: {_one_line(e)}") from None
         out = []
         for r in rows:   # a damaged row is skipped (with one warning), never a reason to fail
             try:

@@ -53,6 +53,7 @@ def decide(sop: SparseOp, target: str, storage: str | None = None, tune: bool = 
                 raise
             db = None
             db_error = str(e)
+            _warn_default_db(url, db_error)
     if db is not None:
         try:
             rec = db.lookup(sop.key(), target, obj, precision=precision, timing=(MODES[target][0], ""),
@@ -61,6 +62,7 @@ def decide(sop: SparseOp, target: str, storage: str | None = None, tune: bool = 
             if storage is not None:
                 raise
             rec, db_error = None, str(e)
+            _warn_default_db(url, db_error)
         if rec is not None and rec.config.precision in allowed_precisions(precision, sop.dtype):
             return rec.config, record_info(rec, "database", url, obj, precision), None
     extra = {}
@@ -114,6 +116,20 @@ def decide(sop: SparseOp, target: str, storage: str | None = None, tune: bool = 
         return cfg, {"source": "model", "objective": obj, "precision": precision,
                      **({"expected_speedup": sp} if sp else {}), **extra}, None
     return default_config(sop, target), {"source": "heuristic", "objective": obj, **extra}, None
+
+
+_WARNED_DEFAULT: set = set()
+
+
+def _warn_default_db(url: str, error: str) -> None:
+    """The default database is unusable: build() goes on without it, saying so once."""
+    if url in _WARNED_DEFAULT:
+        return
+    _WARNED_DEFAULT.add(url)
+    import warnings
+
+    warnings.warn(f"the tuning database {safe_url(url)} cannot be used ({error[:300]}); building without its "
+                  "records", RuntimeWarning, stacklevel=4)
 
 
 def record_info(rec, source: str, url: str, objective: str, precision: str) -> dict:
