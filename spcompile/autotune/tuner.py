@@ -270,7 +270,11 @@ class Tuner:
     ``similar``: how many similar matrices' best records seed the study.
     ``callbacks``: functions called with a dict per event ("start", "trial", "end").
     ``precision``: the lowest precision a configuration may compute in (see :data:`PRECISIONS`);
-    templates whose ``precision`` choices all fall below it are left out of the space."""
+    templates whose ``precision`` choices all fall below it are left out of the space.
+    ``model_seeds``: how many of the shipped model's first choices are the study's first trials
+    (plus the model's best of every other template in the space; 0: none).  ``confirm``: how many
+    of the best configs are measured a second time at the end of a run before one is stored.
+    ``graph``: the input's file name, kept with the study and the stored record (provenance)."""
 
     def __init__(self, op: SparseOp, target: str = "cpu", *, storage: str | None = None, runner=None,
                  objective: str = "kernel_time", expected_calls: float | None = None, seed: int | None = None,
