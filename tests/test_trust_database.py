@@ -23,7 +23,7 @@ from spcompile.compile import make_op
 from spcompile.core.config import Config
 
 from test_database import make_record
-from test_tuner import FakeRunner
+from test_tuner import Drifting, FakeRunner
 
 cli_main = importlib.import_module("spcompile.cli.main")
 
@@ -74,7 +74,13 @@ def test_newer_schema_is_a_clear_error_not_a_lost_record(tmp_path, capsys):
     from spcompile.autotune import tuner as tuner_mod
 
     real = tuner_mod.Tuner
-    tuner_mod.Tuner = lambda *a, **k: real(*a, **{**k, "runner": FakeRunner()})
+    from spcompile.compile import default_config
+
+    class Worth(Drifting):   # a slow baseline and a slow default: the search's best is worth storing
+        def kernel_s(self, cfg):
+            return 0.5 if cfg == default_config(make_op(graph(), "spmm", 8), "cpu") else super().kernel_s(cfg)
+
+    tuner_mod.Tuner = lambda *a, **k: real(*a, **{**k, "runner": Worth(1e3)})
     try:
         rc = cli_main.main(["tune", str(g), "-K", "8", "--trials", "3", "--storage", str(path), "--target", "cpu",
                             "--no-progress"])
