@@ -80,7 +80,7 @@ class FakeRunner:
         return MeasureResult("ok", kernel_s=t, preprocess_s=self.preprocess(cfg), config=cfg, rel_error=0.0)
 
     def baseline(self, op):
-        return MeasureResult("ok", kernel_s=5e-3, name="fake-baseline")
+        return MeasureResult("ok", kernel_s=50e-3, name="fake-baseline")
 
 
 @pytest.fixture
@@ -122,7 +122,7 @@ def test_seeds_defaults_first_and_fail_handling(db):
     failed_cfgs = {json.dumps(t.user_attrs["config"], sort_keys=True) for t in fails}
     for r in open_database(db).records():
         assert json.dumps(r.config.to_dict(), sort_keys=True) not in failed_cfgs
-    assert res.baseline_ms == pytest.approx(5.0) and res.speedup == pytest.approx(5.0 / res.best_kernel_ms)
+    assert res.baseline_ms == pytest.approx(50.0) and res.speedup == pytest.approx(50.0 / res.best_kernel_ms)
 
 
 def test_pruning_and_duplicates_are_not_remeasured(db):
