@@ -792,3 +792,21 @@ def test_cli_says_when_nothing_was_stored(tmp_path, capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "tiny.npz K=8: nothing stored: the best config" in out and "slower than the baseline fake-baseline" in out
     assert not open_database(dbp).records()
+
+
+def test_early_pruning_limits():
+    """A trial stops after its first timing when it is clearly losing: over 2x the best so far on
+    CUDA (a calibration pass over the input sets), 3x on the CPU (a single call, noisier)."""
+    from spcompile.autotune.measure import CUDARunner
+
+    for runner, factor in ((CUDARunner(isolate=False), 2.0), (CPURunner(isolate=False), 3.0)):
+        seen = []
+
+        class Stub:
+            def time(self, fn, n, prune_above=None, deadline=None):
+                seen.append(prune_above)
+
+        runner.timer = Stub()
+        runner._time(None, None, 1, 1e-3, None)
+        runner._time(None, None, 1, None, None)
+        assert seen == [pytest.approx(factor * 1e-3), None]
