@@ -302,7 +302,8 @@ def _reread(jobs, opts, rows):
                        objective=opts["objective"], expected_calls=opts["expected_calls"], runner=object(),
                        precision=opts.get("precision", "fp32"))
             d = tn.result(old.get("stop_reason", ""), old.get("interrupted", False)).to_dict()
-            d.update(graph=g, reduce=reduce, K=K)
+            d.update(graph=g, reduce=reduce, K=K, nothing_to_do=old.get("nothing_to_do", False),
+                     n_new=max(old.get("n_new", 0), d["n_trials"] - (old.get("n_trials", 0) - old.get("n_new", 0))))
             out.append(d)
         except Exception:
             out.append(old)
