@@ -8,6 +8,7 @@ highest-priority template (:mod:`spcompile.autotune.policy`).
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any, Mapping, Sequence
 
 from .autotune.policy import decide
@@ -39,7 +40,13 @@ def build(A, op: str = "spmm", K: int | None = None, reduce: str | None = None, 
     accumulation).  An explicit ``template``/``params`` choice is built as given.
     ``select_budget``: seconds of GPU measurement a build may spend on a database miss choosing
     among the shipped model's first choices and the vendor library (default 1.0; 0: take the
-    model's first choice unmeasured).  ``mod.tuning["source"]`` says where the decision came from.
+    model's first choice unmeasured).  ``mod.tuning`` says where the decision came from:
+    ``source`` is "database" (an exact tuning record), "tuned" (tuned by this call), "quick"
+    (quick selection), "model" (the shipped model's first choice), "heuristic" or "explicit"
+    (the caller's template/params/pipeline); records add their measured speed-up over the
+    baseline measured with them (``measured_speedup``, ``baseline_name``), ``study``, ``trial``
+    and the tuned ``graph`` file; the model adds its ``expected_speedup``.  A database record
+    that fails to build is skipped with a warning (the next decision is used).
     ``call_values``: the module will be called with new values (``mod(X, values=v)``, e.g. attention
     weights in training): only templates that read the values per call are considered.
     """
@@ -53,14 +60,30 @@ def build(A, op: str = "spmm", K: int | None = None, reduce: str | None = None, 
             check_dtype(sop, target, template)
         tpl = get_template(template)
         cfg = tpl.make_config(dict(params or {}), Pipeline(pipeline or ()).spec(), target)
-        return build_from_config(sop, cfg, ctx)
-    cfg, info, mod = decide(sop, target, storage=storage, tune=tune, trials=trials, timeout=timeout,
-                            precision=precision, select_budget=select_budget, ctx=ctx,
-                            **({"call_values": True} if call_values else {}), **tune_options)
-    check_dtype(sop, target, cfg.template)
-    if mod is not None:
-        mod.tuning = dict(info)
-        if mod.matrix is None:
-            mod.matrix = sop.A
-        return mod
-    return build_from_config(sop, cfg, ctx, info)
+        return build_from_config(sop, cfg, ctx, {"source": "explicit"})
+    skipped: list[int] = []
+    while True:
+        cfg, info, mod = decide(sop, target, storage=storage, tune=tune, trials=trials, timeout=timeout,
+                                precision=precision, select_budget=select_budget, ctx=ctx,
+                                skip_records=tuple(skipped),
+                                **({"call_values": True} if call_values else {}), **tune_options)
+        if mod is not None:
+            check_dtype(sop, target, cfg.template)
+            mod.tuning = dict(info)
+            if mod.matrix is None:
+                mod.matrix = sop.A
+            return mod
+        rid = info.get("record_id") if info.get("source") in ("database", "tuned") else None
+        if rid is None or len(skipped) >= 8:
+            check_dtype(sop, target, cfg.template)
+            return build_from_config(sop, cfg, ctx, info)
+        try:   # a record that does not build (damaged, or from another setup): the next decision
+            check_dtype(sop, target, cfg.template)
+            return build_from_config(sop, cfg, ctx, info)
+        except Exception as e:  # noqa: BLE001
+            warnings.warn(f"tuning record {rid} ({cfg.template}) in {info.get('storage')} does not build here "
+                          f"({type(e).__name__}: {str(e)[:200]}); using the next choice", RuntimeWarning,
+                          stacklevel=2)
+            skipped.append(rid)
+            tune = False
+            trials = timeout = None

@@ -420,8 +420,11 @@ def test_a_script_that_tunes_at_its_top_level_works(tmp_path):
         "import scipy.sparse as sp, spcompile\n"
         "A = sp.random(40, 40, density=0.1, format='csr', random_state=0)\n"
         f"mod = spcompile.build(A, 'spmm', K=8, target='cpu', tune=True, trials=2, storage={str(tmp_path / 'd.db')!r})\n"
-        "print('SOURCE', mod.tuning['source'])\n")
+        "print('SOURCE', mod.tuning['source'], mod.tuning.get('study') or mod.tuning.get('tune_study'))\n")
     r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
                        env={**__import__('os').environ, "PYTHONPATH": __import__('os').pathsep.join(sys.path)})
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "SOURCE tuned" in r.stdout
+    # tuned (or, when the search's best lost to scipy / the default measured in the same run, the
+    # heuristics, with the study that was tuned named in the module's provenance)
+    line = next(x for x in r.stdout.splitlines() if x.startswith("SOURCE"))
+    assert line.split()[1] in ("tuned", "heuristic") and "spcompile-spmm" in line, line

@@ -51,6 +51,18 @@ class FakeRunner:
         self.interrupt_at = interrupt_at
         self.preprocess = preprocess or (lambda cfg: 0.0)
 
+    confirm_at = None
+
+    def events(self, ev):
+        """A Tuner callback: notes where the end-of-run confirmation starts measuring again."""
+        if ev["event"] == "confirm" and self.confirm_at is None:
+            self.confirm_at = len(self.calls)
+
+    @property
+    def searched(self):
+        """The search's measurements (without the end-of-run confirmation's)."""
+        return self.calls if self.confirm_at is None else self.calls[:self.confirm_at]
+
     def kernel_s(self, cfg):
         base = 1e-3 * (1 + (_h(cfg) % 97) / 10)
         return base * (0.5 if cfg.pipeline else 1.0)  # pipelines make the kernel faster
@@ -68,7 +80,7 @@ class FakeRunner:
         return MeasureResult("ok", kernel_s=t, preprocess_s=self.preprocess(cfg), config=cfg, rel_error=0.0)
 
     def baseline(self, op):
-        return MeasureResult("ok", kernel_s=5e-3, name="fake-baseline")
+        return MeasureResult("ok", kernel_s=50e-3, name="fake-baseline")
 
 
 @pytest.fixture
@@ -110,16 +122,18 @@ def test_seeds_defaults_first_and_fail_handling(db):
     failed_cfgs = {json.dumps(t.user_attrs["config"], sort_keys=True) for t in fails}
     for r in open_database(db).records():
         assert json.dumps(r.config.to_dict(), sort_keys=True) not in failed_cfgs
-    assert res.baseline_ms == pytest.approx(5.0) and res.speedup == pytest.approx(5.0 / res.best_kernel_ms)
+    assert res.baseline_ms == pytest.approx(50.0) and res.speedup == pytest.approx(50.0 / res.best_kernel_ms)
 
 
 def test_pruning_and_duplicates_are_not_remeasured(db):
     op = make_op(graph(), "spmm", 16)
     runner = FakeRunner()
-    res = Tuner(op, "cpu", storage=db, runner=runner, seed=1).run(trials=16)
+    searched = []   # the search's measurements (the confirmation at the end measures again)
+    cb = lambda ev: searched.append(len(runner.calls)) if ev["event"] == "confirm" else None  # noqa: E731
+    res = Tuner(op, "cpu", storage=db, runner=runner, seed=1, callbacks=[cb]).run(trials=16)
     assert runner.prune_args[0] is None  # nothing to compare with yet
     assert any(p is not None for p in runner.prune_args[1:])
-    digests = [json.dumps(c.to_dict(), sort_keys=True) for c in runner.calls]
+    digests = [json.dumps(c.to_dict(), sort_keys=True) for c in runner.calls[:searched[0]]]
     assert len(digests) == len(set(digests)), "a config was measured twice"
     trials = Tuner(op, "cpu", storage=db, runner=runner).study.get_trials()
     pruned = [t for t in trials if t.state == TV.PRUNED and "duplicate_of" not in t.user_attrs]
@@ -150,12 +164,14 @@ def test_resume_after_interruption(db):
     trials = Tuner(op, "cpu", storage=db, runner=r1).study.get_trials()
     assert [t.user_attrs.get("fail_reason") for t in trials if t.state == TV.FAIL] == ["interrupted"]
     assert not [t for t in trials if t.state == TV.RUNNING]
+    assert res.stored is None and "nothing stored" in res.store_note   # never stored unconfirmed
+    assert open_database(db).lookup(op.key(), "cpu") is None
     r2 = FakeRunner()
-    res2 = Tuner(op, "cpu", storage=db, runner=r2, seed=0).run(trials=10)
-    assert res2.n_trials == 10 and not res2.interrupted
+    res2 = Tuner(op, "cpu", storage=db, runner=r2, seed=0, callbacks=[r2.events]).run(trials=10)
+    assert res2.n_trials == 10 and not res2.interrupted and res2.n_new == 7 and res2.stored
     measured_before = {json.dumps(c.to_dict(), sort_keys=True) for c in r1.calls[:3]}
-    assert not measured_before & {json.dumps(c.to_dict(), sort_keys=True) for c in r2.calls}
-    assert len(r2.calls) <= 7 + 1  # the rest of the budget (+ the interrupted config again)
+    assert not measured_before & {json.dumps(c.to_dict(), sort_keys=True) for c in r2.searched}
+    assert len(r2.searched) <= 7 + 1  # the rest of the budget (+ the interrupted config again)
     # a finished study is not tuned again
     r3 = FakeRunner()
     assert Tuner(op, "cpu", storage=db, runner=r3).run(trials=10).n_trials == 10 and not r3.calls
@@ -262,7 +278,12 @@ def test_real_cpu_templates_tune_then_build_hits_the_database(db):
     assert res.baseline_name == "scipy.csr_matmul" and res.baseline_ms > 0
     op = make_op(A, "spmm", 16)
     rec = open_database(db).lookup(op.key(), "cpu")
+    if not res.stored:   # the search's best lost to the default or to scipy measured in this run
+        assert rec is None and "slower than" in res.store_note
+        assert spcompile.build(A, "spmm", K=16, target="cpu", storage=db).tuning["source"] == "heuristic"
+        return
     assert rec.config.template == res.best_config.template and rec.valid
+    assert rec.kernel_ms <= res.baseline_ms and rec.kernel_ms <= res.default_ms
     cfg, info = choose_config(op, "cpu", storage=db)
     assert info["source"] == "database" and cfg == rec.config
     mod = spcompile.build(A, "spmm", K=16, target="cpu", storage=db)
@@ -272,14 +293,18 @@ def test_real_cpu_templates_tune_then_build_hits_the_database(db):
     # a miss (another K) uses the heuristics unless tuning is asked for
     cfg2, info2 = choose_config(make_op(A, "spmm", 8), "cpu", storage=db)
     assert info2["source"] == "heuristic"
-    cfg3, info3 = choose_config(make_op(A, "spmm", 8), "cpu", storage=db, trials=2, runner=FakeRunner())
+    cfg3, info3 = choose_config(make_op(A, "spmm", 8), "cpu", storage=db, trials=2, runner=Drifting(1e3))
     assert info3["source"] == "tuned"
 
 
-def test_cli_tune_and_best(tmp_path, capsys):
+def test_cli_tune_and_best(tmp_path, capsys, monkeypatch):
     import argparse
 
+    from spcompile.autotune import tuner as tuner_mod
     from spcompile.cli import tune as cli_tune
+
+    real = tuner_mod.Tuner   # a fake runner: the record is stored whatever this machine's load
+    monkeypatch.setattr(tuner_mod, "Tuner", lambda *a, **k: real(*a, **{**k, "runner": FakeRunner()}))
 
     g = tmp_path / "g.npz"
     sp.save_npz(g, graph(150, seed=7))
@@ -294,7 +319,8 @@ def test_cli_tune_and_best(tmp_path, capsys):
     assert "baseline ms" in out and "speed-up" in out and "g " in out
     args = p.parse_args(["best", "--storage", dbp])
     assert args.func(args) == 0
-    assert "spmm/sum" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "spmm/sum" in out and "g.npz" in out
 
 
 class _Reduced(Template):
@@ -414,8 +440,9 @@ def test_pruned_config_is_not_measured_again(db, monkeypatch):
 
         op = make_op(graph(), "spmm", 16)
         runner = Slow2()
-        res = Tuner(op, "cpu", storage=db, runner=runner, seed=0, reorders=(), max_duplicates=12).run(trials=40)
-        tiny = [json.dumps(c.to_dict(), sort_keys=True) for c in runner.calls if c.template == _Tiny.name]
+        res = Tuner(op, "cpu", storage=db, runner=runner, seed=0, reorders=(), max_duplicates=12,
+                    callbacks=[runner.events]).run(trials=40)
+        tiny = [json.dumps(c.to_dict(), sort_keys=True) for c in runner.searched if c.template == _Tiny.name]
         assert len(tiny) == len(set(tiny)) == 2, tiny
         trials = Tuner(op, "cpu", storage=db, runner=runner, reorders=()).study.get_trials()
         dups = [t for t in trials if t.state == TV.PRUNED and "duplicate_of" in t.user_attrs]
@@ -445,8 +472,8 @@ def test_run_with_a_stop_rule(db):
 
     op = make_op(graph(), "spmm", 16)
     runner = FakeRunner()
-    res = Tuner(op, "cpu", storage=db, runner=runner, seed=0).run(stop=StopRule(trials=5))
-    assert res.n_trials == 5 and res.stop_reason == "budget" and len(runner.calls) <= 5
+    res = Tuner(op, "cpu", storage=db, runner=runner, seed=0, callbacks=[runner.events]).run(stop=StopRule(trials=5))
+    assert res.n_trials == 5 and res.stop_reason == "budget" and len(runner.searched) <= 5
     res2 = Tuner(op, "cpu", storage=db, runner=FakeRunner(), seed=0).run(stop=StopRule(max_duplicates=0))
     assert res2.stop_reason == "search space exhausted" and res2.n_trials == 5
 
@@ -514,3 +541,272 @@ def test_tuning_from_python_prints_no_optuna_info(db):
     finally:
         optuna.logging.set_verbosity(before)
         lib.removeHandler(handler)
+
+
+# -- the tuner's promises: model seeds, a baseline per run, confirmation, the stored-record policy --
+def _default_cfg(op):
+    from spcompile.compile import default_config
+
+    return default_config(op, "cpu")
+
+
+def test_model_seeds_are_measured_first(db, monkeypatch):
+    """The shipped model's first choices (across the templates of the space) are the first trials."""
+    from spcompile.autotune import knowledge
+
+    op = make_op(graph(), "spmm", 16)
+    tn = Tuner(op, "cpu", storage=db, runner=FakeRunner())
+    tname, pipes = next(iter(tn.space.items()))
+    tpl = spcompile.get_template(tname)
+    mod = spcompile.SparseModule.from_op(op)
+    pname, dist = next((k, d) for k, d in tpl.space(mod).items() if hasattr(d, "choices") and len(d.choices) > 1)
+    base = dict(tpl.default_params(mod))
+    label = [lab for lab in pipes if lab != "none"][0]
+    ranked = []
+    for i, c in enumerate(reversed(dist.choices)):
+        if c == base[pname]:
+            continue
+        ranked.append((tpl.make_config({**base, pname: c}, pipes[label], "cpu"), 2.0 - 0.1 * i))
+    ranked.append((Config("no.such_template", {}, (), "cpu"), 1.0))   # outside the space: ignored
+    asked = []
+
+    def fake_ranked(sop, target, precision="fp32", k=8):
+        asked.append((target, precision, k))
+        return ranked[:k]
+
+    monkeypatch.setattr(knowledge, "ranked_configs", fake_ranked)
+    runner = FakeRunner()
+    tn = Tuner(op, "cpu", storage=db, runner=runner, seed=0, study_name="model-seeded")
+    tn.run(trials=len(ranked) + 2)
+    want = [c for c, _ in ranked[:-1]]
+    assert runner.calls[:len(want)] == want, "the model's choices were not measured first, in order"
+    assert asked and asked[0][:2] == ("cpu", "fp32")
+    seeded = [t for t in tn.study.get_trials() if str(t.user_attrs.get("seed", "")).startswith("model:")]
+    assert len(seeded) == len(want) and seeded[0].user_attrs["expected_speedup"] == pytest.approx(ranked[0][1])
+    # a broken model never stops tuning
+    monkeypatch.setattr(knowledge, "ranked_configs", lambda *a, **k: 1 / 0)
+    assert Tuner(op, "cpu", storage=db, runner=FakeRunner(), study_name="broken-model").run(trials=3).n_trials == 3
+
+
+class Drifting(FakeRunner):
+    """The baseline gets faster with every run (another load on the machine, say)."""
+
+    def __init__(self, baseline_ms, **kw):
+        super().__init__(**kw)
+        self.baseline_ms = baseline_ms
+        self.baselines = 0
+
+    def baseline(self, op):
+        self.baselines += 1
+        return MeasureResult("ok", kernel_s=self.baseline_ms * 1e-3, name="fake-baseline")
+
+
+def test_baseline_is_measured_again_by_every_run(db):
+    op = make_op(graph(), "spmm", 16)
+    r1 = Drifting(50.0)
+    res1 = Tuner(op, "cpu", storage=db, runner=r1, seed=0).run(trials=4)
+    assert r1.baselines == 1 and res1.baseline_ms == pytest.approx(50.0)
+    r2 = Drifting(20.0)
+    res2 = Tuner(op, "cpu", storage=db, runner=r2, seed=0).run(more=2)
+    assert r2.baselines == 1 and res2.baseline_ms == pytest.approx(20.0), "a baseline from an earlier run was kept"
+    assert res2.speedup == pytest.approx(20.0 / res2.best_kernel_ms)
+    rec = open_database(db).lookup(op.key(), "cpu")
+    # the record and its baseline were measured in the same run
+    assert rec.baseline_ms in (pytest.approx(50.0), pytest.approx(20.0))
+    assert rec.speedup == pytest.approx(rec.baseline_ms / rec.kernel_ms)
+
+
+class Confirming(FakeRunner):
+    """The second measurement of a config is ``factor`` times its first (the first was lucky)."""
+
+    def __init__(self, factor=1.0, only=None, **kw):
+        super().__init__(**kw)
+        self.factor = factor
+        self.only = only
+        self.seen = {}
+
+    def measure(self, op, cfg, *, timeout=None, prune_above=None):
+        res = super().measure(op, cfg, timeout=timeout, prune_above=prune_above)
+        k = json.dumps(cfg.to_dict(), sort_keys=True)
+        n = self.seen[k] = self.seen.get(k, 0) + 1
+        if n >= 2 and res.ok and (self.only is None or self.only(cfg)):
+            res.kernel_s *= self.factor
+        return res
+
+
+def test_winner_is_confirmed_before_it_is_stored(db):
+    op = make_op(graph(), "spmm", 16)
+    runner = Confirming(1.3)
+    res = Tuner(op, "cpu", storage=db, runner=runner, seed=0, callbacks=[runner.events]).run(trials=10)
+    confirmations = runner.calls[runner.confirm_at:]
+    assert res.best_config in confirmations, "the winner was not measured a second time"
+    rec = open_database(db).lookup(op.key(), "cpu")
+    assert res.stored and rec is not None and rec.config == res.best_config
+    # the stored time is the second measurement, the search's first one is kept beside it
+    assert rec.kernel_ms == pytest.approx(res.best_kernel_ms)
+    assert rec.extra["confirmed"] and rec.extra["search_kernel_ms"] == pytest.approx(res.search_kernel_ms)
+    if res.best_config != _default_cfg(op):
+        assert rec.kernel_ms == pytest.approx(runner.kernel_s(res.best_config) * 1.3e3)
+
+
+def test_nothing_slower_than_the_default_is_stored(db):
+    """The search's best measured fast once but slower than the default config the second time:
+    nothing is stored, the result says why, and build() falls back."""
+    op = make_op(graph(), "spmm", 16)
+    dflt = _default_cfg(op)
+    runner = Confirming(50.0, only=lambda cfg: cfg != dflt)
+    res = Tuner(op, "cpu", storage=db, runner=runner, seed=0).run(trials=10)
+    assert res.best_config != dflt
+    assert res.stored is False and "slower than the default config" in res.store_note
+    assert res.default_ms == pytest.approx(runner.kernel_s(dflt) * 1e3)
+    assert open_database(db).lookup(op.key(), "cpu") is None and not open_database(db).records()
+    mod = spcompile.build(op.A, "spmm", K=16, target="cpu", storage=db)
+    assert mod.tuning["source"] == "heuristic" and mod.config == dflt
+    # build(tune=True) falls back too, and says why
+    op8 = make_op(graph(), "spmm", 8)
+    dflt8 = _default_cfg(op8)
+    cfg, info = choose_config(op8, "cpu", storage=db, trials=10, seed=0,
+                              runner=Confirming(50.0, only=lambda cfg: cfg != dflt8))
+    assert info["source"] == "heuristic" and "slower than the default" in info["tune_note"]
+
+
+def test_nothing_slower_than_the_baseline_is_stored(db):
+    op = make_op(graph(), "spmm", 16)
+    runner = Drifting(0.01)   # the vendor library beats every config
+    res = Tuner(op, "cpu", storage=db, runner=runner, seed=0).run(trials=6)
+    assert res.stored is False and "slower than the baseline fake-baseline" in res.store_note
+    assert open_database(db).lookup(op.key(), "cpu") is None
+
+
+def test_more_trials_and_nothing_to_do(db):
+    op = make_op(graph(), "spmm", 16)
+    Tuner(op, "cpu", storage=db, runner=FakeRunner(), seed=0).run(trials=5)
+    again = Drifting(5.0)
+    res = Tuner(op, "cpu", storage=db, runner=again, seed=0).run(trials=5)
+    assert res.nothing_to_do and "nothing to do" in res.stop_reason and res.n_new == 0
+    assert not again.calls and again.baselines == 0 and res.n_trials == 5
+    more = FakeRunner()
+    res = Tuner(op, "cpu", storage=db, runner=more, seed=0, callbacks=[more.events]).run(more=3)
+    assert res.n_trials == 8 and res.n_new == 3 and not res.nothing_to_do and res.stored is not None
+    assert 1 <= len(more.searched) <= 3
+    with pytest.raises(ValueError):
+        Tuner(op, "cpu", storage=db, runner=FakeRunner()).run(more=-1)
+
+
+def _cli(tmp_path):
+    import argparse
+
+    from spcompile.cli import tune as cli_tune
+
+    p = argparse.ArgumentParser()
+    sub = p.add_subparsers()
+    cli_tune.add_commands(sub)
+    return p
+
+
+def test_cli_more_and_nothing_to_do(tmp_path, capsys, monkeypatch):
+    from spcompile.autotune import tuner as tuner_mod
+    from spcompile.cli.common import power_law_graph
+
+    real = tuner_mod.Tuner
+    monkeypatch.setattr(tuner_mod, "Tuner", lambda *a, **k: real(*a, **{**k, "runner": FakeRunner()}))
+    g = tmp_path / "social.npz"
+    sp.save_npz(g, power_law_graph(300, 6, seed=1))
+    dbp = str(tmp_path / "cli.db")
+    p = _cli(tmp_path)
+    base = ["tune", str(g), "-K", "8", "--storage", dbp, "--target", "cpu", "--no-progress"]
+    args = p.parse_args(base + ["--trials", "3"])
+    assert args.func(args) == 0
+    assert "nothing to do" not in capsys.readouterr().out
+    args = p.parse_args(base + ["--trials", "3"])
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    assert "social.npz K=8: nothing to do: the study already has 3 trials (--trials 3); add trials with --more N" in out
+    args = p.parse_args(base + ["--more", "2"])
+    assert args.func(args) == 0
+    assert "social.npz K=8: added 2 trials (the study now has 5)" in capsys.readouterr().out
+    args = p.parse_args(base + ["--more", "2", "--trials", "4"])
+    assert args.func(args) == 2 and "--more" in capsys.readouterr().err
+    # the graph's file name is kept with the study and the record
+    rec = open_database(dbp).records()[0]
+    assert rec.extra["graph"] == "social.npz"
+    assert Tuner(make_op(power_law_graph(300, 6, seed=1), "spmm", 8), "cpu", storage=dbp,
+                 runner=FakeRunner()).study.user_attrs["graph"] == "social.npz"
+
+
+def test_provenance_of_every_decision(tmp_path, capsys, monkeypatch):
+    """mod.tuning says where the decision came from; `spcompile info` and `spcompile best` show it."""
+    from spcompile.autotune import knowledge
+    from spcompile.autotune.policy import describe
+    import importlib
+
+    cli_main = importlib.import_module("spcompile.cli.main")
+
+    dbp = str(tmp_path / "prov.db")
+    A = graph(150, seed=11)
+    op = make_op(A, "spmm", 16)
+    res = Tuner(op, "cpu", storage=dbp, runner=FakeRunner(), seed=0, graph="cora.npz").run(trials=6)
+    assert res.stored and res.graph == "cora.npz"
+    mod = spcompile.build(A, "spmm", K=16, target="cpu", storage=dbp)
+    t = mod.tuning
+    assert t["source"] == "database" and t["graph"] == "cora.npz" and t["study"] == res.study_name
+    assert t["trial"] == res.best_trial and t["baseline_name"] == "fake-baseline"
+    assert t["measured_speedup"] == pytest.approx(res.baseline_ms / res.best_kernel_ms)
+    line = describe(t)
+    assert "decision: database" in line and "cora.npz" in line and f"trial {res.best_trial}" in line
+    assert "over fake-baseline" in line
+    art = str(tmp_path / "m.spc")
+    mod.save(art)
+    assert cli_main.main(["info", art]) == 0
+    out = capsys.readouterr().out
+    assert "decision: database (tuning record)" in out and "graph cora.npz" in out and "measured" in out
+    assert cli_main.main(["best", "--storage", dbp]) == 0
+    out = capsys.readouterr().out
+    assert "cora.npz" in out and "fake-baseline" in out and f"#{res.best_trial}" in out
+    # tuned by this build
+    mod = spcompile.build(A, "spmm", K=8, target="cpu", storage=dbp, trials=5, runner=FakeRunner())
+    assert mod.tuning["source"] == "tuned" and mod.tuning["trial"] is not None and mod.tuning["measured_speedup"] > 0
+    # the default heuristics, the model's first choice (expected speed-up), the caller's choice
+    assert spcompile.build(A, "spmm", K=4, target="cpu", storage=dbp).tuning["source"] == "heuristic"
+    dflt = _default_cfg(make_op(A, "spmm", 4))
+    monkeypatch.setattr(knowledge, "ranked_configs", lambda *a, **k: [(dflt, 1.7)])
+    m = spcompile.build(A, "spmm", K=4, target="cpu", storage=dbp)
+    assert m.tuning["source"] == "model" and m.tuning["expected_speedup"] == pytest.approx(1.7)
+    assert "expected 1.70x" in describe(m.tuning)
+    m = spcompile.build(A, "spmm", K=4, target="cpu", template=dflt.template)
+    assert m.tuning["source"] == "explicit"
+    assert describe({}) .startswith("decision: unknown")
+
+
+def test_cli_says_when_nothing_was_stored(tmp_path, capsys, monkeypatch):
+    from spcompile.autotune import tuner as tuner_mod
+
+    real = tuner_mod.Tuner
+    monkeypatch.setattr(tuner_mod, "Tuner", lambda *a, **k: real(*a, **{**k, "runner": Drifting(1e-3)}))
+    g = tmp_path / "tiny.npz"
+    sp.save_npz(g, graph(100, seed=2))
+    dbp = str(tmp_path / "cli.db")
+    args = _cli(tmp_path).parse_args(["tune", str(g), "-K", "8", "--trials", "3", "--storage", dbp, "--target", "cpu",
+                                      "--no-progress"])
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    assert "tiny.npz K=8: nothing stored: the best config" in out and "slower than the baseline fake-baseline" in out
+    assert not open_database(dbp).records()
+
+
+def test_early_pruning_limits():
+    """A trial stops after its first timing when it is clearly losing: over 2x the best so far on
+    CUDA (a calibration pass over the input sets), 3x on the CPU (a single call, noisier)."""
+    from spcompile.autotune.measure import CUDARunner
+
+    for runner, factor in ((CUDARunner(isolate=False), 2.0), (CPURunner(isolate=False), 3.0)):
+        seen = []
+
+        class Stub:
+            def time(self, fn, n, prune_above=None, deadline=None):
+                seen.append(prune_above)
+
+        runner.timer = Stub()
+        runner._time(None, None, 1, 1e-3, None)
+        runner._time(None, None, 1, None, None)
+        assert seen == [pytest.approx(factor * 1e-3), None]

@@ -37,13 +37,37 @@ from ..core.ir import WorkloadKey
 from ..core.config import Config
 
 __all__ = ["default_storage_url", "normalize_url", "target_key", "target_digest", "Record", "Database",
-           "open_database", "optuna_storage", "config_digest", "pass_hashes", "ENV_VAR"]
+           "DatabaseError", "open_database", "optuna_storage", "config_digest", "pass_hashes", "ENV_VAR"]
 
 ENV_VAR = "SPCOMPILE_TUNING_DB"
 #: v2: a record's key names its precision policy and timing mode in columns of their own (v1 put
 #: them in the objective label; v1 tables are left alone and unread: their template hashes predate
 #: the current layout, so none of their records would be valid)
 TABLE = "spcompile_records_v2"
+
+
+class DatabaseError(RuntimeError):
+    """The tuning database cannot be used as asked: a bad or unreachable storage URL, a table
+    written by another spcompile version, a write to a read-only database.  Its message is one
+    line, without the URL's password."""
+
+
+def _hide_password(url: str) -> str:
+    try:
+        from sqlalchemy.engine import make_url
+
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:  # noqa: BLE001 - not even an URL: show its scheme and host part only
+        return url.split("@")[-1] if "@" in url else url
+
+
+def _one_line(e: BaseException) -> str:
+    """``Type: first line of the message`` of an exception (or of the driver error it wraps)."""
+    orig = getattr(e, "orig", None) or e
+    text = " ".join(str(orig).split())   # newlines and runs of spaces: one line
+    for marker in (" (Background on this error", "[SQL:"):
+        text = text.split(marker)[0].strip()
+    return f"{type(orig).__name__}: {text}"[:300] if text else type(orig).__name__
 
 
 # -- locations ------------------------------------------------------------------------------
@@ -66,7 +90,17 @@ def normalize_url(storage: str | os.PathLike | None) -> str:
     """An SQLAlchemy URL from an URL, a file path (SQLite) or None (the default)."""
     if storage is None:
         storage = os.environ.get(ENV_VAR) or default_storage_path()
-    storage = os.fspath(storage)
+    try:
+        storage = os.fspath(storage)
+    except TypeError:
+        raise DatabaseError(f"a storage must be an URL or a file path, got {type(storage).__name__}") from None
+    if not isinstance(storage, str):
+        storage = os.fsdecode(storage)
+    if not storage.strip():
+        raise DatabaseError("empty storage: give an SQLAlchemy URL (sqlite:///file.db, postgresql://...) "
+                            "or a file path")
+    if "\0" in storage:
+        raise DatabaseError("the storage URL or path contains a NUL character")
     if "://" in storage:
         return storage
     return "sqlite:///" + os.path.abspath(os.path.expanduser(storage))
@@ -84,8 +118,24 @@ def sqlite_path(url: str) -> str | None:
     return None if p in ("", ":memory:") else p
 
 
-def _engine_kwargs(url: str) -> dict:
+def _sqlite_ro_uri(path: str, immutable: bool) -> str:
+    from urllib.parse import quote
+
+    return f"file:{quote(os.path.abspath(path))}?" + ("immutable=1" if immutable else "mode=ro")
+
+
+def _engine_kwargs(url: str, read_only: str | None = None) -> dict:
+    """Engine options; ``read_only``: open an SQLite file read-only ("ro", or "immutable" where
+    even the WAL index cannot be written)."""
     path = sqlite_path(url)
+    if path is not None and read_only:
+        def connect_ro():
+            import sqlite3
+
+            return sqlite3.connect(_sqlite_ro_uri(path, read_only == "immutable"), uri=True, timeout=30,
+                                   check_same_thread=False)
+
+        return {"creator": connect_ro}
     if path is not None:
         def connect():
             import sqlite3
@@ -224,8 +274,11 @@ class Record:
 
     @property
     def speedup(self) -> float | None:
-        if self.baseline_ms and self.kernel_ms > 0:
-            return self.baseline_ms / self.kernel_ms
+        try:
+            if self.baseline_ms and self.kernel_ms and self.kernel_ms > 0:
+                return float(self.baseline_ms) / float(self.kernel_ms)
+        except (TypeError, ValueError):   # a damaged field: no speed-up to show
+            pass
         return None
 
     def invalid_reason(self) -> str | None:
@@ -260,6 +313,30 @@ class Record:
                 "extra": dict(self.extra)}
 
 
+_WARNED: set = set()
+_WARN_LOCK = threading.Lock()
+
+
+def _warn_once(key, message: str) -> None:
+    """One warning per ``key`` per process (a damaged database must not flood the caller)."""
+    with _WARN_LOCK:
+        if key in _WARNED:
+            return
+        _WARNED.add(key)
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def _valid(rec: "Record") -> bool:
+    """``rec.valid``, with a record whose validity cannot even be checked (damaged fields)
+    counted as invalid, with a warning."""
+    try:
+        return rec.valid
+    except Exception as e:  # noqa: BLE001
+        _warn_once(("invalid", rec.id, rec.workload_digest), f"skipping tuning record {rec.id}: it cannot be "
+                   f"checked ({type(e).__name__}: {str(e)[:200]})")
+        return False
+
+
 def _feature_vector(workload: Mapping) -> dict[str, float]:
     f = dict(workload.get("features") or {})
     f["K"] = float(workload.get("K", 0))
@@ -283,26 +360,101 @@ def feature_distance(a: Mapping, b: Mapping) -> float:
     return math.sqrt(d)
 
 
-class Database:
-    """The best-config records (and the Optuna storage) behind one SQLAlchemy URL."""
+def _writable(path: str) -> bool:
+    """Can this process write the SQLite file and its folder (the journal / WAL files live there)?"""
+    folder = os.path.dirname(os.path.abspath(path)) or "."
+    return os.access(path, os.W_OK) and os.access(folder, os.W_OK | os.X_OK)
 
-    def __init__(self, storage: str | os.PathLike | None = None):
+
+def _ro_mode(path: str) -> str:
+    """"ro" when a read-only connection can read the file, else "immutable" (a WAL database whose
+    index cannot be created in a read-only folder)."""
+    import sqlite3
+
+    try:
+        c = sqlite3.connect(_sqlite_ro_uri(path, False), uri=True, timeout=5)
+        try:
+            c.execute("SELECT count(*) FROM sqlite_master").fetchone()
+        finally:
+            c.close()
+        return "ro"
+    except sqlite3.Error:
+        wal = path + "-wal"
+        if os.path.exists(wal) and os.path.getsize(wal) > 0:
+            _warn_once(("wal", path), f"the read-only tuning database {path} has a write-ahead log that cannot be "
+                       "read here: records stored since its last checkpoint are not seen")
+        return "immutable"
+
+
+class Database:
+    """The best-config records (and the Optuna storage) behind one SQLAlchemy URL.
+
+    Writes (:meth:`save_if_better`) take SQLite's write lock at ``BEGIN IMMEDIATE`` so that
+    read-compare-write is atomic across processes; reads begin a plain (deferred) transaction,
+    so a lookup never waits behind a writer.  A database file this process cannot write is
+    opened read-only (with one warning): its records are read, storing raises
+    :class:`DatabaseError`; so does any storage that cannot be used (one line, no traceback).
+    A damaged record is skipped with a warning; the next one is used."""
+
+    def __init__(self, storage: str | os.PathLike | None = None, *, read_only: bool | None = None):
+        import sqlite3
+
         import sqlalchemy as sa
 
         self.url = normalize_url(storage)
+        shown = _hide_password(self.url)
+        #: opened read-only (lookups work; storing raises :class:`DatabaseError`)
+        self.read_only = False
+        self._write_problem: str | None = None
+        self._table_missing = False
+        ro_mode = None
         path = sqlite_path(self.url)
         if path is not None:
-            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        self.engine = sa.create_engine(self.url, **_engine_kwargs(self.url))
+            if os.path.isdir(path):
+                raise DatabaseError(f"tuning database {path} is a folder, not an SQLite file")
+            if os.path.exists(path):
+                try:
+                    with open(path, "rb") as fh:
+                        head = fh.read(16)
+                except OSError as e:
+                    raise DatabaseError(f"cannot read the tuning database {path}: {e.strerror or e}") from None
+                if head and head != b"SQLite format 3\x00":
+                    raise DatabaseError(f"{path} is not an SQLite database (use another file or URL)")
+                if read_only or not _writable(path):
+                    ro_mode = _ro_mode(path)
+            elif read_only:
+                raise DatabaseError(f"no tuning database at {path}")
+            else:
+                folder = os.path.dirname(path) or "."
+                try:
+                    os.makedirs(folder, exist_ok=True)
+                except OSError as e:
+                    raise DatabaseError(f"cannot create the tuning database {path}: "
+                                        f"{e.strerror or type(e).__name__} ({e.filename or folder})") from None
+                if not os.access(folder, os.W_OK | os.X_OK):
+                    raise DatabaseError(f"cannot create the tuning database {path}: its folder is not writable")
+        elif read_only:
+            raise DatabaseError("read_only=True is for SQLite files; give the server a read-only user instead")
+        self.read_only = ro_mode is not None
+        try:
+            self.engine = sa.create_engine(self.url, **_engine_kwargs(self.url, ro_mode))
+        except (sa.exc.SQLAlchemyError, ImportError, ValueError, TypeError, KeyError) as e:
+            hint = (f" (install the database driver: pip install {e.name})"
+                    if isinstance(e, ImportError) and getattr(e, "name", None) else "")
+            raise DatabaseError(f"cannot use the tuning database {shown}: {_one_line(e)}{hint}") from None
         if self.url.startswith("sqlite"):
-            # take the write lock at BEGIN so that read-compare-write is atomic across processes
             @sa.event.listens_for(self.engine, "connect")
             def _connect(dbapi_conn, _rec):
                 dbapi_conn.isolation_level = None
 
             @sa.event.listens_for(self.engine, "begin")
             def _begin(conn):
-                conn.exec_driver_sql("BEGIN IMMEDIATE")
+                # writes take the write lock at BEGIN (read-compare-write is atomic across
+                # processes); reads begin a deferred transaction and never wait behind a writer
+                if self.read_only or conn.get_execution_options().get("spcompile_read"):
+                    conn.exec_driver_sql("BEGIN")
+                else:
+                    conn.exec_driver_sql("BEGIN IMMEDIATE")
 
         md = sa.MetaData()
         self.table = sa.Table(
@@ -329,15 +481,51 @@ class Database:
                                 "template_hash", name="uq_spcompile_record_v2"),
             sa.Index("ix_spcompile_records_v2_lookup", "workload_digest", "target_digest"),
         )
-        for attempt in range(10):  # concurrent first-time creation races (PostgreSQL: pg_type clash)
-            try:
-                md.create_all(self.engine, checkfirst=True)
-                break
-            except (sa.exc.OperationalError, sa.exc.ProgrammingError, sa.exc.IntegrityError):
-                if attempt == 9:
-                    raise
-                time.sleep(0.1 * (attempt + 1))
         self._sa = sa
+        try:
+            with self._reader() as conn:
+                insp = sa.inspect(conn)
+                cols = {c["name"]: c for c in insp.get_columns(TABLE)} if insp.has_table(TABLE) else None
+        except (sa.exc.SQLAlchemyError, sqlite3.Error, ImportError, OSError) as e:
+            raise DatabaseError(f"cannot open the tuning database {shown}: {_one_line(e)}") from None
+        if cols is None and self.read_only:
+            self._table_missing = True   # a read-only database without records: every lookup misses
+        elif cols is None:
+            for attempt in range(10):  # concurrent first-time creation races (PostgreSQL: pg_type clash)
+                try:
+                    md.create_all(self.engine, checkfirst=True)
+                    break
+                except (sa.exc.OperationalError, sa.exc.ProgrammingError, sa.exc.IntegrityError) as e:
+                    if attempt == 9:
+                        raise DatabaseError(f"cannot create the records table in {shown}: {_one_line(e)}") from None
+                    time.sleep(0.1 * (attempt + 1))
+        else:
+            self._check_schema(cols, shown)
+        if self.read_only:
+            _warn_once(("read-only", path), f"the tuning database {path} is read-only here: its records are used, "
+                       "nothing new can be stored in it")
+
+    def _check_schema(self, cols: dict, shown: str) -> None:
+        """A table written by another spcompile version: missing columns make it unreadable (an
+        error now); unknown required columns make it unwritable (an error at the first write)."""
+        ours = {c.name for c in self.table.columns}
+        missing = sorted(ours - set(cols))
+        if missing:
+            raise DatabaseError(f"the table {TABLE} in {shown} has another layout (no column "
+                                f"{', '.join(missing)}): it was written by another spcompile version; "
+                                "use another storage")
+        extra = sorted(n for n, c in cols.items() if n not in ours and not c.get("nullable", True)
+                       and c.get("default") is None and not c.get("autoincrement"))
+        if extra:
+            self._write_problem = (f"cannot store records in {shown}: its table {TABLE} requires columns this "
+                                   f"spcompile does not know ({', '.join(extra)}), it was created by a newer "
+                                   "spcompile; upgrade, or use another storage")
+
+    def _reader(self):
+        """A connection whose transactions are reads (a deferred BEGIN on SQLite)."""
+        conn = self.engine.connect()
+        conn.execution_options(spcompile_read=True)
+        return conn
 
     def close(self):
         self.engine.dispose()
@@ -380,6 +568,10 @@ class Database:
         t = self.table
         if not (rec.value_ms > 0 and math.isfinite(rec.value_ms)):
             raise ValueError(f"a record needs a positive finite time, got {rec.value_ms}")
+        if self.read_only:
+            raise DatabaseError(f"cannot store a record in the read-only tuning database {_hide_password(self.url)}")
+        if self._write_problem:
+            raise DatabaseError(self._write_problem)
         vals = self._values(rec)
         key = [t.c.workload_digest == rec.workload_digest, t.c.target_digest == rec.target_digest,
                t.c.objective == rec.objective, t.c.precision == rec.precision, t.c.timing == rec.timing,
@@ -397,16 +589,32 @@ class Database:
                         return False
                     conn.execute(t.update().where(t.c.id == row.id).values(**vals))
                     return True
-            except sa.exc.IntegrityError:  # a concurrent writer inserted the key first: compare again
-                continue
+            except sa.exc.IntegrityError as e:
+                # a concurrent writer inserted the key first (compare again) -- or a constraint
+                # this version does not know: then the record would be lost, so say so
+                if self._key_exists(key):
+                    continue
+                raise DatabaseError(f"cannot store a record in {_hide_password(self.url)}: {_one_line(e)} "
+                                    "(is the table from another spcompile version?)") from None
             except sa.exc.OperationalError as e:  # SQLite busy beyond its timeout, PG serialization
-                if attempt == 19:
-                    raise
+                text = str(getattr(e, "orig", e)).lower()
+                if attempt == 19 or "readonly" in text or "read-only" in text or "no such" in text:
+                    raise DatabaseError(f"cannot store a record in {_hide_password(self.url)}: "
+                                        f"{_one_line(e)}") from None
                 time.sleep(0.05 * (attempt + 1))
-                last = e  # noqa: F841
-        return False
+        raise DatabaseError(f"cannot store a record in {_hide_password(self.url)}: the key kept changing under "
+                            "20 attempts (concurrent writers?)")
+
+    def _key_exists(self, key) -> bool:
+        try:
+            with self._reader() as conn:
+                return conn.execute(self._sa.select(self.table.c.id).where(*key)).first() is not None
+        except self._sa.exc.SQLAlchemyError:
+            return False
 
     def delete(self, workload_digest: str | None = None) -> int:
+        if self.read_only:
+            raise DatabaseError(f"cannot delete records in the read-only tuning database {_hide_password(self.url)}")
         t = self.table
         with self.engine.begin() as conn:
             q = t.delete()
@@ -433,17 +641,38 @@ class Database:
             q = q.where(t.c.precision == precision)
         if timing is not None:
             q = q.where(t.c.timing.in_([timing] if isinstance(timing, str) else list(timing)))
-        with self.engine.connect() as conn:
-            rows = conn.execute(q.order_by(t.c.value_ms)).fetchall()
-        return [self._to_record(r) for r in rows]
+        if self._table_missing:
+            return []
+        try:
+            with self._reader() as conn:
+                rows = conn.execute(q.order_by(t.c.value_ms)).fetchall()
+        except sa.exc.SQLAlchemyError as e:   # a server gone, a file replaced under us: one line
+            raise DatabaseError(f"cannot read the tuning records in {_hide_password(self.url)}: {_one_line(e)}") from None
+        out = []
+        for r in rows:   # a damaged row is skipped (with one warning), never a reason to fail
+            try:
+                rec = self._to_record(r)
+                if not (isinstance(rec.value_ms, (int, float)) and math.isfinite(rec.value_ms)):
+                    raise ValueError(f"bad time {rec.value_ms!r}")
+            except Exception as e:  # noqa: BLE001
+                rid = getattr(r, "id", None)
+                _warn_once(("bad-row", self.url, rid), f"skipping damaged tuning record {rid} in "
+                           f"{_hide_password(self.url)}: {_one_line(e)}")
+                continue
+            out.append(rec)
+        return out
 
     def lookup(self, key: WorkloadKey, target: str | Mapping, objective: str = "kernel_time",
-               precision: str = "fp32", timing: str | tuple | None = None) -> Record | None:
+               precision: str = "fp32", timing: str | tuple | None = None, skip: Iterable[int] = ()) -> Record | None:
         """The best *valid* record for this workload and target found under ``precision`` and
-        measured with Timer mode ``timing`` (a mode, a tuple of modes, or None: any) -- None on a miss."""
+        measured with Timer mode ``timing`` (a mode, a tuple of modes, or None: any) -- None on a miss.
+        ``skip``: record ids not to return (e.g. records that failed to build)."""
+        skip = set(skip or ())
         for rec in self.records(key.digest(), target_digest(target), objective, precision=precision,
                                 timing=timing):
-            if rec.valid:
+            if rec.id in skip:
+                continue
+            if _valid(rec):
                 return rec
         return None
 
@@ -455,7 +684,7 @@ class Database:
             k = (r.workload_digest, r.target_digest, r.objective, r.precision, r.timing)
             if k in best:
                 continue
-            if include_invalid or r.valid:
+            if include_invalid or _valid(r):
                 best[k] = r
         return sorted(best.values(), key=lambda r: (r.workload.get("op") or "", r.workload.get("rows") or 0,
                                                     r.workload.get("K") or 0))
@@ -472,7 +701,7 @@ class Database:
                               timing=timing):
             if r.workload_digest == own or r.workload.get("reduce") != key.reduce or r.workload_digest in per_workload:
                 continue
-            if r.valid:
+            if _valid(r):
                 per_workload[r.workload_digest] = r
         scored = sorted(((feature_distance(mine, r.workload), r) for r in per_workload.values()),
                         key=lambda x: x[0])
@@ -508,7 +737,10 @@ def optuna_storage(storage: str | os.PathLike | None = None, heartbeat_interval:
         if st is None:
             path = sqlite_path(url)
             if path is not None:
-                os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+                try:
+                    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+                except OSError as e:
+                    raise DatabaseError(f"cannot create the tuning database {path}: {e.strerror or e}") from None
             last = None
             for _ in range(10):  # concurrent first-time schema creation may race
                 try:
@@ -522,6 +754,6 @@ def optuna_storage(storage: str | os.PathLike | None = None, heartbeat_interval:
                     last = e
                     time.sleep(0.3)
             if st is None:
-                raise last
+                raise DatabaseError(f"cannot open the Optuna storage {_hide_password(url)}: {_one_line(last)}")
             _STORAGES[k] = st
         return st

@@ -647,11 +647,14 @@ class CUDARunner(Runner):
     deployed fast path of ``mod(X, out=Y)``), else CuPy arrays; result checked on the host against
     the float64 reference; timed by the CUDA :class:`Timer` (default: CUDA-graph replay; pass
     ``mode="cold_l2"`` for cold-cache single calls).  Baseline: ``extern.cusparse`` when available,
-    else the default config."""
+    else the default config.  Pruning: a config whose calibration pass (one timed pass over the
+    input sets, after warm-up) is over twice the best kernel time so far is pruned (``prune_factor``
+    2; the CPU runner's first estimate is a single call, noisier: 3 there)."""
 
     target = "cuda"
 
     def __init__(self, **kw):
+        kw.setdefault("prune_factor", 2.0)
         super().__init__(**kw)
         self._dev_cache: dict[int, tuple] = {}
 

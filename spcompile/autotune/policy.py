@@ -14,7 +14,7 @@ from .database import normalize_url, open_database, sqlite_path
 from .measure import MODES
 from .tuner import Tuner, objective_name, precision_name
 
-__all__ = ["choose_config", "decide", "safe_url"]
+__all__ = ["choose_config", "decide", "safe_url", "record_info", "describe"]
 
 
 def choose_config(sop: SparseOp, target: str, storage: str | None = None, tune: bool = False,
@@ -28,15 +28,19 @@ def choose_config(sop: SparseOp, target: str, storage: str | None = None, tune: 
 def decide(sop: SparseOp, target: str, storage: str | None = None, tune: bool = False,
            trials: int | None = None, timeout: float | None = None, objective: str = "kernel_time",
            expected_calls: float | None = None, precision: str = "fp32", select_budget: float | None = None,
-           ctx=None, call_values: bool = False, **options):
+           ctx=None, skip_records=(), call_values: bool = False, **options):
     """The database's best valid record (a hit: no tuning); on a miss, tuning when
     ``tune``/``trials``/``timeout`` asks for it, else the shipped knowledge (quick selection on a
     GPU within ``select_budget`` seconds of measurement, default
     :data:`~spcompile.autotune.select.DEFAULT_BUDGET_S`; 0 turns it off), else the heuristics.
-    Returns ``(config, info, module)``: ``info`` says where the decision came from; ``module``
-    is the already-built module when quick selection built it (else None).  ``call_values``:
-    only templates that take the matrix values at call time (records of others are passed over,
-    the vendor library is not a candidate)."""
+    Returns ``(config, info, module)``: ``info`` says where the decision came from (``source``:
+    "database" -- an exact record --, "tuned" -- a record this call's tuning stored --, "quick",
+    "model" or "heuristic"; for records their measured speed-up over the baseline measured with
+    them, the study, trial and graph file; for the model its expected speed-up); ``module``
+    is the already-built module when quick selection built it (else None).  ``skip_records``:
+    ids of database records not to use (records that failed to build).  ``call_values``: only
+    templates that take the matrix values at call time (records of others are passed over, the
+    vendor library is not a candidate)."""
     from ..kernels import get_template
 
     def takes_values(cfg) -> bool:
@@ -56,31 +60,40 @@ def decide(sop: SparseOp, target: str, storage: str | None = None, tune: bool = 
                 raise
             db = None
             db_error = str(e)
+            _warn_default_db(url, db_error)
     if db is not None:
         try:
-            rec = db.lookup(sop.key(), target, obj, precision=precision, timing=(MODES[target][0], ""))
+            rec = db.lookup(sop.key(), target, obj, precision=precision, timing=(MODES[target][0], ""),
+                            skip=skip_records)
         except Exception as e:  # an unreadable default database must not break build()
             if storage is not None:
                 raise
             rec, db_error = None, str(e)
+            _warn_default_db(url, db_error)
         if rec is not None and rec.config.precision in allowed_precisions(precision, sop.dtype) \
                 and takes_values(rec.config):
-            return rec.config, {"source": "database", "storage": safe_url(url), "objective": obj,
-                                "precision": precision, "timing": rec.timing,
-                                "kernel_ms": rec.kernel_ms, "preprocess_ms": rec.preprocess_ms,
-                                "baseline_ms": rec.baseline_ms, "baseline_name": rec.baseline_name,
-                                "study": rec.study_name, "trial": rec.trial_number}, None
+            return rec.config, record_info(rec, "database", url, obj, precision), None
+    extra = {}
     if want_tune:
         res = Tuner(sop, target, storage=url, objective=objective, expected_calls=expected_calls,
                     precision=precision, **options).run(trials, timeout)
-        if res.best_config is not None:
-            return res.best_config, {"source": "tuned", "storage": safe_url(url), "objective": obj,
-                                     "kernel_ms": res.best_kernel_ms, "preprocess_ms": res.best_preprocess_ms,
-                                     "baseline_ms": res.baseline_ms, "baseline_name": res.baseline_name,
-                                     "study": res.study_name, "trials": res.n_trials}, None
-        cfg = default_config(sop, target)
-        return cfg, {"source": "heuristic", "reason": "tuning found no working config", "objective": obj}, None
-    extra = {}
+        rec = None
+        try:
+            rec = db.lookup(sop.key(), target, obj, precision=precision, timing=(MODES[target][0], ""),
+                            skip=skip_records)
+        except Exception:  # noqa: BLE001
+            rec = None
+        if rec is not None and rec.config.precision in allowed_precisions(precision, sop.dtype):
+            mine = rec.study_name == res.study_name
+            info = record_info(rec, "tuned" if mine else "database", url, obj, precision)
+            info["trials"] = res.n_trials
+            if not mine:
+                info["tune_note"] = res.store_note
+            return rec.config, info, None
+        # nothing stored (the search's best was slower than the default or the baseline, or
+        # nothing worked): the other paths decide, and the info says why
+        extra["tune_note"] = res.store_note or "tuning found no working config"
+        extra["tune_study"] = res.study_name
     if db is None and "db_error" in locals():
         extra["db_error"] = db_error[-300:]
     ranked, model_error = [], None
@@ -113,6 +126,73 @@ def decide(sop: SparseOp, target: str, storage: str | None = None, tune: bool = 
         return cfg, {"source": "model", "objective": obj, "precision": precision,
                      **({"expected_speedup": sp} if sp else {}), **extra}, None
     return default_config(sop, target), {"source": "heuristic", "objective": obj, **extra}, None
+
+
+_WARNED_DEFAULT: set = set()
+
+
+def _warn_default_db(url: str, error: str) -> None:
+    """The default database is unusable: build() goes on without it, saying so once."""
+    if url in _WARNED_DEFAULT:
+        return
+    _WARNED_DEFAULT.add(url)
+    import warnings
+
+    warnings.warn(f"the tuning database {safe_url(url)} cannot be used ({error[:300]}); building without its "
+                  "records", RuntimeWarning, stacklevel=4)
+
+
+def record_info(rec, source: str, url: str, objective: str, precision: str) -> dict:
+    """What a decision taken from a database record says about itself."""
+    info = {"source": source, "storage": safe_url(url), "objective": objective, "precision": precision,
+            "timing": rec.timing, "kernel_ms": rec.kernel_ms, "preprocess_ms": rec.preprocess_ms,
+            "baseline_ms": rec.baseline_ms, "baseline_name": rec.baseline_name,
+            "study": rec.study_name, "trial": rec.trial_number, "record_id": rec.id, "measured": rec.created}
+    if rec.speedup is not None:
+        info["measured_speedup"] = rec.speedup
+    extra = rec.extra or {}
+    for k in ("graph", "default_ms", "confirmed"):
+        if extra.get(k) is not None:
+            info[k] = extra[k]
+    return info
+
+
+_SOURCES = {"database": "tuning record", "tuned": "tuned by this build", "quick": "quick selection",
+            "model": "shipped model's first choice", "heuristic": "default heuristics",
+            "explicit": "chosen by the caller"}
+
+
+def describe(info: dict | None) -> str:
+    """One line saying where a module's decision came from (``mod.tuning``), for people."""
+    info = dict(info or {})
+    src = info.get("source")
+    if not src:
+        return "decision: unknown (built by an older spcompile)"
+    parts = [f"decision: {src} ({_SOURCES.get(src, src)})"]
+    sp, base = info.get("measured_speedup"), info.get("baseline_name")
+    if sp is None and info.get("baseline_ms") and info.get("kernel_ms") and src in ("database", "tuned", "quick"):
+        sp = info["baseline_ms"] / info["kernel_ms"]
+    if sp is not None:
+        parts.append(f"measured {sp:.2f}x over {base or 'the baseline'}"
+                     + (f" ({info['kernel_ms']:.4g} ms vs {info['baseline_ms']:.4g} ms)"
+                        if info.get("kernel_ms") and info.get("baseline_ms") else ""))
+    elif info.get("expected_speedup") is not None:
+        parts.append(f"expected {float(info['expected_speedup']):.2f}x over the vendor library")
+    where = []
+    if info.get("graph"):
+        where.append(f"graph {info['graph']}")
+    if info.get("study"):
+        where.append(f"study {info['study']}")
+    if info.get("trial") is not None:
+        where.append(f"trial {info['trial']}")
+    if info.get("storage") and src in ("database", "tuned"):
+        where.append(f"in {info['storage']}")
+    if where:
+        parts.append(", ".join(where))
+    for k in ("tune_note", "quick_error", "model_error", "db_error"):
+        if info.get(k):
+            parts.append(f"{k.replace('_', ' ')}: {info[k]}")
+    return "; ".join(parts)
 
 
 def safe_url(url: str) -> str:

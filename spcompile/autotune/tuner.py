@@ -10,8 +10,14 @@ similar matrices already in the database.
 Each trial is measured by a :mod:`~spcompile.autotune.measure` (correctness first, then timing).  Failures
 (compile error, launch error, timeout, wrong result) are told as ``FAIL`` with their reason and
 the search goes on; configs that are clearly slower than the best so far are ``PRUNED`` after a
-first timing; a config already measured is not measured again.  Successful trials are written to
-the tuning database with upsert-if-better semantics; a failed config is never stored.
+first timing; a config already measured is not measured again.  The study is seeded first with
+the shipped model's first choices (:mod:`~spcompile.autotune.knowledge`) when it has any.
+
+At the end of a run the best configs are measured a second time, together with the default
+config, in the same run as the baseline (which every run measures again: never a baseline kept
+from another run).  The fastest confirmed config is written to the tuning database with
+upsert-if-better semantics -- unless it is slower than the default config or the baseline, in
+which case nothing is stored and the result says why.  A failed config is never stored.
 
 Timing: every trial is timed by the runner's :class:`~spcompile.autotune.measure.Timer` mode
 (on CUDA by default CUDA-graph replay of ``mod(X, out=Y)``).  The study, each trial's result and
@@ -191,6 +197,22 @@ class TuneResult:
     fail_reasons: dict = field(default_factory=dict)
     timing_mode: str | None = None   # the Timer mode that measured the study
     precision: str = "fp32"          # the precision policy the study searched under
+    #: whether this run stored a record (None: no confirmation ran, e.g. interrupted)
+    stored: bool | None = None
+    #: why nothing was stored, or what was stored (one line for people)
+    store_note: str = ""
+    #: the default config's time measured in the same run as the baseline (ms)
+    default_ms: float | None = None
+    #: the best trial's first measurement (the confirmed one is ``best_kernel_ms``)
+    search_kernel_ms: float | None = None
+    #: the trial the chosen config came from
+    best_trial: int | None = None
+    #: trials with a verdict added by this call
+    n_new: int = 0
+    #: the study already had its budget: nothing was measured
+    nothing_to_do: bool = False
+    #: the input's file name when known (``spcompile tune FILE``)
+    graph: str | None = None
 
     @property
     def speedup(self) -> float | None:
@@ -207,8 +229,10 @@ class TuneResult:
                 "baseline_name": self.baseline_name, "speedup": self.speedup, "n_trials": self.n_trials,
                 "n_complete": self.n_complete, "n_fail": self.n_fail, "n_pruned": self.n_pruned,
                 "n_stale": self.n_stale, "interrupted": self.interrupted, "stop_reason": self.stop_reason,
-                "timing_mode": self.timing_mode,
-                "fail_reasons": dict(self.fail_reasons)}
+                "timing_mode": self.timing_mode, "stored": self.stored, "store_note": self.store_note,
+                "default_ms": self.default_ms, "search_kernel_ms": self.search_kernel_ms,
+                "best_trial": self.best_trial, "n_new": self.n_new, "nothing_to_do": self.nothing_to_do,
+                "graph": self.graph, "fail_reasons": dict(self.fail_reasons)}
 
 
 class _Heartbeat:
@@ -246,17 +270,30 @@ class Tuner:
     ``similar``: how many similar matrices' best records seed the study.
     ``callbacks``: functions called with a dict per event ("start", "trial", "end").
     ``precision``: the lowest precision a configuration may compute in (see :data:`PRECISIONS`);
-    templates whose ``precision`` choices all fall below it are left out of the space."""
+    templates whose ``precision`` choices all fall below it are left out of the space.
+    ``model_seeds``: how many of the shipped model's first choices are the study's first trials
+    (plus the model's best of every other template in the space; 0: none).  ``confirm``: how many
+    of the best configs are measured a second time at the end of a run before one is stored.
+    ``graph``: the input's file name, kept with the study and the stored record (provenance)."""
 
     def __init__(self, op: SparseOp, target: str = "cpu", *, storage: str | None = None, runner=None,
                  objective: str = "kernel_time", expected_calls: float | None = None, seed: int | None = None,
                  similar: int = 3, reorders: Iterable[str] = DEFAULT_REORDERS, trial_timeout: float | None = None,
                  heartbeat_interval: int = 10, grace_period: int = 30, prune: bool = True,
                  callbacks: Sequence[Callable[[dict], None]] = (), study_name: str | None = None,
-                 max_duplicates: int = 30, precision: str = "fp32"):
+                 max_duplicates: int = 30, precision: str = "fp32", model_seeds: int = 8, confirm: int = 2,
+                 graph: str | None = None):
         self.op = op
         self.target = target
         self.db: Database = open_database(storage)
+        if self.db.read_only:
+            from .database import DatabaseError
+
+            raise DatabaseError(f"cannot tune into the read-only tuning database {self.db.url}: "
+                                "pass a writable storage")
+        self.model_seeds = max(0, int(model_seeds))
+        self.confirm = max(1, int(confirm))
+        self.graph = graph
         self.storage_url = self.db.url
         self._owns_runner = runner is None
         self.runner = runner if runner is not None else make_runner(target)
@@ -383,7 +420,7 @@ class Tuner:
         from ..passes import Pipeline
         from ..kernels import get_template
 
-        seeds: list[tuple[str, Config]] = []
+        seeds: list[tuple[str, Config]] = [(src, cfg) for src, cfg, _ in self.model_seed_configs()]
         for tname, pipes in self.space.items():
             tpl = get_template(tname)
             own = next(iter(pipes.values()))
@@ -410,26 +447,62 @@ class Tuner:
                 pass
         return seeds
 
+    def model_seed_configs(self) -> list[tuple[str, Config, float | None]]:
+        """The shipped model's first choices for this workload (:func:`~spcompile.autotune.knowledge.ranked_configs`):
+        its ``model_seeds`` best configs overall plus the best one of every other template of the
+        space it ranks (the space holds only the templates the precision policy admits), as
+        ``("model:<rank>", config, expected speed-up)``, best first.  Empty without knowledge."""
+        if not self.model_seeds:
+            return []
+        if getattr(self, "_model_seed_cache", None) is not None:
+            return list(self._model_seed_cache)
+        self._model_seed_cache = []
+        try:
+            from .knowledge import ranked_configs
+
+            ranked = ranked_configs(self.op, self.target, self.precision, k=max(8 * self.model_seeds, 64))
+        except Exception:  # noqa: BLE001 - knowledge is an optimisation, never a reason to fail
+            return []
+        out, templates = [], set()
+        for i, (cfg, sp) in enumerate(ranked):
+            if cfg.template not in self.space or cfg.precision not in self.allowed:
+                continue
+            if len(out) < self.model_seeds or cfg.template not in templates:
+                out.append((f"model:{i}", cfg, sp))
+                templates.add(cfg.template)
+        self._model_seed_cache = out
+        return list(out)
+
     def _enqueue_seeds(self):
+        """Enqueue the seeds once per study: the model's first choices first (they are measured
+        first), then every template's default, the papers' heuristics and similar matrices' bests."""
         if self.study.user_attrs.get("seeded"):
             return
         seen = []
+        expected = {config_digest(c): sp for _, c, sp in self.model_seed_configs()}
         for source, cfg in self.seed_configs():
             params = self.params_from_config(cfg)
             if params is None or params in seen or cfg.precision not in self.allowed:
                 continue
             seen.append(params)
-            self.study.enqueue_trial(params, user_attrs={"seed": source}, skip_if_exists=True)
+            attrs = {"seed": source}
+            sp = expected.get(config_digest(cfg)) if source.startswith("model:") else None
+            if sp is not None:
+                attrs["expected_speedup"] = float(sp)
+            self.study.enqueue_trial(params, user_attrs=attrs, skip_if_exists=True)
         self.study.set_user_attr("seeded", True)
 
     # -- the loop ------------------------------------------------------------------------------
     def _baseline(self) -> tuple[float | None, str | None]:
-        b = self.study.user_attrs.get("baseline")
-        if b is None or b.get("ms") is None:  # a failed baseline is measured again, never cached
-            res = self.runner.baseline(self.op)
-            b = {"ms": res.kernel_s * 1e3 if res.ok else None, "name": res.name or "baseline",
-                 "status": res.status, "error": res.error[-500:], "timing_mode": res.mode or self.timing_mode}
-            self.study.set_user_attr("baseline", b)
+        """The baseline (vendor library, or the default config where there is none), measured
+        again by every run: a record is only ever compared with a baseline measured in the same
+        run, under the same conditions (the study keeps the last run's for its summary)."""
+        res = self.runner.baseline(self.op)
+        self._baseline_res = res
+        b = {"ms": res.kernel_s * 1e3 if res.ok else None, "name": res.name or "baseline",
+             "status": res.status, "error": res.error[-500:], "timing_mode": res.mode or self.timing_mode,
+             "measured": time.time()}
+        self.study.set_user_attr("baseline", b)
         return b.get("ms"), b.get("name")
 
     @staticmethod
@@ -467,23 +540,43 @@ class Tuner:
         return 3 * (self.grace_period or 2 * (self.heartbeat_interval or 10)) + 10
 
     def run(self, trials: int | None = None, timeout: float | None = None, *,
-            stop: StopRule | None = None) -> TuneResult:
+            stop: StopRule | None = None, more: int | None = None) -> TuneResult:
+        """Tune (see :meth:`_run`).  ``more``: add this many trials with a verdict to what the
+        study already has (instead of a total ``trials`` budget)."""
         with quiet_optuna():
-            return self._run(trials, timeout, stop)
+            return self._run(trials, timeout, stop, more)
 
-    def _run(self, trials, timeout, stop) -> TuneResult:
+    def _run(self, trials, timeout, stop, more=None) -> TuneResult:
         """Tune until the study has ``trials`` trials with a verdict or ``timeout`` seconds pass
-        (or until ``stop``, a :class:`StopRule`, says so).  Ctrl-C stops cleanly: the trial in
-        flight is marked failed ('interrupted') and what was measured stays in the study and the
-        database.  The loop: ask the sampler for a config, evaluate it (measure, unless it was
-        measured or condemned before), record the verdict."""
+        (or until ``stop``, a :class:`StopRule`, says so), then confirm the winner and store it.
+        The loop: ask the sampler for a config, evaluate it (measure, unless it was measured or
+        condemned before), record the verdict.  At the end (:meth:`_finish`) the best configs are
+        measured a second time, with the default config, in this run (as the baseline was): the
+        fastest confirmed one is stored unless it is slower than the default or the baseline.
+        A study that already has its ``trials`` is not tuned again (``nothing_to_do``).  Ctrl-C
+        stops cleanly: the trial in flight is marked failed ('interrupted'), what was measured
+        stays in the study (a later run goes on from it) and nothing is stored unconfirmed."""
         rule = stop if stop is not None else StopRule(trials, timeout, self.max_duplicates)
+        if more is not None:
+            if more < 0:
+                raise ValueError(f"more must be >= 0, got {more}")
+            rule = dataclasses.replace(rule, trials=self._scan().done + int(more))
         if rule.trials is None and rule.timeout is None:
             rule = dataclasses.replace(rule, trials=DEFAULT_TRIALS)
         if rule.wait_limit is None:
             rule = dataclasses.replace(rule, wait_limit=self._wait_limit())
         loop = _Loop(time.perf_counter())
         interrupted, reason = False, ""
+        done0 = self._scan().done
+        last = self.study.user_attrs.get("last_run") or {}
+        if (rule.trials is not None and done0 >= rule.trials and last.get("n_trials") == done0
+                and "stored" in last):
+            # the study already has its trials and its winner was confirmed after the last of them
+            result = self.result(f"nothing to do: the study already has {done0} trials", False)
+            result.nothing_to_do = True
+            self._emit(event="end", result=result)
+            return result
+        stored_now = False
         try:
             self._begin(rule)
             while True:
@@ -496,17 +589,24 @@ class Tuner:
                 asked = self._ask()
                 if asked is not None:
                     self._evaluate(*asked, rule, loop)
+            self._finish()
+            stored_now = True
         except KeyboardInterrupt:
             interrupted, reason = True, "interrupted"
         finally:
             if self._owns_runner and hasattr(self.runner, "close"):
                 self.runner.close()   # the measuring worker of this study
         result = self.result(reason, interrupted)
+        result.n_new = max(0, result.n_trials - done0)
+        if not stored_now:
+            result.stored, result.store_note = None, "interrupted before the winner was confirmed: nothing stored"
         self._emit(event="end", result=result)
         return result
 
     def _begin(self, rule: StopRule):
         self._check_timing_mode()
+        if self.graph:
+            self.study.set_user_attr("graph", self.graph)
         self._enqueue_seeds()
         self._baseline_ms, self._baseline_name = self._baseline()
         self._emit(event="start", total=rule.trials, study=self.study_name, baseline_ms=self._baseline_ms,
@@ -628,18 +728,7 @@ class Tuner:
                 trial.set_user_attr(FAIL_REASON, "bad_time")
                 self.study.tell(trial, state=TrialState.FAIL)
                 return
-            self.study.tell(trial, value)
-            rec = Record(self.key.digest(), self.target_digest, self.objective, final_cfg,
-                         kernel_ms=res.kernel_s * 1e3, preprocess_ms=res.preprocess_s * 1e3, value_ms=value,
-                         baseline_ms=baseline_ms, baseline_name=baseline_name, workload=self.key.to_dict(),
-                         target=self.target_info, template_hash=template_hash(final_cfg.template) or "",
-                         pass_hashes=pass_hashes(final_cfg.pipeline), study_name=self.study_name,
-                         trial_number=trial.number, created=time.time(),
-                         extra={"compile_ms": res.compile_s * 1e3, "rel_error": res.rel_error,
-                                "timing_mode": res.mode or self.timing_mode,
-                                **({"timing_note": res.note} if res.note else {})},
-                         precision=self.precision, timing=self.record_timing)
-            self.db.save_if_better(rec)
+            self.study.tell(trial, value)   # stored (after a second measurement) by _finish
         elif res.status == "pruned":
             if math.isfinite(res.kernel_s):
                 trial.report(res.kernel_s * 1e3, 0)
@@ -647,6 +736,98 @@ class Tuner:
         else:
             trial.set_user_attr(FAIL_REASON, res.status)
             self.study.tell(trial, state=TrialState.FAIL)
+
+    # -- the end of a run: confirm, compare, store ---------------------------------------------
+    def _finish(self) -> dict:
+        """Measure the study's ``confirm`` best configs a second time and the default config, in
+        this run (as the baseline was), and store the fastest confirmed config -- unless it is
+        slower than the default or than the baseline: then nothing is stored (``build()`` falls
+        back to its other paths) and the study's ``last_run`` says why."""
+        from optuna.trial import TrialState
+
+        from ..compile import default_config
+
+        trials = [t for t in self.study.get_trials(deepcopy=False)
+                  if t.state == TrialState.COMPLETE and "duplicate_of" not in t.user_attrs and "config" in t.user_attrs]
+        trials.sort(key=lambda t: t.value)
+        cands, seen = [], set()
+        for t in trials:
+            dig = t.user_attrs.get("config_digest") or config_digest(Config.from_dict(t.user_attrs["config"]))
+            if dig not in seen:
+                seen.add(dig)
+                cands.append(t)
+            if len(cands) >= self.confirm:
+                break
+        self._emit(event="confirm", candidates=len(cands))
+        last: dict = {"n_trials": self._scan().done, "time": time.time(), "baseline_ms": self._baseline_ms,
+                      "baseline_name": self._baseline_name}
+        confirmed = []   # (value ms, MeasureResult, Config, trial)
+        for t in cands:
+            cfg = Config.from_dict(t.user_attrs["config"])
+            res = self.runner.measure(self.op, cfg, timeout=self.trial_timeout)
+            if res.ok:
+                val = objective_value(res, self.objective, self.expected_calls)
+                if math.isfinite(val) and val > 0:
+                    confirmed.append((val, res, res.config or cfg, t))
+        default_ms = None
+        try:
+            dcfg = default_config(self.op, self.target)
+        except Exception:  # noqa: BLE001 - no default on this machine: nothing to compare with
+            dcfg = None
+        same = [c for c in confirmed if dcfg is not None and config_digest(c[2]) == config_digest(dcfg)]
+        if same:   # the default config is one of the confirmed: its confirmation is its time
+            default_ms = same[0][0]
+        elif dcfg is not None:
+            bres = getattr(self, "_baseline_res", None)
+            if (bres is not None and bres.ok and (bres.name or "").startswith("default:")
+                    and self.objective == "kernel_time"):
+                default_ms = bres.kernel_s * 1e3   # the baseline is the default config, measured now
+            else:
+                dres = self.runner.measure(self.op, dcfg, timeout=self.trial_timeout)
+                if dres.ok:
+                    default_ms = objective_value(dres, self.objective, self.expected_calls)
+        last["default_ms"] = default_ms
+        if not confirmed:
+            last.update(stored=False, note="no working config was confirmed: nothing stored"
+                        if cands else "no working config: nothing stored")
+            self.study.set_user_attr("last_run", last)
+            return last
+        val, res, cfg, t = min(confirmed, key=lambda x: x[0])
+        kernel_ms = res.kernel_s * 1e3
+        last.update(config=cfg.to_dict(), trial=t.number, value_ms=val, kernel_ms=kernel_ms,
+                    preprocess_ms=res.preprocess_s * 1e3,
+                    search_kernel_ms=(t.user_attrs.get("result") or {}).get("kernel_ms"))
+        compare = val if self.objective != "kernel_time" else kernel_ms
+        note = ""
+        is_default = dcfg is not None and config_digest(cfg) == config_digest(dcfg)
+        if default_ms is not None and compare > default_ms and not is_default:
+            note = (f"nothing stored: the best config ({compare:.4g} ms) is slower than the default config "
+                    f"({default_ms:.4g} ms) measured in this run")
+        elif self._baseline_ms is not None and compare > self._baseline_ms:
+            note = (f"nothing stored: the best config ({compare:.4g} ms) is slower than the baseline "
+                    f"{self._baseline_name} ({self._baseline_ms:.4g} ms) measured in this run")
+        if note:
+            last.update(stored=False, note=note)
+            self.study.set_user_attr("last_run", last)
+            return last
+        rec = Record(self.key.digest(), self.target_digest, self.objective, cfg,
+                     kernel_ms=kernel_ms, preprocess_ms=res.preprocess_s * 1e3, value_ms=val,
+                     baseline_ms=self._baseline_ms, baseline_name=self._baseline_name, workload=self.key.to_dict(),
+                     target=self.target_info, template_hash=template_hash(cfg.template) or "",
+                     pass_hashes=pass_hashes(cfg.pipeline), study_name=self.study_name,
+                     trial_number=t.number, created=time.time(),
+                     extra={"compile_ms": res.compile_s * 1e3, "rel_error": res.rel_error,
+                            "timing_mode": res.mode or self.timing_mode, "confirmed": True,
+                            "search_kernel_ms": last["search_kernel_ms"], "default_ms": default_ms,
+                            **({"graph": self.graph} if self.graph else {}),
+                            **({"seed": t.user_attrs["seed"]} if t.user_attrs.get("seed") else {}),
+                            **({"timing_note": res.note} if res.note else {})},
+                     precision=self.precision, timing=self.record_timing)
+        better = self.db.save_if_better(rec)
+        last.update(stored=bool(better),
+                    note=("stored" if better else "kept the database's record: it measured faster than this run's best"))
+        self.study.set_user_attr("last_run", last)
+        return last
 
     def result(self, stop: str = "", interrupted: bool = False) -> TuneResult:
         """Summary of the study as it stands (best COMPLETE trial; failures never count)."""
@@ -667,7 +848,8 @@ class Tuner:
                 else:
                     fails[r] = fails.get(r, 0) + 1
         b = self.study.user_attrs.get("baseline") or {}
-        return TuneResult(
+        last = self.study.user_attrs.get("last_run") or {}
+        out = TuneResult(
             key=self.key, target=self.target, study_name=self.study_name, storage=self.storage_url,
             objective=self.objective, precision=self.precision, timing_mode=self.study.user_attrs.get("timing_mode"),
             best_config=Config.from_dict(best.user_attrs["config"]) if best else None,
@@ -679,16 +861,30 @@ class Tuner:
             n_complete=sum(1 for t in trials if t.state == TrialState.COMPLETE and "duplicate_of" not in t.user_attrs),
             n_fail=sum(v for k, v in fails.items() if k != INTERRUPTED), n_pruned=sum(1 for t in trials if t.state == TrialState.PRUNED
                                                                          and "duplicate_of" not in t.user_attrs),
-            n_stale=n_stale, interrupted=interrupted, stop_reason=stop, fail_reasons=fails)
+            n_stale=n_stale, interrupted=interrupted, stop_reason=stop, fail_reasons=fails,
+            best_trial=best.number if best else None, graph=self.study.user_attrs.get("graph") or self.graph)
+        if best is not None:
+            out.search_kernel_ms = out.best_kernel_ms
+        if last.get("config"):
+            # the last run's confirmed winner, timed in the same run as its baseline and the default
+            out.best_config = Config.from_dict(last["config"])
+            out.best_value_ms, out.best_kernel_ms = last.get("value_ms"), last.get("kernel_ms")
+            out.best_preprocess_ms, out.best_trial = last.get("preprocess_ms"), last.get("trial")
+            out.search_kernel_ms = last.get("search_kernel_ms")
+            out.baseline_ms, out.baseline_name = last.get("baseline_ms"), last.get("baseline_name")
+        if last:
+            out.stored, out.store_note, out.default_ms = last.get("stored"), last.get("note", ""), last.get("default_ms")
+        return out
 
 
 def tune(A, op: str = "spmm", K: int | Sequence[int] | None = None, reduce: str | None = None, *,
          target: str = "auto", dtype: str = "float32", trials: int | None = None, timeout: float | None = None,
-         storage: str | None = None, **options) -> TuneResult | list[TuneResult]:
+         storage: str | None = None, more: int | None = None, **options) -> TuneResult | list[TuneResult]:
     """Tune ``A`` for ``op`` at width ``K`` (or each width of a list) and store the best configs
     in the tuning database.  ``options`` go to :class:`Tuner` (runner, objective, expected_calls,
     seed, similar, trial_timeout, callbacks, ...).  Returns a :class:`TuneResult` (a list for
-    several K); a KeyboardInterrupt stops after the current workload with ``interrupted=True``."""
+    several K); a KeyboardInterrupt stops after the current workload with ``interrupted=True``.
+    ``more``: add this many trials to each study instead of a total ``trials`` budget."""
     from ..compile import make_op
     from ..runtime import resolve_target
 
@@ -697,7 +893,7 @@ def tune(A, op: str = "spmm", K: int | Sequence[int] | None = None, reduce: str 
     results = []
     for k in Ks:
         sop = make_op(A, op, k, reduce, dtype)
-        res = Tuner(sop, target, storage=storage, **options).run(trials, timeout)
+        res = Tuner(sop, target, storage=storage, **options).run(trials, timeout, more=more)
         results.append(res)
         if res.interrupted:
             break

@@ -13,6 +13,7 @@ from ..api import build, load
 from ..autotune.measure import Timer, Timing
 from . import report as cli_report
 from . import templates as cli_templates
+from ..autotune.policy import describe
 from .common import load_matrix, power_law_graph
 
 
@@ -49,6 +50,7 @@ def cmd_build(args) -> int:
     print(f"built {mod.op}{'/' + mod.reduce if mod.reduce else ''} for {args.matrix} "
           f"({mod.shape[0]}x{mod.shape[1]}, nnz={mod.key.nnz}, K={mod.K})")
     print(f"config: {mod.config}")
+    print(describe(mod.tuning))
     print(f"wrote {out}")
     return 0
 
@@ -120,6 +122,7 @@ def cmd_passes(args) -> int:
 def cmd_info(args) -> int:
     mod = load(args.artifact)
     print(repr(mod))
+    print(describe(mod.tuning))
     for rec in mod.pass_log:
         print(f"  pass {rec['name']}: {rec.get('metrics', {})}")
     return 0

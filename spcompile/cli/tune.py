@@ -1,9 +1,14 @@
 """``spcompile tune`` (offline tuning jobs) and ``spcompile best`` (the best records).
 
     spcompile tune GRAPHS... --op spmm -K 64 128 --trials 40 [--timeout S] [--storage URL] [--workers W]
+    spcompile tune GRAPHS... --more 20          # add 20 trials to each existing study
     spcompile best [--storage URL] [--all] [--json]
 
-``--trials`` is the budget of each (graph, K) study; ``--timeout`` bounds each study's wall time.
+``--trials`` is the total budget of each (graph, K) study (a study that already has them is not
+tuned again: use ``--more N`` to add N trials); ``--timeout`` bounds each study's wall time.
+Each run measures the baseline again, confirms the best configs with a second measurement and
+stores the winner only when it beats both the default config and the baseline measured in the
+same run (the summary says when nothing was stored, and why).
 Several ``spcompile tune`` processes (``--workers``, or separate commands on other machines)
 pointed at one PostgreSQL URL share the studies: each trial runs once, and a killed worker's
 trial is failed by the survivors after its heartbeat's grace period.
@@ -31,6 +36,8 @@ def add_commands(subparsers) -> None:
     t.add_argument("--target", default="auto", choices=["auto", "cpu", "cuda"])
     t.add_argument("--trials", type=int, default=None, help="trials per (graph, K) study (default 24 "
                    "when --timeout is not given)")
+    t.add_argument("--more", type=int, default=None, metavar="N",
+                   help="add N trials to each study (whatever it already has) instead of a total --trials")
     t.add_argument("--timeout", type=float, default=None, help="wall-time budget in seconds per study")
     t.add_argument("--trial-timeout", type=float, default=None, help="time limit of one trial (s)")
     t.add_argument("--storage", default=None, help="Optuna storage URL or SQLite path "
@@ -119,7 +126,8 @@ def _run_jobs(jobs, opts: dict, progress: bool, worker: int = 0) -> list[dict]:
             res = tune(A, op=opts["op"], K=K, reduce=reduce, target=opts["target"], trials=opts["trials"],
                        timeout=opts["timeout"], storage=opts["storage"], objective=opts["objective"],
                        expected_calls=opts["expected_calls"], seed=opts["seed"],
-                       trial_timeout=opts["trial_timeout"], callbacks=[bar], precision=opts.get("precision", "fp32"))
+                       trial_timeout=opts["trial_timeout"], callbacks=[bar], precision=opts.get("precision", "fp32"),
+                       more=opts.get("more"), graph=os.path.basename(g))
         except KeyboardInterrupt:
             out.append({"graph": g, "reduce": reduce, "K": K, "interrupted": True})
             break
@@ -138,6 +146,9 @@ def _worker_main(jobs, opts, worker, cuda_device):
         _run_jobs(jobs, opts, progress=False, worker=worker)
     except KeyboardInterrupt:
         pass
+    except (ValueError, RuntimeError) as e:   # e.g. a DatabaseError: one line, and a non-zero exit
+        print(f"error (worker {worker}): {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 def _visible_gpus() -> list[str]:
@@ -189,6 +200,9 @@ def cmd_tune(args) -> int:
         if not os.path.isfile(g):
             print(f"error: no such file {g!r}", file=sys.stderr)
             return 2
+    if args.more is not None and (args.trials is not None or args.more < 1):
+        print("error: --more N adds N >= 1 trials to each study; it does not go with --trials", file=sys.stderr)
+        return 2
     if args.objective == "amortized" and not args.expected_calls:
         print("error: --objective amortized needs --expected-calls N", file=sys.stderr)
         return 2
@@ -196,7 +210,10 @@ def cmd_tune(args) -> int:
     storage = normalize_url(args.storage)
     opts = {"op": args.op, "target": target, "trials": args.trials, "timeout": args.timeout, "storage": storage,
             "objective": args.objective, "expected_calls": args.expected_calls, "seed": args.seed,
-            "trial_timeout": args.trial_timeout, "precision": args.precision}
+            "trial_timeout": args.trial_timeout, "precision": args.precision, "more": args.more}
+    from ..autotune.database import open_database
+
+    open_database(storage)   # a bad or unusable storage fails here, with one line, before any work
     jobs = _jobs(args)
     t0 = time.perf_counter()
     procs = []
@@ -217,9 +234,11 @@ def cmd_tune(args) -> int:
         rows = _run_jobs(jobs, opts, progress=not args.no_progress)
     except KeyboardInterrupt:
         rows, interrupted = [], True
+    worker_failed = False
     for p in procs:
         try:
             p.join()
+            worker_failed = worker_failed or bool(p.exitcode)
         except KeyboardInterrupt:
             interrupted = True
             for q in procs:
@@ -233,9 +252,38 @@ def cmd_tune(args) -> int:
                          indent=1, default=str))
     else:
         print(summary_table(rows))
+        notes = run_notes(rows, args)
+        if notes:
+            print("\n" + "\n".join(notes))
         print(f"\nstorage: {_safe(storage)}   ({time.perf_counter() - t0:.1f} s"
               + (", interrupted: partial results kept" if interrupted else "") + ")")
-    return 130 if interrupted else 0
+    return 130 if interrupted else (2 if worker_failed else 0)
+
+
+def _row_label(r: dict) -> str:
+    name = os.path.basename(r["graph"])
+    return f"{name} K={r['K']}" + (f" {r['reduce']}" if r.get("reduce") not in (None, "sum") else "")
+
+
+def run_notes(rows: list[dict], args=None) -> list[str]:
+    """One line per study where something needs saying: nothing to do, trials added, nothing stored."""
+    out = []
+    for r in rows:
+        if r.get("interrupted") and "n_trials" not in r:
+            continue
+        label = _row_label(r)
+        if r.get("nothing_to_do"):
+            out.append(f"{label}: nothing to do: the study already has {r.get('n_trials')} trials"
+                       + (f" (--trials {args.trials})" if args is not None and args.trials else "")
+                       + "; add trials with --more N")
+            continue
+        if args is not None and getattr(args, "more", None):
+            out.append(f"{label}: added {r.get('n_new', 0)} trials (the study now has {r.get('n_trials')})")
+        if r.get("stored") is False and r.get("store_note"):
+            out.append(f"{label}: {r['store_note']}")
+        elif r.get("stored") is None and r.get("store_note"):
+            out.append(f"{label}: {r['store_note']}")
+    return out
 
 
 def _reread(jobs, opts, rows):
@@ -254,7 +302,8 @@ def _reread(jobs, opts, rows):
                        objective=opts["objective"], expected_calls=opts["expected_calls"], runner=object(),
                        precision=opts.get("precision", "fp32"))
             d = tn.result(old.get("stop_reason", ""), old.get("interrupted", False)).to_dict()
-            d.update(graph=g, reduce=reduce, K=K)
+            d.update(graph=g, reduce=reduce, K=K, nothing_to_do=old.get("nothing_to_do", False),
+                     n_new=max(old.get("n_new", 0), d["n_trials"] - (old.get("n_trials", 0) - old.get("n_new", 0))))
             out.append(d)
         except Exception:
             out.append(old)
@@ -268,6 +317,14 @@ def _safe(url: str) -> str:
 
 
 # -- best ---------------------------------------------------------------------------------------
+def _short_study(name: str) -> str:
+    """A study name without its digests (``spcompile-spmm-sum-K64-<digests>-kernel_time-<space>``)."""
+    parts = name.split("-")
+    if name.startswith("spcompile-") and len(parts) > 5:
+        keep = [p for p in parts[1:] if not (len(p) >= 8 and all(c in "0123456789abcdef" for c in p))]
+        return "-".join(keep)
+    return name
+
 def cmd_best(args) -> int:
     from ..autotune.database import Database, normalize_url, sqlite_path
 
@@ -282,8 +339,8 @@ def cmd_best(args) -> int:
         print(json.dumps([dict(r.to_dict(), valid=r.valid, invalid_reason=r.invalid_reason()) for r in recs],
                          indent=1, default=str))
         return 0
-    head = ["op", "shape", "nnz", "K", "target", "objective", "precision", "timing", "baseline ms", "best ms",
-            "speed-up", "config"]
+    head = ["op", "graph", "shape", "nnz", "K", "target", "objective", "precision", "timing", "baseline ms",
+            "best ms", "speed-up", "study/trial", "config"]
     lines = []
     for r in recs:
         w = r.workload
@@ -293,9 +350,12 @@ def cmd_best(args) -> int:
         cfg = str(r.config).replace(f"target={r.config.target} ", "")
         if not r.valid:
             cfg = f"[invalid: {r.invalid_reason()}] " + cfg
-        lines.append([op, f"{w.get('rows')}x{w.get('cols')}", str(w.get("nnz")), str(w.get("K")), tgt,
+        src = "-" if not r.study_name else f"{_short_study(r.study_name)}#{r.trial_number}"
+        lines.append([op, str((r.extra or {}).get("graph") or "-"), f"{w.get('rows')}x{w.get('cols')}",
+                      str(w.get("nnz")), str(w.get("K")), tgt,
                       r.objective, r.precision, r.timing or "-", _fmt_ms(r.baseline_ms), _fmt_ms(r.kernel_ms),
-                      "-" if sp is None else f"{sp:.2f}x", cfg])
+                      "-" if sp is None else f"{sp:.2f}x" + (f" vs {r.baseline_name}" if r.baseline_name else ""),
+                      src, cfg])
     if not lines:
         print(f"no records in {_safe(url)}")
         return 0
