@@ -363,7 +363,7 @@ def test_broken_default_database_warns_once_and_builds(tmp_path, monkeypatch):
         m2 = spcompile.build(A, "spmm", K=8, target="cpu")
     msgs = [str(x.message) for x in w if "cannot be used" in str(x.message)]
     assert len(msgs) == 1 and "not an SQLite database" in msgs[0], msgs
-    assert m1.tuning["source"] == m2.tuning["source"] == "heuristic" and "db_error" in m1.tuning
+    assert m1.tuning["source"] == m2.tuning["source"] == "quick" and "db_error" in m1.tuning
     # with the storage named explicitly it is an error, not a silent fallback
     with pytest.raises(DatabaseError, match="not an SQLite database"):
         spcompile.build(A, "spmm", K=8, target="cpu", storage=str(junk))

@@ -31,6 +31,8 @@ def candidates(op: SparseOp, target: str, reorders: Iterable[str] = DEFAULT_REOR
     for tpl in list_templates(target, op=op.op, reduce=op.reduce, available_only=True):
         if (op.op, op.reduce) not in tpl.ops or op.dtype not in tpl.dtypes:
             continue   # (a 16-bit workload: only the templates that take 16-bit inputs)
+        if not getattr(tpl, "tunable", True):
+            continue   # offered by quick selection only (see the template)
         try:
             own = [Pipeline(p).spec() for p in tpl.pipelines(mod0)]
         except Exception:  # a template naming passes that are not registered: not offered

@@ -63,6 +63,9 @@ class Scipy(Template):
     priority = 1
     ops = (("spmm", "sum"), ("spmm", "mean"))
     dtypes = ("float32",)
+    #: not a tuning candidate: the tuner measures SciPy as its baseline in every run and stores
+    #: nothing slower than it, and on a database miss quick selection offers it
+    tunable = False
 
     def available(self) -> bool:
         import importlib.util
