@@ -90,6 +90,7 @@ def edit_manifest(path: str, change, *, reseal: bool):
     change(man)
     if reseal:
         man["files"] = {n: hashlib.sha256(members[n]).hexdigest() for n in man["files"] if n in members}
+        man["sizes"] = {n: len(members[n]) for n in man["files"]}
         man["manifest_sha256"] = _manifest_digest(man)
     members["manifest.json"] = json.dumps(man).encode()
     write_members(path, members)

@@ -251,6 +251,7 @@ class _CPUTemplate(Template):
     target = "cpu"
     version = "2"
     priority = 10
+    csr_arrays = True
     entry = ""
     array_order: tuple[str, ...] = ()
 
@@ -289,8 +290,25 @@ class _CPUTemplate(Template):
                 "entry": self.entry, "threads": nthreads}
         return _CPUKernel(self.name, params, arrays, {"kernel.so": path}, meta, rt.load(path), self.entry)
 
+    def check_arrays(self, key, params, arrays, meta, values=None):
+        if sorted(arrays) != sorted(self.array_order):
+            raise ValueError(f"template {self.name!r} takes arrays {sorted(self.array_order)}, got {sorted(arrays)}")
+        if meta.get("entry") != self.entry or list(meta.get("array_order", ())) != list(self.array_order):
+            raise ValueError(f"kernel metadata names entry {meta.get('entry')!r} / arrays "
+                             f"{meta.get('array_order')!r}; template {self.name!r} has {self.entry!r} / "
+                             f"{list(self.array_order)}")
+        if np.asarray(arrays["indptr"]).dtype not in (np.dtype(np.int32), np.dtype(np.int64)):
+            raise ValueError(f"index arrays must be int32 or int64, got {np.asarray(arrays['indptr']).dtype}")
+        super().check_arrays(key, params, arrays, meta, values)
+        tb = np.asarray(arrays["task_bounds"])
+        if tb.ndim != 1 or tb.shape[0] < 2 or tb[0] != 0 or tb[-1] != key.rows or np.any(tb[1:] < tb[:-1]):
+            raise ValueError(f"array 'task_bounds' must rise monotonically from 0 to rows={key.rows}")
+
     def load(self, params, arrays, files, meta):
-        return _CPUKernel(self.name, params, arrays, files, meta, rt.load(files["kernel.so"]), meta["entry"])
+        if set(files) != {"kernel.so"}:
+            raise ValueError(f"template {self.name!r} takes one library 'kernel.so', the artifact names {sorted(files)}")
+        return _CPUKernel(self.name, params, arrays, files, {**meta, "array_order": list(self.array_order)},
+                          rt.load(files["kernel.so"]), self.entry)
 
 
 def _k_tiles(K: int) -> list[int]:

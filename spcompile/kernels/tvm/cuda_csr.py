@@ -315,6 +315,7 @@ class _TVMCudaKernel(rt.CUDAKernel):
 
 
 class _TVMCudaTemplate(Template):
+    csr_arrays = True
     target = "cuda"
     version = "1"
     priority = 5
