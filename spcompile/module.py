@@ -63,6 +63,12 @@ class CompiledModule:
         plan = self._plan
         if plan is None or not plan.same(inputs, out):
             plan, inputs = self._checked(inputs, out)
+        if out is not None:
+            overlaps = plan.overlaps
+            for i, x in enumerate(inputs):
+                if overlaps(x, out):
+                    raise ValueError(f"out shares memory with input {'XY'[i]}: the kernel would read values it "
+                                     "has already overwritten; pass a separate output array")
         return plan.run(inputs, out)
 
     def _checked(self, inputs, out) -> tuple["_Plan", list]:
@@ -94,7 +100,8 @@ class CompiledModule:
         plan = self._plans.get((adapter, device))
         if plan is None:
             plan = self._plans[(adapter, device)] = _Plan(
-                adapter.matcher(self._in_shapes, self._out_shape, self.key.dtype, device), self._runner(adapter, device))
+                adapter.matcher(self._in_shapes, self._out_shape, self.key.dtype, device), self._runner(adapter, device),
+                adapter.overlaps)
         self._plan = plan
         return plan, [adapter.contiguous(x) for x in inputs]
 
@@ -146,10 +153,10 @@ class _Plan:
     check that a call has exactly that signature (see :meth:`ArrayAdapter.matcher`), and
     ``run(inputs, out)``, the run step."""
 
-    __slots__ = ("same", "run")
+    __slots__ = ("same", "run", "overlaps")
 
-    def __init__(self, same, run):
-        self.same, self.run = same, run
+    def __init__(self, same, run, overlaps):
+        self.same, self.run, self.overlaps = same, run, overlaps
 
 
 def _compatible(saved: str, current: str) -> bool:

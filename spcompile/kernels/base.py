@@ -40,6 +40,39 @@ def unique_params(seeds) -> list[dict]:
     return out
 
 
+#: the largest integer a template parameter may take (tile sizes, counts, unrolls)
+MAX_PARAM = 1 << 16
+
+
+def check_param_value(template: str, name: str, value, dist=None, default=None, strict: bool = True) -> None:
+    """ValueError naming the parameter when ``value`` cannot be a value of it: of another kind than
+    the space's choices (bool, str, int), a string or bool not among them, a negative integer,
+    zero where every choice is positive, or an integer above ``max(MAX_PARAM, 64 x the largest
+    choice)``.  ``strict=False``: any string where the choices are strings (the template checks
+    them itself)."""
+    choices = list(getattr(dist, "choices", ()) or ())
+    if not choices and default is not None:
+        choices = [default]
+    if not choices:
+        return
+    where = f"template {template!r} parameter {name!r}"
+    if all(isinstance(c, bool) for c in choices):
+        if not isinstance(value, (bool, np.bool_)):
+            raise ValueError(f"{where} must be True or False, got {value!r}")
+        return
+    if all(isinstance(c, str) for c in choices):
+        if strict and value not in choices:
+            raise ValueError(f"{where} must be one of {choices}, got {value!r}")
+        return
+    if all(isinstance(c, (int, np.integer)) and not isinstance(c, bool) for c in choices):
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+            raise ValueError(f"{where} must be an integer (e.g. one of {choices}), got {value!r}")
+        low = 1 if min(choices) >= 1 else 0
+        high = max(MAX_PARAM, 64 * max(int(c) for c in choices))
+        if not low <= int(value) <= high:
+            raise ValueError(f"{where} must be between {low} and {high} (tuned choices {choices}), got {value}")
+
+
 class Template:
     """Base class of kernel templates.  Subclasses set ``name`` (dotted), ``version``, ``target``
     ("cpu" or "cuda"), ``ops`` (supported (op, reduce) pairs) and implement the methods below."""
@@ -59,6 +92,8 @@ class Template:
     #: matrix values unchanged (so that their hash can be checked too)
     csr_arrays: bool = False
     csr_values: bool = True
+    #: string parameters must be one of the space's choices (see :func:`check_param_value`)
+    strict_choices: bool = True
 
     # -- availability / applicability --------------------------------------------------------
     def available(self) -> bool:
@@ -102,7 +137,16 @@ class Template:
         if unknown:
             raise ValueError(f"template {self.name!r} got unknown parameter(s) {sorted(unknown)}; its parameters "
                              f"are {sorted(known)} (defaults here: {defaults})")
+        self.check_values(mod, full, params)
         return full
+
+    def check_values(self, mod: SparseModule, full: Mapping[str, Any], given: Mapping[str, Any]) -> None:
+        """ValueError naming a parameter the caller gave (``given``) whose value cannot be one of
+        it (see :func:`check_param_value`); ``full`` holds the defaults too."""
+        space, defaults = self.space(mod), self.default_params(mod)
+        for name in sorted(given):
+            check_param_value(self.name, name, full[name], space.get(name), defaults.get(name),
+                              self.strict_choices)
 
     def precision_of(self, params: Mapping[str, Any]) -> str:
         """The precision a configuration with ``params`` computes in."""
@@ -206,15 +250,16 @@ def csr_kernel_arrays(mod: SparseModule, index_dtype=np.int32) -> dict[str, np.n
     m = A.shape[0]
     idt = np.dtype(index_dtype) if max(A.nnz, *A.shape) <= np.iinfo(np.int32).max else np.dtype(np.int64)
     indices = A.indices if mod.col_perm is None else mod.col_perm[A.indices]
-    row_ids = np.arange(m) if mod.row_perm is None else mod.row_perm
-    nnz_ids = np.arange(A.nnz) if mod.nnz_perm is None else mod.nnz_perm
+    # (identity permutations made in the index dtype: no int64 array per row on huge matrices)
+    row_ids = np.arange(m, dtype=idt) if mod.row_perm is None else mod.row_perm
+    nnz_ids = np.arange(A.nnz, dtype=idt) if mod.nnz_perm is None else mod.nnz_perm
     # fresh writable copies: DLPack cannot export the read-only arrays of a CSR
     return {
         "indptr": np.array(A.indptr, dtype=idt),
         "indices": np.array(indices, dtype=idt),
         "data": np.array(A.data, dtype=np.float32),
-        "row_ids": np.array(row_ids, dtype=idt),
-        "nnz_ids": np.array(nnz_ids, dtype=idt),
+        "row_ids": row_ids if mod.row_perm is None else np.array(row_ids, dtype=idt),
+        "nnz_ids": nnz_ids if mod.nnz_perm is None else np.array(nnz_ids, dtype=idt),
     }
 
 

@@ -55,12 +55,23 @@ def task_bounds(indptr: np.ndarray, ntasks: int, balance: str = "nnz", row_cost:
         return np.linspace(0, m, ntasks + 1).round().astype(np.int64)
     if balance != "nnz":
         raise ValueError(f"balance must be 'nnz' or 'rows', got {balance!r}")
-    work = indptr.astype(np.float64) + row_cost * np.arange(m + 1, dtype=np.float64)
-    targets = np.linspace(0.0, work[-1], ntasks + 1)
-    b = np.clip(np.searchsorted(work, targets, side="left"), 1, m).astype(np.int64)
+    def work(i):  # work before row i, evaluated only where needed (no float64 array per row)
+        return indptr[i].astype(np.float64) + row_cost * i.astype(np.float64)
+
+    targets = np.linspace(0.0, float(work(np.array([m]))[0]), ntasks + 1)
+    # first i with work(i) >= target (searchsorted side="left" on the monotone work), by a
+    # vectorised bisection over the targets: O(ntasks log m), whatever the number of rows
+    lo, hi = np.zeros(ntasks + 1, dtype=np.int64), np.full(ntasks + 1, m + 1, dtype=np.int64)
+    while np.any(lo < hi):
+        mid = (lo + hi) // 2
+        below = work(np.minimum(mid, m)) < targets
+        go = lo < hi
+        lo = np.where(go & below, mid + 1, lo)
+        hi = np.where(go & ~below, mid, hi)
+    b = np.clip(lo, 1, m).astype(np.int64)
     # cut at the nearer of the two row boundaries around each target (a long row is not
     # dragged into the task before it)
-    b -= (targets - work[b - 1]) < (work[b] - targets)
+    b -= (targets - work(b - 1)) < (work(b) - targets)
     b[0], b[-1] = 0, m
     return np.maximum.accumulate(b)
 
@@ -89,7 +100,10 @@ def _spmm_func(K: int, reduce: str, k_tile: int, tile_order: str, idx: str, para
         """One step of the reduction."""
         if SUM:
             return acc + v
-        return T.max(acc, v) if reduce == "max" else T.min(acc, v)
+        # NaN propagates like the float64 reference (numpy maximum / minimum): a NaN product
+        # replaces the accumulator and, once NaN, the accumulator is never replaced again
+        better = (v > acc) if reduce == "max" else (v < acc)
+        return T.Select(T.Or(better, T.isnan(v)), v, acc)
 
     def finish(acc, lo, hi):
         """A row's result from its accumulator (mean: divided by the row's length; an empty row

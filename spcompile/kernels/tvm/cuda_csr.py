@@ -41,6 +41,16 @@ __all__ = ["CudaSpMM", "CudaSDDMM", "spmm_primfunc", "sddmm_primfunc", "cuda_sou
 _REDUCE_CODE = {"sum": 0, "mean": 0, "max": 1, "min": 2}
 
 
+
+def _nan_max(T, acc, v):
+    """max that propagates NaN like the float64 reference (numpy maximum)."""
+    return T.Select(T.Or(v > acc, T.isnan(v)), v, acc)
+
+
+def _nan_min(T, acc, v):
+    """min that propagates NaN like the float64 reference (numpy minimum)."""
+    return T.Select(T.Or(v < acc, T.isnan(v)), v, acc)
+
 def _chunks(K: int, tx: int, vec: int) -> int:
     return max(1, -(-K // (tx * vec)))
 
@@ -96,8 +106,8 @@ def spmm_primfunc(K: int, reduce: str, rows_per_block: int, threads_k: int, vec:
                                             acc[c * V + v] = T.Select(
                                                 R == 0, acc[c * V + v] + vals[u] * X[cols[u], (c * TX + t) * V + v],
                                                 T.Select(R == 1,
-                                                         T.max(acc[c * V + v], vals[u] * X[cols[u], (c * TX + t) * V + v]),
-                                                         T.min(acc[c * V + v], vals[u] * X[cols[u], (c * TX + t) * V + v])))
+                                                         _nan_max(T, acc[c * V + v], vals[u] * X[cols[u], (c * TX + t) * V + v]),
+                                                         _nan_min(T, acc[c * V + v], vals[u] * X[cols[u], (c * TX + t) * V + v])))
                         if U > 1:
                             for j in T.serial(lo + (hi - lo) // U * U, hi):
                                 cols[0] = T.Cast(off, indices[j])
@@ -108,8 +118,8 @@ def spmm_primfunc(K: int, reduce: str, rows_per_block: int, threads_k: int, vec:
                                             acc[c * V + v] = T.Select(
                                                 R == 0, acc[c * V + v] + vals[0] * X[cols[0], (c * TX + t) * V + v],
                                                 T.Select(R == 1,
-                                                         T.max(acc[c * V + v], vals[0] * X[cols[0], (c * TX + t) * V + v]),
-                                                         T.min(acc[c * V + v], vals[0] * X[cols[0], (c * TX + t) * V + v])))
+                                                         _nan_max(T, acc[c * V + v], vals[0] * X[cols[0], (c * TX + t) * V + v]),
+                                                         _nan_min(T, acc[c * V + v], vals[0] * X[cols[0], (c * TX + t) * V + v])))
                         cols[0] = T.Cast(off, row_ids[i])
                         if hi > lo:
                             for c in T.unroll(C):
