@@ -140,7 +140,7 @@ class CompiledModule:
         file (e.g. ``model.spc``).  Either replaces an older artifact there atomically.
         ``sign_key`` (bytes or str, at least 16 bytes; default ``$SPCOMPILE_ARTIFACT_KEY``, ``False``
         for none) adds an HMAC-SHA256 signature that ``load(..., require_signature=True)`` checks."""
-        return write_artifact(path, self._manifest(), self.kernel.arrays, self.kernel.files, as_dir=as_dir,
+        return write_artifact(path, self._manifest(), self.kernel.arrays, self.kernel.artifact_files(), as_dir=as_dir,
                               sign_key=sign_key)
 
     @classmethod

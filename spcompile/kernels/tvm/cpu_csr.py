@@ -34,6 +34,7 @@ keeps in registers.
 from __future__ import annotations
 
 import functools
+import os
 import math
 
 import numpy as np
@@ -240,21 +241,29 @@ def _sddmm_func(K: int, k_tile: int, idx: str, parallel: bool = True):
 
 
 @functools.lru_cache(maxsize=64)
-def _compiled(kind: str, *key) -> str:
-    """Compile (once per process and configuration) and export; returns the library path."""
+def _compiled(kind: str, *key) -> bytes:
+    """Compile (once per process and configuration); returns the shared library's bytes, kept in
+    memory (a file in a folder that something may clean is written again when needed)."""
     func = _spmm_func(*key) if kind == "spmm" else _sddmm_func(*key)
-    return rt.export(rt.compile_primfunc(func))
+    return rt.library_bytes(rt.compile_primfunc(func))
 
 
 class _CPUKernel(Kernel):
     target = "cpu"
 
-    def __init__(self, template, params, arrays, files, meta, lib, entry):
+    def __init__(self, template, params, arrays, files, meta, lib, entry, lib_bytes: bytes):
         super().__init__(template, params, arrays, files, meta)
         self._lib = lib
         self._fn = lib[entry]
         self._entry = entry
+        self._lib_bytes = lib_bytes
         self._bound = [rt.as_tensor(arrays[k]) for k in meta["array_order"]]
+
+    def artifact_files(self):
+        path = self.files.get("kernel.so")
+        if path is None or not os.path.isfile(path):
+            self.files = {**self.files, "kernel.so": rt.materialize(self._lib_bytes)}
+        return self.files
 
     def __call__(self, *inputs, out):
         self._fn(*self._bound, *(rt.as_tensor(x) for x in inputs), rt.as_tensor(out))
@@ -299,10 +308,11 @@ class _CPUTemplate(Template):
         ntasks = nthreads * int(params["tasks_per_thread"]) if params["parallel"] else 1
         arrays["task_bounds"] = task_bounds(arrays["indptr"], ntasks, str(params["balance"])).astype(idt)
         arrays = {k: v for k, v in arrays.items() if k in self.array_order}
-        path = _compiled(self.entry, *self._code_key(mod, params, str(idt)))
+        data = _compiled(self.entry, *self._code_key(mod, params, str(idt)))
+        path = rt.materialize(data)
         meta = {"array_order": list(self.array_order), "llvm_target": rt.host_llvm_target(),
-                "entry": self.entry, "threads": nthreads}
-        return _CPUKernel(self.name, params, arrays, {"kernel.so": path}, meta, rt.load(path), self.entry)
+                "cpu_features": rt.host_cpu_features(), "entry": self.entry, "threads": nthreads}
+        return _CPUKernel(self.name, params, arrays, {"kernel.so": path}, meta, rt.load(path), self.entry, data)
 
     def check_arrays(self, key, params, arrays, meta, values=None):
         if sorted(arrays) != sorted(self.array_order):
@@ -321,8 +331,33 @@ class _CPUTemplate(Template):
     def load(self, params, arrays, files, meta):
         if set(files) != {"kernel.so"}:
             raise ValueError(f"template {self.name!r} takes one library 'kernel.so', the artifact names {sorted(files)}")
+        check_host(meta)
+        with open(files["kernel.so"], "rb") as f:
+            data = f.read()
         return _CPUKernel(self.name, params, arrays, files, {**meta, "array_order": list(self.array_order)},
-                          rt.load(files["kernel.so"]), self.entry)
+                          rt.load(files["kernel.so"]), self.entry, data)
+
+
+def check_host(meta) -> None:
+    """ValueError when the kernel was compiled for CPU features this host lacks (it could stop
+    the process with an illegal instruction); artifacts without the record are checked by the
+    CPU name only (a warning when it differs)."""
+    want = meta.get("cpu_features")
+    built_cpu = (meta.get("llvm_target") or {}).get("mcpu")
+    if want is None:
+        if built_cpu and built_cpu != rt.host_cpu_name():
+            import warnings
+
+            warnings.warn(f"this CPU kernel was compiled for a {built_cpu!r} CPU, this host is a "
+                          f"{rt.host_cpu_name()!r} one; rebuild it if it stops with an illegal instruction",
+                          RuntimeWarning, stacklevel=3)
+        return
+    if not isinstance(want, list) or not all(isinstance(f, str) for f in want):
+        raise ValueError("kernel metadata 'cpu_features' is malformed")
+    missing = sorted(set(want) - set(rt.host_cpu_features()))
+    if missing:
+        raise ValueError(f"the kernel was compiled for a {built_cpu!r} CPU with features this host lacks "
+                         f"({', '.join(missing[:8])}{', ...' if len(missing) > 8 else ''}); rebuild it on this host")
 
 
 def _k_tiles(K: int) -> list[int]:
