@@ -44,6 +44,32 @@ def graphs_dir() -> pathlib.Path:
     return pathlib.Path(env) if env else REPO.parent / "shared" / "data" / "graphs"
 
 
+def find_cuobjdump() -> str | None:
+    """cuobjdump on PATH, beside nvcc, or from the nvidia-cuda-cuobjdump wheel (which .ci/run
+    installs with nvidia-cuda-nvdisasm, the disassembler cuobjdump runs for -sass)."""
+    import shutil
+
+    from spcompile.runtime import cuda as rt
+
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    nvcc = rt.nvcc_path()
+    cands = [os.path.join(os.path.dirname(os.path.realpath(nvcc)), "cuobjdump")] if nvcc else []
+    try:
+        import nvidia
+
+        cands += [os.path.join(p, sub, "bin", "cuobjdump") for p in nvidia.__path__ for sub in ("cu13", "cu12", "")]
+    except ImportError:
+        pass
+    return next((c for c in cands if os.access(c, os.X_OK)), None)
+
+
+def tool_env(tool: str) -> dict:
+    """The environment with ``tool``'s folder first on PATH (cuobjdump finds nvdisasm there)."""
+    return {**os.environ, "PATH": os.path.dirname(tool) + os.pathsep + os.environ.get("PATH", "")}
+
+
 def load_graph(name: str) -> sp.csr_matrix:
     d = graphs_dir()
     if not d.is_dir():  # only where the data set is absent; under CI=true this skip fails

@@ -4,7 +4,6 @@ packed 2:4 tiles (block packing after reorder.vnm + CSR remainder, or window-con
 the kernels compute, incl. violating segments, empty rows, a very long row, sizes that are not
 multiples of 16/32, split windows); on a GPU the metadata layout is checked on a dense random 2:4
 tile and the kernels match the float64 reference with NaN-poisoned outputs."""
-import os
 import subprocess
 
 import numpy as np
@@ -22,7 +21,7 @@ from spcompile.kernels import get_template
 from spcompile.kernels.sptc import packer as pk
 from spcompile.kernels.sptc import template as sv
 
-from conftest import random_matrix
+from conftest import find_cuobjdump, random_matrix, tool_env
 
 VNM = [{"name": "reorder.vnm", "options": {"V": 1, "N": 2, "M": 4}}]
 FMT = [{"name": "format.vnm"}]
@@ -246,37 +245,18 @@ def test_cu_compiles(arch):
         pytest.fail(str(e))
 
 
-def _cuobjdump():
-    """cuobjdump on PATH, beside nvcc, or from the nvidia-cuda-cuobjdump wheel."""
-    import shutil
-
-    found = shutil.which("cuobjdump")
-    if found:
-        return found
-    nvcc = rt.nvcc_path()
-    cands = [os.path.join(os.path.dirname(os.path.realpath(nvcc)), "cuobjdump")] if nvcc else []
-    try:
-        import nvidia
-
-        cands += [os.path.join(p, sub, "bin", "cuobjdump") for p in nvidia.__path__ for sub in ("cu13", "cu12", "")]
-    except ImportError:
-        pass
-    return next((c for c in cands if os.access(c, os.X_OK)), None)
-
-
 @pytest.mark.skipif(not rt.nvcc_available(), reason="nvcc not installed")
 def test_sass_has_sparse_hmma():
     """The fp16 instance really uses the sparse tensor-core instruction (HMMA.SP in SASS)."""
     import shutil
 
-    cuobjdump = _cuobjdump()
+    cuobjdump = find_cuobjdump()
     if cuobjdump is None:  # under CI=true a skip fails (conftest): .ci/run installs it
         pytest.skip("cuobjdump not installed (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
     t = get_template("sptc.vnm")
     path = t.compile(t.instances("fp16", 4), arch=90, name="sptc_sass")
     # cuobjdump runs nvdisasm, found on PATH (the wheels put both in one folder)
-    env = {**os.environ, "PATH": os.path.dirname(cuobjdump) + os.pathsep + os.environ.get("PATH", "")}
-    r = subprocess.run([cuobjdump, "-sass", path], capture_output=True, text=True, env=env)
+    r = subprocess.run([cuobjdump, "-sass", path], capture_output=True, text=True, env=tool_env(cuobjdump))
     assert r.returncode == 0, r.stderr
     sass = r.stdout
     assert "HMMA.SP" in sass or "HMMA.16832.F32.SP" in sass or ".SP" in sass

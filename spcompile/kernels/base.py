@@ -51,8 +51,10 @@ def check_param_value(template: str, name: str, value, dist=None, default=None, 
     choice)``.  ``strict=False``: any string where the choices are strings (the template checks
     them itself)."""
     choices = list(getattr(dist, "choices", ()) or ())
+    tuned = bool(choices)
     if not choices and default is not None:
-        choices = [default]
+        # no tuned choices: only the kind of the default (and no negative / absurd integers)
+        choices, strict = [default], False
     if not choices:
         return
     where = f"template {template!r} parameter {name!r}"
@@ -67,7 +69,7 @@ def check_param_value(template: str, name: str, value, dist=None, default=None, 
     if all(isinstance(c, (int, np.integer)) and not isinstance(c, bool) for c in choices):
         if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
             raise ValueError(f"{where} must be an integer (e.g. one of {choices}), got {value!r}")
-        low = 1 if min(choices) >= 1 else 0
+        low = 1 if tuned and min(choices) >= 1 else 0
         high = max(MAX_PARAM, 64 * max(int(c) for c in choices))
         if not low <= int(value) <= high:
             raise ValueError(f"{where} must be between {low} and {high} (tuned choices {choices}), got {value}")
