@@ -369,6 +369,14 @@ def write_artifact(path: str, manifest: Mapping[str, Any], arrays: Mapping[str, 
     if key is not None:
         body[_SIGNATURE] = sign_manifest(body, key)
     members = {"manifest.json": json.dumps(body, indent=1, sort_keys=True).encode(), **members}
+    try:
+        _write(path, as_dir, members)
+    except OSError as e:  # one clear line: which artifact could not be written, and why
+        raise OSError(e.errno, f"cannot write artifact {path!r}: {e.strerror or e}") from None
+    return path
+
+
+def _write(path: str, as_dir: bool, members: Mapping[str, bytes]) -> None:
     umask = _umask()
     fmode, dmode = 0o666 & ~umask, 0o777 & ~umask
     target = os.path.abspath(path.rstrip(os.sep) or path)
@@ -391,7 +399,6 @@ def write_artifact(path: str, manifest: Mapping[str, Any], arrays: Mapping[str, 
         except BaseException:
             _remove(part)
             raise
-    return path
 
 
 def _remove(p: str) -> None:
