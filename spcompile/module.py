@@ -87,6 +87,12 @@ class CompiledModule:
         plan = self._plan
         if plan is None or not plan.same(inputs, out):
             plan, inputs = self._checked(inputs, out)
+        if out is not None:
+            overlaps = plan.overlaps
+            for i, x in enumerate(inputs):
+                if overlaps(x, out):
+                    raise ValueError(f"out shares memory with input {'XY'[i]}: the kernel would read values it "
+                                     "has already overwritten; pass a separate output array")
         return plan.run(inputs, out)
 
     def _checked(self, inputs, out) -> tuple["_Plan", list]:
@@ -124,7 +130,8 @@ class CompiledModule:
         plan = self._plans.get((adapter, device))
         if plan is None:
             plan = self._plans[(adapter, device)] = _Plan(
-                adapter.matcher(self._in_shapes, self._out_shape, self.key.dtype, device), self._runner(adapter, device))
+                adapter.matcher(self._in_shapes, self._out_shape, self.key.dtype, device), self._runner(adapter, device),
+                adapter.overlaps)
         self._plan = plan
         return plan, [adapter.contiguous(x) for x in inputs]
 
@@ -272,20 +279,23 @@ class CompiledModule:
             "kernel_meta": self.kernel.meta, "pass_log": self.pass_log, "tuning": self.tuning,
         }
 
-    def save(self, path: str, *, as_dir: bool | None = None) -> str:
+    def save(self, path: str, *, as_dir: bool | None = None, sign_key=None) -> str:
         """Write the artifact (see :mod:`spcompile.artifact`).  A path that is an existing
         directory, ends with a separator, or ``as_dir=True`` gives a directory; otherwise one zip
-        file (e.g. ``model.spc``)."""
+        file (e.g. ``model.spc``).  Either replaces an older artifact there atomically.
+        ``sign_key`` (bytes or str, at least 16 bytes; default ``$SPCOMPILE_ARTIFACT_KEY``, ``False``
+        for none) adds an HMAC-SHA256 signature that ``load(..., require_signature=True)`` checks."""
         if self._swapped:
             self._use_values(None)   # the artifact holds the built values
         arrays = dict(self.kernel.arrays)
         if self.values_src is not None:
             arrays[_VALUES_SRC] = np.asarray(self.values_src)
-        return write_artifact(path, self._manifest(), arrays, self.kernel.files, as_dir=as_dir)
+        return write_artifact(path, self._manifest(), arrays, self.kernel.artifact_files(), as_dir=as_dir,
+                              sign_key=sign_key)
 
     @classmethod
-    def load(cls, path: str, A=None) -> "CompiledModule":
-        return load(path, A)
+    def load(cls, path: str, A=None, *, require_signature: bool | None = None, key=None) -> "CompiledModule":
+        return load(path, A, require_signature=require_signature, key=key)
 
 
 class _Plan:
@@ -293,10 +303,10 @@ class _Plan:
     check that a call has exactly that signature (see :meth:`ArrayAdapter.matcher`), and
     ``run(inputs, out)``, the run step."""
 
-    __slots__ = ("same", "run")
+    __slots__ = ("same", "run", "overlaps")
 
-    def __init__(self, same, run):
-        self.same, self.run = same, run
+    def __init__(self, same, run, overlaps):
+        self.same, self.run, self.overlaps = same, run, overlaps
 
 
 def _compatible(saved: str, current: str) -> bool:
@@ -304,49 +314,119 @@ def _compatible(saved: str, current: str) -> bool:
     return saved.split(".")[:2] == current.split(".")[:2]
 
 
-def load(path: str, A=None) -> CompiledModule:
+def _check_key(key: WorkloadKey) -> None:
+    """The manifest's workload key must be well-formed before anything is sized from it."""
+    from .core.ir import DTYPES, check_op
+
+    check_op(key.op, key.reduce)
+    for what in ("rows", "cols", "nnz", "K"):
+        v = getattr(key, what)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0 or v > (1 << 48):
+            raise ValueError(f"{what} must be a non-negative integer, got {v!r}")
+    if key.K < 1:
+        raise ValueError(f"K must be at least 1, got {key.K}")
+    if key.nnz > key.rows * key.cols:
+        raise ValueError(f"nnz={key.nnz} does not fit a {key.rows} x {key.cols} matrix")
+    if key.dtype not in DTYPES or not isinstance(key.pattern, str):
+        raise ValueError(f"dtype {key.dtype!r} / pattern {key.pattern!r} are not valid")
+
+
+def _verified(path, workdir: str, A, require_signature, key):
+    """Every check of :func:`load` that needs no kernel code: files, sizes, checksums, signature,
+    versions, template, matrix, arrays.  Returns (manifest, key, config, template, arrays, paths, meta)."""
+    manifest, paths = read_artifact(os.fspath(path), workdir, key=key, require_signature=require_signature)
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise ArtifactError(f"artifact format version {manifest.get('format_version')} is not supported "
+                            f"(this spcompile reads version {FORMAT_VERSION})")
+    if not _compatible(str(manifest.get("spcompile_version", "")), __version__):
+        raise ArtifactError(f"artifact was written by spcompile {manifest.get('spcompile_version')}, "
+                            f"incompatible with {__version__}; rebuild it")
+    try:
+        config = Config.from_dict(manifest["config"])
+        wkey = WorkloadKey.from_dict(manifest["workload_key"])
+        _check_key(wkey)
+    except (KeyError, TypeError, AttributeError, ValueError) as e:
+        raise ArtifactError(f"artifact manifest is incomplete or malformed ({type(e).__name__}: {e})") from None
+    if config.target == "cpu" and manifest.get("tvm_version") != tvm_version():
+        raise ArtifactError(f"artifact's CPU kernel was built with TVM {manifest.get('tvm_version')}, "
+                            f"this runtime has {tvm_version()}; rebuild it")
+    # versions are checked first (their errors say more); everything else must be intact
+    check_manifest_digest(manifest)
+    try:
+        tpl = get_template(config.template)
+    except (ValueError, TypeError):
+        raise ArtifactError(f"artifact uses template {config.template!r}, unknown to this spcompile") from None
+    saved_tpl = manifest.get("template", {})
+    if (not isinstance(saved_tpl, dict) or saved_tpl.get("version") != tpl.version
+            or saved_tpl.get("source_hash") != tpl.source_hash()):
+        raise ArtifactError(f"artifact was built by another version of template {tpl.name!r}; rebuild it")
+    if tpl.target != config.target or (wkey.op, wkey.reduce) not in tpl.ops:
+        raise ArtifactError(f"artifact's template {tpl.name!r} does not compute {wkey.op}/{wkey.reduce} "
+                            f"on target {config.target!r}")
+    meta = manifest.get("kernel_meta", {})
+    if not isinstance(meta, dict) or not isinstance(config.params, dict):
+        raise ArtifactError("artifact manifest is incomplete or malformed (kernel_meta / params)")
+    if A is not None:
+        C = as_csr(A)
+        if C.shape != (wkey.rows, wkey.cols) or pattern_hash(C) != wkey.pattern:
+            raise ArtifactError("artifact was built for a different matrix (sparsity pattern differs)")
+        if values_hash(C) != manifest.get("values_hash"):
+            raise ArtifactError("artifact was built for a different matrix (values differ)")
+    arrays = read_arrays(paths.pop("arrays.npz"), manifest.get("arrays"))
+    values_src = arrays.pop(_VALUES_SRC, None)
+    try:
+        # structure of every array against the manifest, before any kernel sees it
+        tpl.check_arrays(wkey, config.params, arrays, meta, manifest.get("values_hash"))
+        if values_src is not None:   # call-time values' order: a permutation of the stored entries
+            vs = np.asarray(values_src)
+            if vs.dtype.kind not in "iu" or vs.shape != (wkey.nnz,) or (
+                    wkey.nnz and not np.array_equal(np.bincount(vs, minlength=wkey.nnz), np.ones(wkey.nnz, np.int64))):
+                raise ValueError(f"{_VALUES_SRC} is not a permutation of the {wkey.nnz} stored entries")
+    except (ValueError, TypeError, KeyError, IndexError) as e:
+        raise ArtifactError(f"artifact arrays do not fit its manifest: {e}") from None
+    if values_src is not None:
+        arrays[_VALUES_SRC] = values_src
+    return manifest, wkey, config, tpl, arrays, paths, meta
+
+
+def describe(path: str, *, require_signature: bool | None = None, key=None) -> dict:
+    """What a saved artifact holds (workload, config, pass log), after every check of
+    :func:`load` but without loading its kernel library (nothing in it is executed)."""
+    workdir = tempfile.mkdtemp(prefix="spcompile-info-")
+    try:
+        manifest, wkey, config, tpl, arrays, paths, meta = _verified(os.fspath(path), workdir, None,
+                                                                     require_signature, key)
+        return {"key": wkey, "config": config, "pass_log": manifest.get("pass_log", []),
+                "signed": "signature" in manifest, "tuning": manifest.get("tuning")}
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def load(path: str, A=None, *, require_signature: bool | None = None, key=None) -> CompiledModule:
     """Load a saved module.  With ``A`` (any supported sparse input) the artifact must have been
-    built for exactly that matrix (pattern and values), else :class:`ArtifactError`."""
+    built for exactly that matrix (pattern and values), else :class:`ArtifactError`.
+
+    Artifacts are code: load only artifacts from trusted sources.  ``key`` (default
+    ``$SPCOMPILE_ARTIFACT_KEY``) verifies the artifact's signature when it has one;
+    ``require_signature=True`` (default: ``$SPCOMPILE_ARTIFACT_REQUIRE_SIGNATURE=1``) refuses an
+    artifact that is not signed with that key.  Every malformed artifact -- corrupt, resealed
+    with arrays that do not fit its manifest, over the size limits, naming unknown kernels --
+    raises :class:`ArtifactError` before any kernel code runs on its data."""
     workdir = tempfile.mkdtemp(prefix="spcompile-load-")
     try:
-        manifest, paths = read_artifact(os.fspath(path), workdir)
-        if manifest.get("format_version") != FORMAT_VERSION:
-            raise ArtifactError(f"artifact format version {manifest.get('format_version')} is not supported "
-                                f"(this spcompile reads version {FORMAT_VERSION})")
-        if not _compatible(str(manifest.get("spcompile_version", "")), __version__):
-            raise ArtifactError(f"artifact was written by spcompile {manifest.get('spcompile_version')}, "
-                                f"incompatible with {__version__}; rebuild it")
+        manifest, wkey, config, tpl, arrays, paths, meta = _verified(os.fspath(path), workdir, A,
+                                                                     require_signature, key)
         try:
-            config = Config.from_dict(manifest["config"])
-            key = WorkloadKey.from_dict(manifest["workload_key"])
-        except (KeyError, TypeError, AttributeError) as e:
-            raise ArtifactError(f"artifact manifest is incomplete or malformed ({type(e).__name__}: {e})") from None
-        if config.target == "cpu" and manifest.get("tvm_version") != tvm_version():
-            raise ArtifactError(f"artifact's CPU kernel was built with TVM {manifest.get('tvm_version')}, "
-                                f"this runtime has {tvm_version()}; rebuild it")
-        # versions are checked first (their errors say more); everything else must be intact
-        check_manifest_digest(manifest)
-        try:
-            tpl = get_template(config.template)
-        except ValueError:
-            raise ArtifactError(f"artifact uses template {config.template!r}, unknown to this spcompile") from None
-        saved_tpl = manifest.get("template", {})
-        if saved_tpl.get("version") != tpl.version or saved_tpl.get("source_hash") != tpl.source_hash():
-            raise ArtifactError(f"artifact was built by another version of template {tpl.name!r}; rebuild it")
-        if A is not None:
-            C = as_csr(A)
-            if C.shape != (key.rows, key.cols) or pattern_hash(C) != key.pattern:
-                raise ArtifactError("artifact was built for a different matrix (sparsity pattern differs)")
-            if values_hash(C) != manifest.get("values_hash"):
-                raise ArtifactError("artifact was built for a different matrix (values differ)")
-        arrays = read_arrays(paths.pop("arrays.npz"))
-        values_src = arrays.pop(_VALUES_SRC, None)
-        kernel = tpl.load(config.params, arrays, paths, manifest.get("kernel_meta", {}))
-        mod = CompiledModule(key, config, kernel, manifest.get("pass_log", []), manifest.get("values_hash", ""),
+            values_src = arrays.pop(_VALUES_SRC, None)
+            kernel = tpl.load(config.params, arrays, paths, meta)
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError, RuntimeError, OSError) as e:
+            raise ArtifactError(f"artifact's kernel cannot be loaded by template {tpl.name!r} "
+                                f"({type(e).__name__}: {e})") from None
+        mod = CompiledModule(wkey, config, kernel, manifest.get("pass_log", []), manifest.get("values_hash", ""),
                              manifest.get("tuning"))
         mod.values_src = values_src
         if A is not None:
-            mod.matrix = C
+            mod.matrix = as_csr(A)
         mod._tmpdir = workdir
         weakref.finalize(mod, shutil.rmtree, workdir, True)  # binaries stay while the module lives
         return mod

@@ -428,12 +428,12 @@ def test_invalid_parameters_are_named():
 #: sha256 of the rendered source (the on-disk kernel cache key) of aspt instances, recorded before
 #: the family moved onto the nvcc base; a change invalidates every cached aspt binary
 RENDER_SHA256 = {
-    (4, 2, 1, "sum", "tasks"): "d71e5ccb55c4c2b1150188efa0f911e7bf5f623bc63fc417ee78cf140a9a57bc",
-    (1, 4, 2, "min", "tasks"): "2f14702f0fb81efbd2f11605ed4a811f67886ce4f7301900a6e89330120da368",
-    (2, 1, 1, "mean", "tasks"): "7058177059a588902369f1dc77ff4f9db1d8cccca58412cfd86179d29bcc34d6",
-    (4, 1, 1, "max", "panel", 2): "b47ae49b3ba111945ce80b368b4e8177d0149bf10c3e2f6537e9bd45e3d68e48",
-    (2, 1, 1, "min", "panel", 1): "04a5aa4f4f09caa255fbe47049522140604f5c51c98073737f9bb0b19059d196",
-    (1, 1, 1, "sum", "panel", 2): "d002a7cef0cdc501eec14e37dc4f2942e8da0a7df4d0e3216839256a02b14272",
+    (4, 2, 1, "sum", "tasks"): "ab21fa73d9d7c7bfc0bf2115442aeaf0b8a6028757c59562188a0cdcc341682b",
+    (1, 4, 2, "min", "tasks"): "8c4a6e7fbb1411e1f01b65e6d59dfe5c39d9959ee4c3b85ffd07e44a71910bf1",
+    (2, 1, 1, "mean", "tasks"): "9d84f3193d16ff918ade9f56863bd4ecddb41f0169d2ea69b647d28ec4cdacd7",
+    (4, 1, 1, "max", "panel", 2): "d8b73ec4c1e105d701bbd33b9f167212fb7683d50d7bcc45671a184e86e38c14",
+    (2, 1, 1, "min", "panel", 1): "c78fa14acd0919d5328261d8961a848c713a7c129e0fc034d2b330421b15568d",
+    (1, 1, 1, "sum", "panel", 2): "72204be436252a6b8a563cb25766bad5f6ca7e62118ef9d8ffe04e13e1854cb7",
 }
 
 

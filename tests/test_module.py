@@ -90,6 +90,7 @@ def edit_manifest(path: str, change, *, reseal: bool):
     change(man)
     if reseal:
         man["files"] = {n: hashlib.sha256(members[n]).hexdigest() for n in man["files"] if n in members}
+        man["sizes"] = {n: len(members[n]) for n in man["files"]}
         man["manifest_sha256"] = _manifest_digest(man)
     members["manifest.json"] = json.dumps(man).encode()
     write_members(path, members)
@@ -256,11 +257,14 @@ def test_incompatible_artifact_is_refused(saved, tmp_path, change, match):
         spcompile.load(path)
 
 
-def test_patch_version_difference_is_accepted(saved, tmp_path):
+def test_patch_version_difference_is_accepted(spmm_mod, saved, matrix, tmp_path):
     path = copy_artifact(saved["file"], tmp_path / "v.spc")
     major, minor = spcompile.__version__.split(".")[:2]
     edit_manifest(path, lambda m: m.update(spcompile_version=f"{major}.{minor}.999"), reseal=True)
-    spcompile.load(path)
+    loaded = spcompile.load(path, A=matrix)
+    X = inputs_for("spmm", matrix.shape, 5)[0]
+    np.testing.assert_array_equal(loaded(X), spmm_mod(X))
+    assert loaded.key == spmm_mod.key and loaded.config == spmm_mod.config
 
 
 def test_malformed_manifest_is_refused(saved, tmp_path):

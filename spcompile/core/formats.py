@@ -52,8 +52,12 @@ class CSR:
 
     @property
     def row_ids(self) -> np.ndarray:
-        """Row index of every stored entry (length nnz)."""
-        return np.repeat(np.arange(self.shape[0], dtype=self.indices.dtype), self.row_lengths)
+        """Row index of every stored entry (length nnz).  On matrices with far fewer entries than
+        rows (huge, mostly empty) found by binary search: memory O(nnz), not O(rows)."""
+        m, nnz = self.shape[0], self.nnz
+        if nnz * 8 < m:
+            return (np.searchsorted(self.indptr, np.arange(nnz), side="right") - 1).astype(self.indices.dtype)
+        return np.repeat(np.arange(m, dtype=self.indices.dtype), self.row_lengths)
 
     def to_scipy(self) -> "scipy.sparse.csr_matrix":  # noqa: F821
         import scipy.sparse as sp

@@ -30,6 +30,8 @@ OPS: dict[str, tuple] = {"spmm": ("sum", "max", "min", "mean"), "sddmm": (None,)
 #: the matrix values and all arithmetic in fp32 (one rounding of the output); only some CUDA
 #: templates support them (a template's ``dtypes``), the CPU target is float32 only.
 DTYPES = ("float32", "float16", "bfloat16")
+#: the widest dense operand supported (K columns of X and Y)
+MAX_K = 1 << 20
 
 __all__ = ["OPS", "SparseOp", "WorkloadKey", "SparseModule", "PassRecord", "matrix_features",
            "pattern_hash", "values_hash"]
@@ -49,19 +51,25 @@ def check_op(op: str, reduce: str | None) -> tuple[str, str | None]:
     return op, reduce
 
 
-def _hash_arrays(*arrays) -> str:
+_HASH_CHUNK = 1 << 20
+
+
+def _hash_arrays(*arrays, as_dtype=None) -> str:
+    """SHA-256 of the arrays' dtypes and bytes (``as_dtype``: of the arrays converted to it),
+    converted and hashed in chunks, so memory stays bounded on huge arrays."""
     h = hashlib.sha256()
     for a in arrays:
-        a = np.ascontiguousarray(a)
-        h.update(str(a.dtype.str).encode())
-        h.update(a.tobytes())
+        a = np.ascontiguousarray(a).reshape(-1)
+        dt = a.dtype if as_dtype is None else np.dtype(as_dtype)
+        h.update(str(dt.str).encode())
+        for s in range(0, a.shape[0], _HASH_CHUNK):
+            h.update(np.ascontiguousarray(a[s:s + _HASH_CHUNK], dtype=dt).data)
     return h.hexdigest()[:32]
 
 
 def pattern_hash(A: CSR) -> str:
     """Exact identity of the sparsity pattern (independent of the index dtype)."""
-    return _hash_arrays(np.asarray(A.shape, dtype=np.int64), A.indptr.astype(np.int64),
-                        A.indices.astype(np.int64))
+    return _hash_arrays(np.asarray(A.shape, dtype=np.int64), A.indptr, A.indices, as_dtype=np.int64)
 
 
 def values_hash(A: CSR) -> str:
@@ -71,15 +79,17 @@ def values_hash(A: CSR) -> str:
 def matrix_features(A: CSR) -> dict[str, float]:
     """Coarse features used to find 'similar' matrices in the tuning database."""
     m, n = A.shape
-    lens = A.row_lengths.astype(np.float64)
+    lens = A.row_lengths  # the index dtype: no float64 copy per row (huge, mostly empty matrices)
     nnz = float(A.nnz)
+    mean = nnz / m if m else 0.0
+    sq = sum(float(np.square(lens[s:s + _HASH_CHUNK], dtype=np.float64).sum()) for s in range(0, m, _HASH_CHUNK))
     feats = {
         "rows": float(m), "cols": float(n), "nnz": nnz,
         "density": nnz / max(1.0, float(m) * float(n)),
-        "mean_row": float(lens.mean()) if m else 0.0,
+        "mean_row": mean,
         "max_row": float(lens.max()) if m else 0.0,
-        "std_row": float(lens.std()) if m else 0.0,
-        "empty_rows": float(np.count_nonzero(lens == 0) / m) if m else 0.0,
+        "std_row": float(np.sqrt(max(sq / m - mean * mean, 0.0))) if m else 0.0,
+        "empty_rows": float(m - np.count_nonzero(lens)) / m if m else 0.0,
     }
     if A.nnz:
         # mean |i - j| / n: how banded / local the pattern is
@@ -137,6 +147,8 @@ class SparseOp:
             raise TypeError(f"K must be an int, got {type(self.K).__name__}")
         if int(self.K) < 1:
             raise ValueError(f"K must be >= 1, got {self.K}")
+        if int(self.K) > MAX_K:
+            raise ValueError(f"K={self.K} is above the supported maximum K={MAX_K} (dense feature width)")
         object.__setattr__(self, "K", int(self.K))
         if str(self.dtype) not in DTYPES:
             raise ValueError(f"unsupported dtype {self.dtype!r}; expected one of {DTYPES}")

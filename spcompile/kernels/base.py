@@ -26,7 +26,7 @@ from ..runtime.kernel import Kernel
 
 
 __all__ = ["Template", "Kernel", "register_template", "get_template", "list_templates",
-           "csr_kernel_arrays", "source_hash_of"]
+           "csr_kernel_arrays", "check_csr_arrays", "source_hash_of"]
 
 
 def unique_params(seeds) -> list[dict]:
@@ -38,6 +38,41 @@ def unique_params(seeds) -> list[dict]:
             seen.add(t)
             out.append(s)
     return out
+
+
+#: the largest integer a template parameter may take (tile sizes, counts, unrolls)
+MAX_PARAM = 1 << 16
+
+
+def check_param_value(template: str, name: str, value, dist=None, default=None, strict: bool = True) -> None:
+    """ValueError naming the parameter when ``value`` cannot be a value of it: of another kind than
+    the space's choices (bool, str, int), a string or bool not among them, a negative integer,
+    zero where every choice is positive, or an integer above ``max(MAX_PARAM, 64 x the largest
+    choice)``.  ``strict=False``: any string where the choices are strings (the template checks
+    them itself)."""
+    choices = list(getattr(dist, "choices", ()) or ())
+    tuned = bool(choices)
+    if not choices and default is not None:
+        # no tuned choices: only the kind of the default (and no negative / absurd integers)
+        choices, strict = [default], False
+    if not choices:
+        return
+    where = f"template {template!r} parameter {name!r}"
+    if all(isinstance(c, bool) for c in choices):
+        if not isinstance(value, (bool, np.bool_)):
+            raise ValueError(f"{where} must be True or False, got {value!r}")
+        return
+    if all(isinstance(c, str) for c in choices):
+        if strict and value not in choices:
+            raise ValueError(f"{where} must be one of {choices}, got {value!r}")
+        return
+    if all(isinstance(c, (int, np.integer)) and not isinstance(c, bool) for c in choices):
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+            raise ValueError(f"{where} must be an integer (e.g. one of {choices}), got {value!r}")
+        low = 1 if tuned and min(choices) >= 1 else 0
+        high = max(MAX_PARAM, 64 * max(int(c) for c in choices))
+        if not low <= int(value) <= high:
+            raise ValueError(f"{where} must be between {low} and {high} (tuned choices {choices}), got {value}")
 
 
 class Template:
@@ -54,6 +89,7 @@ class Template:
     #: the parameter that selects the arithmetic precision (tensor-core templates), or None:
     #: every configuration computes in exact fp32
     precision_param: str | None = None
+<<<<<<< HEAD
     #: toolchains that building needs, by name ("tvm-llvm", "tvm-cuda", "nvcc", "torch"): what a
     #: quick listing (``spcompile templates``) checks without importing them; None: unknown, the
     #: listing calls :meth:`available` (the full check)
@@ -66,6 +102,15 @@ class Template:
         (``mod(X, values=v)``); None where the format bakes the values into a packed layout.
         Declared in :data:`CALL_VALUE_ARRAYS`."""
         return CALL_VALUE_ARRAYS.get(self.name)
+=======
+    #: the saved arrays are :func:`csr_kernel_arrays` (or a subset of their names), checked by
+    #: :func:`check_csr_arrays` when an artifact is loaded; ``csr_values``: ``data`` holds the
+    #: matrix values unchanged (so that their hash can be checked too)
+    csr_arrays: bool = False
+    csr_values: bool = True
+    #: string parameters must be one of the space's choices (see :func:`check_param_value`)
+    strict_choices: bool = True
+>>>>>>> trust
 
     # -- availability / applicability --------------------------------------------------------
     def available(self) -> bool:
@@ -109,7 +154,16 @@ class Template:
         if unknown:
             raise ValueError(f"template {self.name!r} got unknown parameter(s) {sorted(unknown)}; its parameters "
                              f"are {sorted(known)} (defaults here: {defaults})")
+        self.check_values(mod, full, params)
         return full
+
+    def check_values(self, mod: SparseModule, full: Mapping[str, Any], given: Mapping[str, Any]) -> None:
+        """ValueError naming a parameter the caller gave (``given``) whose value cannot be one of
+        it (see :func:`check_param_value`); ``full`` holds the defaults too."""
+        space, defaults = self.space(mod), self.default_params(mod)
+        for name in sorted(given):
+            check_param_value(self.name, name, full[name], space.get(name), defaults.get(name),
+                              self.strict_choices)
 
     def precision_of(self, params: Mapping[str, Any]) -> str:
         """The precision a configuration with ``params`` computes in."""
@@ -130,6 +184,15 @@ class Template:
              files: Mapping[str, str], meta: Mapping[str, Any]) -> Kernel:
         """Rebuild a kernel from a saved artifact without compiling anything."""
         raise NotImplementedError
+
+    def check_arrays(self, key, params: Mapping[str, Any], arrays: Mapping[str, np.ndarray],
+                     meta: Mapping[str, Any], values: str | None = None) -> None:
+        """Structural checks of a saved artifact's arrays against its workload ``key`` (rows,
+        cols, nnz, pattern hash) before any kernel sees them; ValueError saying what is wrong.
+        ``values``: the manifest's values hash.  Templates add their own arrays' checks."""
+        if self.csr_arrays:
+            check_csr_arrays(arrays, key.rows, key.cols, key.nnz, pattern=key.pattern,
+                             values=values if self.csr_values else None)
 
     def source_hash(self) -> str:
         """Hash of everything that defines this template's code (its module source + version)."""
@@ -216,13 +279,89 @@ def csr_kernel_arrays(mod: SparseModule, index_dtype=np.int32) -> dict[str, np.n
     m = A.shape[0]
     idt = np.dtype(index_dtype) if max(A.nnz, *A.shape) <= np.iinfo(np.int32).max else np.dtype(np.int64)
     indices = A.indices if mod.col_perm is None else mod.col_perm[A.indices]
-    row_ids = np.arange(m) if mod.row_perm is None else mod.row_perm
-    nnz_ids = np.arange(A.nnz) if mod.nnz_perm is None else mod.nnz_perm
+    # (identity permutations made in the index dtype: no int64 array per row on huge matrices)
+    row_ids = np.arange(m, dtype=idt) if mod.row_perm is None else mod.row_perm
+    nnz_ids = np.arange(A.nnz, dtype=idt) if mod.nnz_perm is None else mod.nnz_perm
     # fresh writable copies: DLPack cannot export the read-only arrays of a CSR
     return {
         "indptr": np.array(A.indptr, dtype=idt),
         "indices": np.array(indices, dtype=idt),
         "data": np.array(A.data, dtype=np.float32),
-        "row_ids": np.array(row_ids, dtype=idt),
-        "nnz_ids": np.array(nnz_ids, dtype=idt),
+        "row_ids": row_ids if mod.row_perm is None else np.array(row_ids, dtype=idt),
+        "nnz_ids": nnz_ids if mod.nnz_perm is None else np.array(nnz_ids, dtype=idt),
     }
+
+
+def _index_array(arrays, name: str, length: int, bound: int) -> np.ndarray:
+    x = np.asarray(arrays[name])
+    if x.dtype.kind not in "iu" or x.ndim != 1 or x.shape[0] != length:
+        raise ValueError(f"array {name!r} must be a 1-D integer array of length {length}, got "
+                         f"{x.dtype}{list(x.shape)}")
+    x = x.astype(np.int64, copy=False)
+    if x.size and (int(x.min()) < 0 or int(x.max()) >= bound):
+        raise ValueError(f"array {name!r} holds values outside [0, {bound})")
+    return x
+
+
+def _is_permutation(x: np.ndarray, n: int) -> bool:
+    return x.shape[0] == n and bool(np.all(np.bincount(x, minlength=n) == 1)) if n else True
+
+
+def check_csr_arrays(arrays: Mapping[str, np.ndarray], rows: int, cols: int, nnz: int,
+                     pattern: str | None = None, values: str | None = None) -> None:
+    """ValueError unless ``arrays`` (names of :func:`csr_kernel_arrays`, those present) describe a
+    ``rows x cols`` matrix with ``nnz`` entries: ``indptr`` monotone from 0 to nnz, ``indices`` in
+    [0, cols), ``row_ids`` a permutation of the rows, ``nnz_ids`` one of the entries, ``data``
+    nnz floats, every index array of one integer dtype; with ``pattern`` / ``values`` the matrix
+    they rebuild (in the caller's order) must have that pattern hash / values hash.  Linear in
+    rows + nnz (plus one sort of the entries for the hashes)."""
+    from ..core.formats import CSR
+    from ..core.ir import pattern_hash, values_hash
+
+    for what, v in (("rows", rows), ("cols", cols), ("nnz", nnz)):
+        if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 0:
+            raise ValueError(f"workload {what} must be a non-negative integer, got {v!r}")
+    idx_dtypes = {np.asarray(arrays[k]).dtype for k in ("indptr", "indices", "row_ids", "nnz_ids", "task_bounds")
+                  if k in arrays}
+    if len(idx_dtypes) > 1:
+        raise ValueError(f"index arrays mix dtypes {sorted(map(str, idx_dtypes))}")
+    indptr = indices = row_ids = nnz_ids = data = None
+    if "indptr" in arrays:
+        indptr = _index_array(arrays, "indptr", rows + 1, nnz + 1)
+        if indptr[0] != 0 or indptr[-1] != nnz or np.any(indptr[1:] < indptr[:-1]):
+            raise ValueError(f"array 'indptr' must rise monotonically from 0 to nnz={nnz}")
+    if "indices" in arrays:
+        indices = _index_array(arrays, "indices", nnz, max(cols, 1) if nnz == 0 else cols)
+    if "row_ids" in arrays:
+        row_ids = _index_array(arrays, "row_ids", rows, max(rows, 1))
+        if not _is_permutation(row_ids, rows):
+            raise ValueError("array 'row_ids' is not a permutation of the rows")
+    if "nnz_ids" in arrays:
+        nnz_ids = _index_array(arrays, "nnz_ids", nnz, max(nnz, 1))
+        if not _is_permutation(nnz_ids, nnz):
+            raise ValueError("array 'nnz_ids' is not a permutation of the stored entries")
+    if "data" in arrays:
+        data = np.asarray(arrays["data"])
+        if data.dtype.kind != "f" or data.ndim != 1 or data.shape[0] != nnz:
+            raise ValueError(f"array 'data' must hold {nnz} floats, got {data.dtype}{list(data.shape)}")
+    if (pattern is None and values is None) or indptr is None or indices is None:
+        return
+    # the matrix in the caller's order: current row i is original row row_ids[i]; entry p goes to
+    # original position nnz_ids[p] (else the canonical (row, column) order)
+    r = np.repeat(np.arange(rows, dtype=np.int64) if row_ids is None else row_ids, np.diff(indptr))
+    if nnz_ids is not None:
+        order = np.empty(nnz, dtype=np.int64)
+        order[nnz_ids] = np.arange(nnz, dtype=np.int64)
+    else:
+        order = np.lexsort((indices, r))
+    r, c = r[order], indices[order]
+    if nnz > 1:
+        key = r * np.int64(max(cols, 1)) + c
+        if np.any(key[1:] <= key[:-1]):
+            raise ValueError("the arrays do not describe a canonical matrix (entries out of order or repeated)")
+    C = CSR(np.concatenate(([0], np.cumsum(np.bincount(r, minlength=rows)))).astype(np.int64), c,
+            (data[order] if data is not None else np.zeros(nnz, np.float32)).astype(np.float32), (rows, cols))
+    if pattern is not None and pattern_hash(C) != pattern:
+        raise ValueError("the arrays hold another matrix than the one the manifest names (pattern hash differs)")
+    if values is not None and data is not None and values_hash(C) != values:
+        raise ValueError("the arrays hold other values than the manifest names (values hash differs)")

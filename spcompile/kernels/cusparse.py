@@ -74,6 +74,8 @@ class Cusparse(Template):
 
     name = "extern.cusparse"
     version = "1"
+    csr_arrays = True
+    csr_values = False   # SpMM mean stores the values divided by the row lengths
     target = "cuda"
     priority = 5
     ops = (("spmm", "sum"), ("spmm", "mean"), ("sddmm", None))

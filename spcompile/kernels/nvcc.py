@@ -134,6 +134,18 @@ class NvccTemplate(Template):
         ok_size = max(A.nnz, A.shape[0] + 1, A.shape[1]) < 2**31 - 1
         return super().supports(mod) and ok_size
 
+    #: named choices (strings) are the family's to check (:meth:`checks`, :meth:`check_params`)
+    strict_choices = False
+
+    def check_values(self, mod, full, given):
+        # the bounds every template shares; where they object, the family's own checks speak
+        # first (they name every bad parameter at once)
+        try:
+            super().check_values(mod, full, given)
+        except ValueError:
+            self.validate(mod, full)
+            raise
+
     def validate(self, mod: SparseModule, params: Mapping[str, Any]) -> None:
         """ValueError naming every parameter whose value :meth:`checks` does not allow, or an
         input dtype the template does not compute for."""

@@ -147,13 +147,13 @@ def lsh_candidate_pairs(sig: np.ndarray, rows: np.ndarray | None = None, bsize: 
         return e, e, e
     rng = np.random.default_rng(seed + 0x5EED)
     rows = rows[rng.permutation(rows.shape[0])]  # random order inside each bucket
-    s = sig[rows]
     keys = counts = None
     pending: list[np.ndarray] = []
     pending_n = generated = 0
     flush_at = max(1 << 22, 4 * rows.shape[0], 2 * (max_pairs or 0))
     for b in range(siglen // bsize):
-        bk = _band_keys(s, b, bsize)
+        # one band of the rows' signatures at a time (never a second copy of all signatures)
+        bk = _band_keys(sig[rows, b * bsize:(b + 1) * bsize], 0, bsize)
         order = np.argsort(bk, kind="stable")
         sk = bk[order]
         ro = rows[order]
@@ -395,14 +395,29 @@ class ClusterLSH(Pass):
         "max_pairs": 2_000_000,        # cap on candidate pairs (the merge loop is per pair) ...
         "pairs_per_row": 8,            # ... and at most this many per clustered row (E ~ N)
         "similarity": "auto",          # "exact", "minhash" or "auto"
+        "max_signature_bytes": 1 << 30,  # signatures (rows x siglen x 4 bytes) above this: fewer
+        "min_siglen": 16,              # hash functions, down to min_siglen; below it the pass is skipped
     }
 
-    def _order(self, A, ctx):
+    def _siglen(self, A) -> tuple[int, str | None]:
+        """The signature length that keeps the signatures within ``max_signature_bytes`` (memory
+        linear in the rows with a fixed cap), or (0, reason) when even ``min_siglen`` does not fit."""
+        o = self.options
+        siglen, bsize, m = int(o["siglen"]), int(o["bsize"]), max(1, A.shape[0])
+        fit = int(o["max_signature_bytes"]) // (4 * m) // bsize * bsize
+        if fit >= siglen:
+            return siglen, None
+        if fit < max(int(o["min_siglen"]), bsize):
+            return 0, (f"{A.shape[0]} rows need {4 * A.shape[0] * int(o['min_siglen'])} bytes of signatures even at "
+                       f"min_siglen={o['min_siglen']}, above max_signature_bytes={o['max_signature_bytes']}")
+        return fit, None
+
+    def _order(self, A, ctx, siglen: int):
         o = self.options
         n_rows = int(np.count_nonzero(_lengths(A)))
         cap = [c for c in (o["max_pairs"], None if o["pairs_per_row"] is None else int(o["pairs_per_row"] * n_rows))
                if c is not None]
-        return lsh_order(A, int(o["siglen"]), int(o["bsize"]), int(o["threshold_size"]), ctx.seed,
+        return lsh_order(A, siglen, int(o["bsize"]), int(o["threshold_size"]), ctx.seed,
                          int(o["window"]), min(cap) if cap else None, o["similarity"])
 
     def transform(self, mod, ctx):
@@ -424,11 +439,15 @@ class ClusterLSH(Pass):
             sim_before = consecutive_similarity(R)
             metrics["avg_similarity_before"] = sim_before
             out = mod
+            siglen, reason = self._siglen(R)
             if o["skip"] and sim_before > o["skip_similarity"]:
                 metrics["skipped"] = True
                 metrics["avg_similarity_after"] = sim_before
+            elif reason is not None:
+                metrics.update(skipped=True, skip_reason=reason, avg_similarity_after=sim_before)
             else:
-                perm, info = self._order(R, ctx)
+                metrics["siglen"] = siglen
+                perm, info = self._order(R, ctx, siglen)
                 metrics.update(info)
                 if not _is_identity(perm):
                     fmt2 = fmt.reorder_remainder(perm)
@@ -446,11 +465,15 @@ class ClusterLSH(Pass):
             metrics["avg_similarity_before"] = sim_before
             skip = o["skip"] and ((rnd == 1 and dr_before > o["skip_dense_ratio"]) or
                                   (rnd == 2 and sim_before > o["skip_similarity"]))
+            siglen, reason = self._siglen(A)
             out = mod
             if skip:
                 metrics["skipped"] = True
+            elif reason is not None:
+                metrics.update(skipped=True, skip_reason=reason)
             else:
-                perm, info = self._order(A, ctx)
+                metrics["siglen"] = siglen
+                perm, info = self._order(A, ctx, siglen)
                 metrics.update(info)
                 if not _is_identity(perm):
                     out = mod.permute(perm, None)

@@ -105,6 +105,14 @@ class ArrayAdapter:
     def _writable(self, x) -> bool:
         return True
 
+    def overlaps(self, a, b) -> bool:
+        """Whether the memory of arrays ``a`` and ``b`` (C-contiguous) overlaps."""
+        pa, pb = self.ptr(a), self.ptr(b)
+        return pa < pb + self.nbytes(b) and pb < pa + self.nbytes(a) and self.nbytes(a) > 0 and self.nbytes(b) > 0
+
+    def nbytes(self, x) -> int:
+        return int(x.nbytes)
+
     def owns(self, x) -> bool:
         return adapter_for(x) is self
 
@@ -162,7 +170,13 @@ class _Numpy(ArrayAdapter):
         return None
 
     def contiguous(self, x):
-        return np.ascontiguousarray(x)
+        x = np.ascontiguousarray(x)
+        if not x.flags.writeable:
+            x = _readable_alias(x)
+        return x
+
+    def overlaps(self, a, b):
+        return bool(np.may_share_memory(a, b))  # exact for the C-contiguous arrays compared here
 
     def cast_hint(self, name, dtype):
         return f"{name}.astype(np.{dtype})"
@@ -186,12 +200,24 @@ class _Numpy(ArrayAdapter):
         return sys.modules["cupy"].asnumpy(d)
 
     def exact(self, dtype, device):
+        # read-only arrays take the checked path, which passes the kernels a zero-copy alias
         nd, dt = np.ndarray, np.dtype(dtype)
-        return lambda x, s: type(x) is nd and x.dtype == dt and x.shape == s and x.flags.c_contiguous
+        return lambda x, s: (type(x) is nd and x.dtype == dt and x.shape == s and x.flags.c_contiguous
+                             and x.flags.writeable)
 
-    def exact_out(self, dtype, device):
-        exact = self.exact(dtype, device)
-        return lambda x, s: exact(x, s) and x.flags.writeable
+
+def _readable_alias(x: np.ndarray) -> np.ndarray:
+    """A writable-flagged, zero-copy view of read-only C-contiguous ``x`` (``np.frombuffer`` of
+    bytes, ``setflags(write=False)``, ``np.memmap(mode="r")``): DLPack, through which the kernels
+    receive arrays, cannot export read-only arrays.  Only for kernel *inputs*, which kernels never
+    write; the view keeps ``x`` alive."""
+    import ctypes
+
+    if x.nbytes == 0:
+        return np.empty(x.shape, x.dtype)
+    buf = (ctypes.c_char * x.nbytes).from_address(x.ctypes.data)
+    buf._spcompile_owner = x  # keep the memory's owner alive as long as the view
+    return np.frombuffer(buf, dtype=x.dtype).reshape(x.shape)
 
 
 class _Torch(ArrayAdapter):
@@ -206,6 +232,9 @@ class _Torch(ArrayAdapter):
 
     def dtype(self, x):
         return str(x.dtype).rpartition(".")[2]
+
+    def nbytes(self, x):
+        return int(x.numel()) * int(x.element_size())
 
     def device(self, x):
         i = x.get_device()

@@ -47,26 +47,11 @@ def compile_primfunc(func):
     return tvm.compile(func, target=host_llvm_target())
 
 
-_TEMP_DIRS: list = []
-
-
-def _remove_temp_dirs():
-    import shutil
-
-    for d in _TEMP_DIRS:
-        shutil.rmtree(d, ignore_errors=True)
-
-
 def export(lib, directory: str | None = None, name: str = "kernel.so") -> str:
-    """Write ``lib`` as a shared library; without ``directory``, into a temporary directory that is
-    removed when the process exits (saved artifacts copy the file)."""
+    """Write ``lib`` as a shared library into ``directory``; without one, into the per-user
+    library cache (:func:`materialize`)."""
     if directory is None:
-        if not _TEMP_DIRS:
-            import atexit
-
-            atexit.register(_remove_temp_dirs)
-        directory = tempfile.mkdtemp(prefix="spcompile-")
-        _TEMP_DIRS.append(directory)
+        return materialize(library_bytes(lib))
     path = os.path.join(directory, name)
     lib.export_library(path)
     return path
@@ -89,6 +74,79 @@ def ffi():
         if block and sys.modules.get("torch", 0) is None:
             del sys.modules["torch"]
     return tvm_ffi
+
+
+def library_bytes(lib) -> bytes:
+    """The bytes of ``lib`` exported as a shared library (the temporary folder is removed)."""
+    with tempfile.TemporaryDirectory(prefix="spcompile-export-") as d:
+        path = os.path.join(d, "kernel.so")
+        lib.export_library(path)
+        with open(path, "rb") as f:
+            return f.read()
+
+
+def library_cache_dir() -> str:
+    """Per-user folder of compiled CPU libraries (``SPCOMPILE_CPU_CACHE``, else
+    ``$XDG_CACHE_HOME/spcompile/cpu`` or ``~/.cache/spcompile/cpu``; a private folder in the
+    temporary directory where the home folder cannot be written)."""
+    d = os.environ.get("SPCOMPILE_CPU_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "spcompile", "cpu")
+    try:
+        os.makedirs(d, exist_ok=True)
+        if os.access(d, os.W_OK):
+            return d
+    except OSError:
+        pass
+    d = os.path.join(tempfile.gettempdir(), f"spcompile-cpu-{os.getuid() if hasattr(os, 'getuid') else 'user'}")
+    os.makedirs(d, mode=0o700, exist_ok=True)
+    return d
+
+
+def materialize(data: bytes) -> str:
+    """The path of a file holding library ``data`` (content-addressed in
+    :func:`library_cache_dir`), written again (atomically) when it is missing or altered -- so
+    that a module keeps working, and saving, when something cleans the folder."""
+    import hashlib
+
+    digest = hashlib.sha256(data).hexdigest()
+    d = library_cache_dir()
+    path = os.path.join(d, f"kernel-{digest[:32]}.so")
+    try:
+        if os.path.getsize(path) == len(data):
+            with open(path, "rb") as f:
+                if hashlib.sha256(f.read()).hexdigest() == digest:
+                    return path
+    except OSError:
+        pass
+    fd, part = tempfile.mkstemp(dir=d, prefix=".part-", suffix=".so")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.chmod(part, 0o644)
+        os.replace(part, path)
+    except BaseException:
+        try:
+            os.remove(part)
+        except OSError:
+            pass
+        raise
+    return path
+
+
+def host_cpu_features() -> list[str]:
+    """This host CPU's feature flags (what a kernel compiled here for the host CPU may use): the
+    kernel's ``flags`` of ``/proc/cpuinfo`` on Linux (read without TVM's compiler, so that loading
+    a saved module stays cheap), else LLVM's feature names."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("flags"):
+                    return sorted(set(line.split(":", 1)[1].split()))
+    except OSError:
+        pass
+    from tvm.target import Target, codegen
+
+    return sorted(str(f) for f in codegen.llvm_get_cpu_features(Target(host_llvm_target())))
 
 
 @functools.lru_cache(maxsize=None)

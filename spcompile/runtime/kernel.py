@@ -31,3 +31,7 @@ class Kernel:
 
     def __call__(self, *inputs, out):
         raise NotImplementedError
+
+    def artifact_files(self) -> Mapping[str, str]:
+        """``files`` for saving: artifact name -> a path that exists now."""
+        return self.files

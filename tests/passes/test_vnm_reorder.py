@@ -9,7 +9,9 @@ from spcompile.core.formats import as_csr
 from spcompile.passes import reorder_vnm as R
 from spcompile.passes import run
 
-GRAPHS = "/work/shared/data/graphs"
+from conftest import graphs_dir
+
+GRAPHS = str(graphs_dir())  # $SPCOMPILE_GRAPHS, else shared/data/graphs beside the checkout
 
 
 def dense_violations(D, N=2, M=4):

@@ -37,9 +37,11 @@ namespace spc_aspt {
 template <int R> __device__ __forceinline__ float red_init() {
   return R == 1 ? -CUDART_INF_F : (R == 2 ? CUDART_INF_F : 0.0f);
 }
+// max / min propagate NaN like the float64 reference (numpy's maximum / minimum): once the
+// accumulator is NaN it stays NaN (v > NaN is false); fmaxf / fminf would drop it
 template <int R> __device__ __forceinline__ float red_op(float acc, float v) {
-  if (R == 1) return fmaxf(acc, v);
-  if (R == 2) return fminf(acc, v);
+  if (R == 1) return (v > acc || isnan(v)) ? v : acc;
+  if (R == 2) return (v < acc || isnan(v)) ? v : acc;
   return acc + v;
 }
 
@@ -59,8 +61,17 @@ template <int VEC> __device__ __forceinline__ void st(float* p, const float* v) 
   else p[0] = v[0];
 }
 
+// a NaN as the bit pattern that wins every later integer-order max (0x7fffffff: the largest int,
+// and smaller than any negative float's unsigned pattern) or min (0xffffffff: -1 as an int, the
+// largest unsigned): once stored, a NaN stays in Y whatever is combined after it
+template <int R> __device__ __forceinline__ float sticky_nan(float v) {
+  if (R == 0 || !isnan(v)) return v;
+  return __int_as_float(R == 1 ? 0x7fffffff : (int)0xffffffffu);
+}
+
 // atomic combine of one value into global memory
 template <int R> __device__ __forceinline__ void atomic_red1(float* p, float v) {
+  v = sticky_nan<R>(v);
   if (R == 1) {
     if (!signbit(v)) atomicMax(reinterpret_cast<int*>(p), __float_as_int(v));
     else atomicMin(reinterpret_cast<unsigned int*>(p), __float_as_uint(v));
@@ -136,7 +147,7 @@ __device__ __forceinline__ void aspt_rows(
       if (k < K) {
         float o[VEC];
 #pragma unroll
-        for (int u = 0; u < VEC; ++u) o[u] = empty ? 0.0f : acc[c][u];
+        for (int u = 0; u < VEC; ++u) o[u] = empty ? 0.0f : sticky_nan<R>(acc[c][u]);
         st<VEC>(yr + k, o);
       }
     }

@@ -37,9 +37,11 @@ namespace spc {
 template <int R> __device__ __forceinline__ float red_init() {
   return R == 1 ? -CUDART_INF_F : (R == 2 ? CUDART_INF_F : 0.0f);
 }
+// max / min propagate NaN like the float64 reference (numpy's maximum / minimum): once the
+// accumulator is NaN it stays NaN (v > NaN is false); fmaxf / fminf would drop it
 template <int R> __device__ __forceinline__ float red_op(float acc, float v) {
-  if (R == 1) return fmaxf(acc, v);
-  if (R == 2) return fminf(acc, v);
+  if (R == 1) return (v > acc || isnan(v)) ? v : acc;
+  if (R == 2) return (v < acc || isnan(v)) ? v : acc;
   return acc + v;
 }
 // element conversion (fp32 arithmetic everywhere; one rounding on the final store)

@@ -34,6 +34,7 @@ keeps in registers.
 from __future__ import annotations
 
 import functools
+import os
 import math
 
 import numpy as np
@@ -55,12 +56,23 @@ def task_bounds(indptr: np.ndarray, ntasks: int, balance: str = "nnz", row_cost:
         return np.linspace(0, m, ntasks + 1).round().astype(np.int64)
     if balance != "nnz":
         raise ValueError(f"balance must be 'nnz' or 'rows', got {balance!r}")
-    work = indptr.astype(np.float64) + row_cost * np.arange(m + 1, dtype=np.float64)
-    targets = np.linspace(0.0, work[-1], ntasks + 1)
-    b = np.clip(np.searchsorted(work, targets, side="left"), 1, m).astype(np.int64)
+    def work(i):  # work before row i, evaluated only where needed (no float64 array per row)
+        return indptr[i].astype(np.float64) + row_cost * i.astype(np.float64)
+
+    targets = np.linspace(0.0, float(work(np.array([m]))[0]), ntasks + 1)
+    # first i with work(i) >= target (searchsorted side="left" on the monotone work), by a
+    # vectorised bisection over the targets: O(ntasks log m), whatever the number of rows
+    lo, hi = np.zeros(ntasks + 1, dtype=np.int64), np.full(ntasks + 1, m + 1, dtype=np.int64)
+    while np.any(lo < hi):
+        mid = (lo + hi) // 2
+        below = work(np.minimum(mid, m)) < targets
+        go = lo < hi
+        lo = np.where(go & below, mid + 1, lo)
+        hi = np.where(go & ~below, mid, hi)
+    b = np.clip(lo, 1, m).astype(np.int64)
     # cut at the nearer of the two row boundaries around each target (a long row is not
     # dragged into the task before it)
-    b -= (targets - work[b - 1]) < (work[b] - targets)
+    b -= (targets - work(b - 1)) < (work(b) - targets)
     b[0], b[-1] = 0, m
     return np.maximum.accumulate(b)
 
@@ -89,7 +101,10 @@ def _spmm_func(K: int, reduce: str, k_tile: int, tile_order: str, idx: str, para
         """One step of the reduction."""
         if SUM:
             return acc + v
-        return T.max(acc, v) if reduce == "max" else T.min(acc, v)
+        # NaN propagates like the float64 reference (numpy maximum / minimum): a NaN product
+        # replaces the accumulator and, once NaN, the accumulator is never replaced again
+        better = (v > acc) if reduce == "max" else (v < acc)
+        return T.Select(T.Or(better, T.isnan(v)), v, acc)
 
     def finish(acc, lo, hi):
         """A row's result from its accumulator (mean: divided by the row's length; an empty row
@@ -226,21 +241,29 @@ def _sddmm_func(K: int, k_tile: int, idx: str, parallel: bool = True):
 
 
 @functools.lru_cache(maxsize=64)
-def _compiled(kind: str, *key) -> str:
-    """Compile (once per process and configuration) and export; returns the library path."""
+def _compiled(kind: str, *key) -> bytes:
+    """Compile (once per process and configuration); returns the shared library's bytes, kept in
+    memory (a file in a folder that something may clean is written again when needed)."""
     func = _spmm_func(*key) if kind == "spmm" else _sddmm_func(*key)
-    return rt.export(rt.compile_primfunc(func))
+    return rt.library_bytes(rt.compile_primfunc(func))
 
 
 class _CPUKernel(Kernel):
     target = "cpu"
 
-    def __init__(self, template, params, arrays, files, meta, lib, entry):
+    def __init__(self, template, params, arrays, files, meta, lib, entry, lib_bytes: bytes):
         super().__init__(template, params, arrays, files, meta)
         self._lib = lib
         self._fn = lib[entry]
         self._entry = entry
+        self._lib_bytes = lib_bytes
         self._bound = [rt.as_tensor(arrays[k]) for k in meta["array_order"]]
+
+    def artifact_files(self):
+        path = self.files.get("kernel.so")
+        if path is None or not os.path.isfile(path):
+            self.files = {**self.files, "kernel.so": rt.materialize(self._lib_bytes)}
+        return self.files
 
     def __call__(self, *inputs, out):
         self._fn(*self._bound, *(rt.as_tensor(x) for x in inputs), rt.as_tensor(out))
@@ -251,6 +274,7 @@ class _CPUTemplate(Template):
     target = "cpu"
     version = "2"
     priority = 10
+    csr_arrays = True
     entry = ""
     array_order: tuple[str, ...] = ()
 
@@ -284,13 +308,56 @@ class _CPUTemplate(Template):
         ntasks = nthreads * int(params["tasks_per_thread"]) if params["parallel"] else 1
         arrays["task_bounds"] = task_bounds(arrays["indptr"], ntasks, str(params["balance"])).astype(idt)
         arrays = {k: v for k, v in arrays.items() if k in self.array_order}
-        path = _compiled(self.entry, *self._code_key(mod, params, str(idt)))
+        data = _compiled(self.entry, *self._code_key(mod, params, str(idt)))
+        path = rt.materialize(data)
         meta = {"array_order": list(self.array_order), "llvm_target": rt.host_llvm_target(),
-                "entry": self.entry, "threads": nthreads}
-        return _CPUKernel(self.name, params, arrays, {"kernel.so": path}, meta, rt.load(path), self.entry)
+                "cpu_features": rt.host_cpu_features(), "entry": self.entry, "threads": nthreads}
+        return _CPUKernel(self.name, params, arrays, {"kernel.so": path}, meta, rt.load(path), self.entry, data)
+
+    def check_arrays(self, key, params, arrays, meta, values=None):
+        if sorted(arrays) != sorted(self.array_order):
+            raise ValueError(f"template {self.name!r} takes arrays {sorted(self.array_order)}, got {sorted(arrays)}")
+        if meta.get("entry") != self.entry or list(meta.get("array_order", ())) != list(self.array_order):
+            raise ValueError(f"kernel metadata names entry {meta.get('entry')!r} / arrays "
+                             f"{meta.get('array_order')!r}; template {self.name!r} has {self.entry!r} / "
+                             f"{list(self.array_order)}")
+        if np.asarray(arrays["indptr"]).dtype not in (np.dtype(np.int32), np.dtype(np.int64)):
+            raise ValueError(f"index arrays must be int32 or int64, got {np.asarray(arrays['indptr']).dtype}")
+        super().check_arrays(key, params, arrays, meta, values)
+        tb = np.asarray(arrays["task_bounds"])
+        if tb.ndim != 1 or tb.shape[0] < 2 or tb[0] != 0 or tb[-1] != key.rows or np.any(tb[1:] < tb[:-1]):
+            raise ValueError(f"array 'task_bounds' must rise monotonically from 0 to rows={key.rows}")
 
     def load(self, params, arrays, files, meta):
-        return _CPUKernel(self.name, params, arrays, files, meta, rt.load(files["kernel.so"]), meta["entry"])
+        if set(files) != {"kernel.so"}:
+            raise ValueError(f"template {self.name!r} takes one library 'kernel.so', the artifact names {sorted(files)}")
+        check_host(meta)
+        with open(files["kernel.so"], "rb") as f:
+            data = f.read()
+        return _CPUKernel(self.name, params, arrays, files, {**meta, "array_order": list(self.array_order)},
+                          rt.load(files["kernel.so"]), self.entry, data)
+
+
+def check_host(meta) -> None:
+    """ValueError when the kernel was compiled for CPU features this host lacks (it could stop
+    the process with an illegal instruction); artifacts without the record are checked by the
+    CPU name only (a warning when it differs)."""
+    want = meta.get("cpu_features")
+    built_cpu = (meta.get("llvm_target") or {}).get("mcpu")
+    if want is None:
+        if built_cpu and built_cpu != rt.host_cpu_name():
+            import warnings
+
+            warnings.warn(f"this CPU kernel was compiled for a {built_cpu!r} CPU, this host is a "
+                          f"{rt.host_cpu_name()!r} one; rebuild it if it stops with an illegal instruction",
+                          RuntimeWarning, stacklevel=3)
+        return
+    if not isinstance(want, list) or not all(isinstance(f, str) for f in want):
+        raise ValueError("kernel metadata 'cpu_features' is malformed")
+    missing = sorted(set(want) - set(rt.host_cpu_features()))
+    if missing:
+        raise ValueError(f"the kernel was compiled for a {built_cpu!r} CPU with features this host lacks "
+                         f"({', '.join(missing[:8])}{', ...' if len(missing) > 8 else ''}); rebuild it on this host")
 
 
 def _k_tiles(K: int) -> list[int]:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import math
+import hashlib
 import os
 import re
 import tempfile
@@ -40,6 +41,42 @@ __all__ = ["CudaSpMM", "CudaSDDMM", "spmm_primfunc", "sddmm_primfunc", "cuda_sou
 
 _REDUCE_CODE = {"sum": 0, "mean": 0, "max": 1, "min": 2}
 
+
+
+def _cached_source(src: str, name: str) -> str:
+    """The CUDA source, content-addressed beside the compiled kernels (the per-user kernel cache;
+    nothing in a temporary folder per build), written atomically when missing."""
+    data = src.encode()
+    path = os.path.join(rt.cache_dir(), f"{name}-{hashlib.sha256(data).hexdigest()[:32]}.cu")
+    try:
+        with open(path, "rb") as f:
+            if f.read() == data:
+                return path
+    except OSError:
+        pass
+    fd, part = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".part-", suffix=".cu")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.chmod(part, 0o644)
+        os.replace(part, path)
+    except BaseException:
+        try:
+            os.remove(part)
+        except OSError:
+            pass
+        raise
+    return path
+
+
+def _nan_max(T, acc, v):
+    """max that propagates NaN like the float64 reference (numpy maximum)."""
+    return T.Select(T.Or(v > acc, T.isnan(v)), v, acc)
+
+
+def _nan_min(T, acc, v):
+    """min that propagates NaN like the float64 reference (numpy minimum)."""
+    return T.Select(T.Or(v < acc, T.isnan(v)), v, acc)
 
 def _chunks(K: int, tx: int, vec: int) -> int:
     return max(1, -(-K // (tx * vec)))
@@ -96,8 +133,8 @@ def spmm_primfunc(K: int, reduce: str, rows_per_block: int, threads_k: int, vec:
                                             acc[c * V + v] = T.Select(
                                                 R == 0, acc[c * V + v] + vals[u] * X[cols[u], (c * TX + t) * V + v],
                                                 T.Select(R == 1,
-                                                         T.max(acc[c * V + v], vals[u] * X[cols[u], (c * TX + t) * V + v]),
-                                                         T.min(acc[c * V + v], vals[u] * X[cols[u], (c * TX + t) * V + v])))
+                                                         _nan_max(T, acc[c * V + v], vals[u] * X[cols[u], (c * TX + t) * V + v]),
+                                                         _nan_min(T, acc[c * V + v], vals[u] * X[cols[u], (c * TX + t) * V + v])))
                         if U > 1:
                             for j in T.serial(lo + (hi - lo) // U * U, hi):
                                 cols[0] = T.Cast(off, indices[j])
@@ -108,8 +145,8 @@ def spmm_primfunc(K: int, reduce: str, rows_per_block: int, threads_k: int, vec:
                                             acc[c * V + v] = T.Select(
                                                 R == 0, acc[c * V + v] + vals[0] * X[cols[0], (c * TX + t) * V + v],
                                                 T.Select(R == 1,
-                                                         T.max(acc[c * V + v], vals[0] * X[cols[0], (c * TX + t) * V + v]),
-                                                         T.min(acc[c * V + v], vals[0] * X[cols[0], (c * TX + t) * V + v])))
+                                                         _nan_max(T, acc[c * V + v], vals[0] * X[cols[0], (c * TX + t) * V + v]),
+                                                         _nan_min(T, acc[c * V + v], vals[0] * X[cols[0], (c * TX + t) * V + v])))
                         cols[0] = T.Cast(off, row_ids[i])
                         if hi > lo:
                             for c in T.unroll(C):
@@ -315,6 +352,7 @@ class _TVMCudaKernel(rt.CUDAKernel):
 
 
 class _TVMCudaTemplate(Template):
+    csr_arrays = True
     target = "cuda"
     version = "1"
     priority = 5
@@ -391,10 +429,7 @@ class _TVMCudaTemplate(Template):
         arch = int(rt.device_arch())
         src, kernels = self.generate(mod, params, arch)
         binary = compile_source(src, arch, self.name.replace(".", "_"))
-        directory = tempfile.mkdtemp(prefix="spcompile-tvmcuda-")
-        cu = os.path.join(directory, "kernel.cu")
-        with open(cu, "w") as f:
-            f.write(src)
+        cu = _cached_source(src, self.name.replace(".", "_"))
         scalars = self._dims(mod)
         meta = {"kernels": kernels, "block": [int(params["threads_k"]), int(params["rows_per_block"]), 1],
                 "arch": arch, "vec": int(params["vec"]), "K": int(mod.op.K), "m": int(mod.A.shape[0]),
