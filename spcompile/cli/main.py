@@ -120,25 +120,18 @@ def cmd_passes(args) -> int:
 
 
 def cmd_info(args) -> int:
-<<<<<<< HEAD
-    mod = load(args.artifact)
-    print(repr(mod))
-    print(describe(mod.tuning))
-    for rec in mod.pass_log:
-        print(f"  pass {rec['name']}: {rec.get('metrics', {})}")
-=======
     # every check of load(), but the kernel library is never loaded: describing runs no code of it
-    from ..module import describe
+    from ..module import describe as describe_artifact
 
-    d = describe(args.artifact, require_signature=True if args.require_signature else None)
+    d = describe_artifact(args.artifact, require_signature=True if args.require_signature else None)
     k = d["key"]
     print(f"CompiledModule(op={k.op!r}, reduce={k.reduce!r}, shape={(k.rows, k.cols)}, nnz={k.nnz}, "
           f"K={k.K}, {d['config']})")
     print(f"  signed: {'yes' if d['signed'] else 'no'}")
+    print(describe(d.get("tuning") if isinstance(d.get("tuning"), dict) else {}))
     for rec in d["pass_log"] if isinstance(d["pass_log"], list) else ():
         if isinstance(rec, dict):
             print(f"  pass {rec.get('name')}: {rec.get('metrics', {})}")
->>>>>>> trust
     return 0
 
 

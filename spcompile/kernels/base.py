@@ -89,7 +89,6 @@ class Template:
     #: the parameter that selects the arithmetic precision (tensor-core templates), or None:
     #: every configuration computes in exact fp32
     precision_param: str | None = None
-<<<<<<< HEAD
     #: toolchains that building needs, by name ("tvm-llvm", "tvm-cuda", "nvcc", "torch"): what a
     #: quick listing (``spcompile templates``) checks without importing them; None: unknown, the
     #: listing calls :meth:`available` (the full check)
@@ -102,7 +101,6 @@ class Template:
         (``mod(X, values=v)``); None where the format bakes the values into a packed layout.
         Declared in :data:`CALL_VALUE_ARRAYS`."""
         return CALL_VALUE_ARRAYS.get(self.name)
-=======
     #: the saved arrays are :func:`csr_kernel_arrays` (or a subset of their names), checked by
     #: :func:`check_csr_arrays` when an artifact is loaded; ``csr_values``: ``data`` holds the
     #: matrix values unchanged (so that their hash can be checked too)
@@ -110,7 +108,6 @@ class Template:
     csr_values: bool = True
     #: string parameters must be one of the space's choices (see :func:`check_param_value`)
     strict_choices: bool = True
->>>>>>> trust
 
     # -- availability / applicability --------------------------------------------------------
     def available(self) -> bool:
