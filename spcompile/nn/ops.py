@@ -1,4 +1,4 @@
-"""The torch ops: ``torch.ops.spcompile.spmm`` / ``torch.ops.spcompile.sddmm``, registered with
+r"""The torch ops: ``torch.ops.spcompile.spmm`` / ``torch.ops.spcompile.sddmm``, registered with
 :func:`torch.library.custom_op` (so ``torch.compile(..., fullgraph=True)`` traces them, with
 fake-tensor shape functions) and differentiable (:func:`torch.library.register_autograd`).
 
