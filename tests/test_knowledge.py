@@ -204,6 +204,39 @@ def test_quick_selection_on_cpu_picks_the_fastest_correct(no_tuning_db):
     assert mod0.tuning["source"] == "heuristic" and mod0.config.template == "cpu.csr_spmm"
 
 
+@pytest.mark.parametrize("threads, parallel", [(1, False), (2, False), (3, True), (8, True)])
+def test_cpu_default_runs_on_one_thread_with_two_cores_or_fewer(monkeypatch, threads, parallel):
+    # a parallel loop on two cores waits for its second thread behind any other busy thread
+    from spcompile.kernels.tvm import cpu_csr
+    from spcompile.runtime import cpu as rt
+
+    monkeypatch.setattr(rt, "num_threads", lambda: threads)
+    A = random_matrix(3000, 3000, density=0.01, seed=5)        # nnz * K well over the work threshold
+    sop = make_op(A, "spmm", 64, "sum", "float32")
+    assert A.nnz * 64 >= cpu_csr.PARALLEL_MIN_WORK
+    from spcompile.compile import default_config
+
+    assert default_config(sop, "cpu").params["parallel"] is parallel
+    small = make_op(random_matrix(100, 100, density=0.05, seed=5), "spmm", 64, "sum", "float32")
+    assert default_config(small, "cpu").params["parallel"] is False
+
+
+def test_quick_selection_measures_the_one_thread_variant_of_a_parallel_default(monkeypatch, no_tuning_db):
+    from spcompile.runtime import cpu as rt
+
+    monkeypatch.setattr(rt, "num_threads", lambda: 4)
+    A = random_matrix(3000, 3000, density=0.01, seed=6)
+    mod = spcompile.build(A, "spmm", 64, target="cpu")
+    assert mod.tuning["source"] == "quick"
+    ours = [r for r in mod.tuning["candidates"] if r["template"] == "cpu.csr_spmm"]
+    assert sorted(r["params"]["parallel"] for r in ours) == [False, True]
+    assert all("kernel_ms" in r for r in ours)
+    fastest = min(mod.tuning["candidates"], key=lambda r: r["kernel_ms"])
+    assert (mod.config.template, mod.config.params) == (fastest["template"], fastest["params"])
+    X = np.random.default_rng(2).standard_normal((3000, 64)).astype(np.float32)
+    assert reference.rel_error(mod(X), A.astype(np.float64) @ X) < 1e-5
+
+
 def test_quick_selection_rejects_a_wrong_candidate(monkeypatch):
     A = random_matrix(200, 150, density=0.03, seed=8)
     sop = make_op(A, "spmm", 16, "sum", "float32")

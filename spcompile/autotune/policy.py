@@ -113,7 +113,10 @@ def decide(sop: SparseOp, target: str, storage: str | None = None, tune: bool = 
     if budget > 0 and obj == "kernel_time" and (ranked or vendor_ok):
         label = "model" if ranked else "heuristic"
         if not ranked:
-            ranked = [(default_config(sop, target), None)]
+            dflt = default_config(sop, target)
+            tpl = get_template(dflt.template)
+            ranked = [(dflt, None)] + [(tpl.make_config(p, dflt.pipeline, target), None)
+                                       for p in tpl.quick_alternatives(dict(dflt.params))]
         try:
             mod, qinfo = quick_select(sop, target, ranked, budget_s=budget, ctx=ctx, label=label, vendor=vendor_ok)
         except Exception as e:  # noqa: BLE001

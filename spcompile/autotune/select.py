@@ -177,7 +177,8 @@ def quick_select(op: SparseOp, target: str, ranked: list[tuple[Config, float | N
     deadline = t_checked + max(0.0, budget_s)
     for rank, i in enumerate(range(len(built))):
         (src, c, sp), mod, err = built[i]
-        row = {"template": c.template, "pipeline": [p["name"] for p in c.pipeline], "source": src}
+        row = {"template": c.template, "pipeline": [p["name"] for p in c.pipeline], "source": src,
+               "params": dict(c.params)}
         if mod is None or i not in checked:
             row["error"] = err or "failed"
             report.append(row)

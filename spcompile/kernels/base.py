@@ -121,6 +121,11 @@ class Template:
         return ((mod.op.op, mod.op.reduce) in self.ops and mod.op.dtype in self.dtypes
                 and all(f in mod.formats for f in self.requires(mod)))
 
+    def quick_alternatives(self, params) -> list:
+        """Parameter sets that quick selection measures beside ``params`` when it has only this
+        template's heuristic default to try (none by default)."""
+        return []
+
     def requires(self, mod: SparseModule) -> tuple[str, ...]:
         """Format data (``mod.formats`` names) this template needs from passes."""
         return ()

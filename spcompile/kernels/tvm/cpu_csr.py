@@ -44,6 +44,13 @@ from ...runtime import cpu as rt
 from ..base import Kernel, Template, csr_kernel_arrays, register_template
 
 PARALLEL_MIN_WORK = 600_000  # nnz * K below which the default runs on one thread (measured)
+#: fewer usable threads than this: the default runs on one thread whatever the work.  A parallel
+#: loop waits for every pool thread; with two cores, any other busy thread (another process, or
+#: the OpenBLAS threads that spin for a while after each numpy BLAS call in the same process)
+#: delays the pool's second thread by a scheduler quantum: measured on a 2-core machine, 80 us
+#: -> 8 ms per call after one ``big @ big``, while one thread loses little there (the kernels
+#: are memory-bound: 3.0x / 2.0x over SciPy at K=64 / 256 on one thread, 2.6x / 2.2x on two)
+PARALLEL_MIN_THREADS = 3
 
 
 def task_bounds(indptr: np.ndarray, ntasks: int, balance: str = "nnz", row_cost: float = 1.0) -> np.ndarray:
@@ -294,8 +301,16 @@ class _CPUTemplate(Template):
 
     @staticmethod
     def _parallel_default(mod) -> bool:
-        # waking the thread pool costs about as much as a tiny product: run those serially
-        return mod.A.nnz * mod.op.K >= PARALLEL_MIN_WORK
+        # waking the thread pool costs about as much as a tiny product: run those serially; and
+        # on one or two cores a parallel loop is hostage to every other busy thread (see above)
+        return mod.A.nnz * mod.op.K >= PARALLEL_MIN_WORK and rt.num_threads() >= PARALLEL_MIN_THREADS
+
+    def quick_alternatives(self, params) -> list:
+        """Quick selection also measures the one-thread variant of a parallel config (the pool's
+        wake-up and wait can cost more than the second thread gains, depending on the machine's load)."""
+        if params.get("parallel"):
+            return [{**params, "parallel": False}]
+        return []
 
     def _code_key(self, mod, params, idx) -> tuple:
         raise NotImplementedError
