@@ -76,6 +76,23 @@ FLOOR_FORMULA = {
 # -------------------------------------------------------------------------------------------------
 # workloads: inputs, outputs, reference, floor
 # -------------------------------------------------------------------------------------------------
+def gathered_bytes(op: str, nnz: int, K: int, dtype: str) -> int:
+    """Bytes of dense rows a gather kernel reads: one row of X (SpMM) or of the column operand
+    (SDDMM) per nonzero.  Divided by the measured L2 gather rate (``benchmarks/l2_gather.py``), the
+    bound of a kernel whose dense operand fits in L2 and that reads a row per nonzero."""
+    return nnz * K * numerics.dtype(dtype).bytes
+
+
+def read_gather_rates(path: str) -> float:
+    """The L2 gather rate (B/s) of a ``benchmarks/l2_gather.py`` JSON."""
+    with open(path) as f:
+        doc = json.load(f)
+    rate = (doc.get("summary") or {}).get("l2_gather_Bps")
+    if not rate or rate <= 0:
+        raise ValueError(f"{path}: no L2 gather rate in its summary")
+    return float(rate)
+
+
 def floor_bytes(op: str, m: int, n: int, nnz: int, K: int, dtype: str) -> int:
     """Bytes that must move at least once (see FLOOR_FORMULA)."""
     i = 4 if max(nnz, m, n) <= np.iinfo(np.int32).max else 8
@@ -456,10 +473,19 @@ def make_row(a, name, path, m, n, nnz, K, columns) -> dict:
     row = {"graph": name, "path": os.path.abspath(path), "m": m, "n": n, "nnz": int(nnz), "K": K,
            "floor_bytes": fb, "floor_s": floor_s, "columns": columns, "speedup_over": ref, "speedup": {},
            "floor_fraction": {}}
+    l2_rate = getattr(a, "l2_gather_rate", None)
+    if l2_rate:
+        # the larger of the two floors binds: compulsory (HBM) traffic, or a row of the dense
+        # operand per nonzero at the L2 gather rate
+        row["l2_floor_s"] = gathered_bytes(a.op, int(nnz), K, a.dtype) / l2_rate
+        row["bound_s"] = max(floor_s, row["l2_floor_s"])
+        row["bound_fraction"] = {}
     for c, rec in columns.items():
         if not _ok(rec):
             continue
         row["floor_fraction"][c] = floor_s / rec["seconds"]
+        if l2_rate:
+            row["bound_fraction"][c] = row["bound_s"] / rec["seconds"]
         if ref and c != ref and not c.startswith("baseline"):
             row["speedup"][c] = columns[ref]["seconds"] / rec["seconds"]
     if _ok(columns.get("baseline_fp32")):
@@ -484,12 +510,14 @@ def summarize(rows) -> dict:
                 big = [x for x, _, nz in pairs if nz > BIG_NNZ]
                 worst = min(pairs)
                 ff = [r["floor_fraction"][c] for r in rk if c in r["floor_fraction"]]
+                bf = [r["bound_fraction"][c] for r in rk if c in r.get("bound_fraction", {})]
                 d.setdefault(kind, {})[c] = {
                     "graphs": len(pairs), "geomean": _finite(common.geomean([x for x, _, _ in pairs])),
                     "graphs_over_200k": len(big), "geomean_over_200k": _finite(common.geomean(big)),
                     "worst": {"graph": worst[1], "speedup": worst[0]},
                     "below_1x": sum(1 for x, _, _ in pairs if x < 1.0),
-                    "geomean_floor_fraction": _finite(common.geomean(ff))}
+                    "geomean_floor_fraction": _finite(common.geomean(ff)),
+                    **({"geomean_bound_fraction": _finite(common.geomean(bf))} if bf else {})}
         # each template alone (its fastest oracle configuration) over the same-run baseline
         per_t: dict = {}
         for r in rk:
@@ -563,8 +591,12 @@ def markdown(doc) -> str:
          + f".  Precision policy `{s['precision']}`.  Every result was checked against the float64 reference "
          f"before its time counted; x = speed-up over the baseline of the same run.  floor = compulsory "
          f"traffic {s['floor_formula']} at {s['bandwidth_Bps'] / 1e12:.2f} TB/s; floor frac = floor time / "
-         f"kernel time.", ""]
+         f"kernel time."
+         + (f"  l2 floor = nnz*K*e bytes (a row of the dense operand per nonzero) at the measured L2 gather rate "
+            f"{s['l2_gather_Bps'] / 1e12:.2f} TB/s (`benchmarks/l2_gather.py`); bound frac = the larger floor / "
+            f"kernel time." if s.get("l2_gather_Bps") else ""), ""]
     summ = doc["summary"]
+    with_l2 = any("l2_floor_s" in r for r in rows)
     srows = []
     for K, d in summ.items():
         for kind, label in (("speedup", "baseline"), ("speedup_vs_fp32", "cuSPARSE fp32")):
@@ -572,25 +604,32 @@ def markdown(doc) -> str:
                 srows.append([K, c, label, v["graphs"], _f(v["geomean"]),
                               f"{_f(v['geomean_over_200k'])} ({v['graphs_over_200k']})",
                               f"{_f(v['worst']['speedup'])} ({v['worst']['graph']})", v["below_1x"],
-                              _f(v["geomean_floor_fraction"])])
+                              _f(v["geomean_floor_fraction"])]
+                             + ([_f(v.get("geomean_bound_fraction"))] if with_l2 else []))
         for t, v in d.get("oracle_per_template", {}).items():
             srows.append([K, f"{t} alone (oracle)", "baseline", v["graphs"], _f(v["geomean"]), "-",
-                          f"{_f(v['worst']['speedup'])} ({v['worst']['graph']})", v["graphs"] - v["wins"], "-"])
+                          f"{_f(v['worst']['speedup'])} ({v['worst']['graph']})", v["graphs"] - v["wins"], "-"]
+                         + (["-"] if with_l2 else []))
         if "tune_wall_s" in d:
             tw = d["tune_wall_s"]
             srows.append([K, "tuning wall time", "-", d["graphs"], f"median {tw['median']:.1f} s",
-                          f"max {tw['max']:.1f} s", "-", "-", "-"])
+                          f"max {tw['max']:.1f} s", "-", "-", "-"] + (["-"] if with_l2 else []))
     if srows:
         L += common.md_table(["K", "column", "over", "graphs", "geomean x", "geomean x (nnz > 200k)", "worst x",
-                              "graphs < 1.0x", "geomean floor frac"], srows)
+                              "graphs < 1.0x", "geomean floor frac"] + (["geomean bound frac"] if with_l2 else []),
+                             srows)
         L.append("")
-    head = ["graph", "nnz", "K", "floor us"] + [c for c in cols if c.startswith("baseline")]
+    head = ["graph", "nnz", "K", "floor us"] + (["l2 floor us"] if with_l2 else []) \
+        + [c for c in cols if c.startswith("baseline")]
     for c in ours:
         head += [c, "x"] + (["tune s", "tuned from"] if c == "tuned" else [])
-    head += [f"floor frac {c}" for c in ours] + ["tuned config" if "tuned" in cols else "default config"]
+    head += [f"floor frac {c}" for c in ours] + ([f"bound frac {c}" for c in ours] if with_l2 else []) \
+        + ["tuned config" if "tuned" in cols else "default config"]
     trows = []
     for r in rows:
         cells = [r["graph"], r["nnz"], r["K"], _f(r["floor_s"] * 1e6, ".1f")]
+        if with_l2:
+            cells.append(_f(r["l2_floor_s"] * 1e6, ".1f") if "l2_floor_s" in r else "-")
         cells += [_us(r["columns"].get(c)) for c in cols if c.startswith("baseline")]
         for c in ours:
             rec = r["columns"].get(c)
@@ -600,6 +639,8 @@ def markdown(doc) -> str:
                 cells.append(f"{rec['tune_wall_s']:.1f}" if rec and "tune_wall_s" in rec else "-")
                 cells.append(_source(rec))
         cells += [_f(r["floor_fraction"].get(c)) for c in ours]
+        if with_l2:
+            cells += [_f(r.get("bound_fraction", {}).get(c)) for c in ours]
         cells.append(_cfg(r["columns"].get("tuned") or r["columns"].get("default")))
         trows.append(cells)
     L += common.md_table(head, trows)
@@ -857,6 +898,9 @@ def parse_args(argv=None):
     g.add_argument("--timer-mode", default=None, help="Timer mode (default: graph on cuda, autorange on cpu)")
     g.add_argument("--n-sets", type=int, default=3, help="input sets the timer rotates over")
     g.add_argument("--bandwidth", type=float, default=2.96e12, help="B/s of the memory floor (H100 copy rate)")
+    g.add_argument("--gather-rates", default=None, metavar="JSON",
+                   help="benchmarks/l2_gather.py's JSON: also report the L2 gather floor per graph and the "
+                        "fraction of the larger floor")
     g = ap.add_argument_group("output")
     g.add_argument("--out", default=os.path.join(HERE, "results"), help="folder of the JSON and markdown")
     g.add_argument("--name", default=None, help="file name stem (default from op, reduce, dtype, target)")
@@ -887,6 +931,12 @@ def parse_args(argv=None):
         a.max_seeds = 2
     if a.op == "sddmm":
         a.reduce = None
+    a.l2_gather_rate = None
+    if a.gather_rates:
+        try:
+            a.l2_gather_rate = read_gather_rates(a.gather_rates)
+        except (OSError, ValueError) as e:
+            ap.error(f"--gather-rates: {e}")
     return ap, a
 
 
@@ -931,7 +981,8 @@ def main(argv=None) -> int:
     settings = {"op": a.op, "reduce": a.reduce, "dtype": a.dtype, "target": a.target, "precision": a.precision,
                 "K": a.K, "columns": a.columns, "leave_one_out": a.loo, "tune_timeout_s": a.tune_timeout, "max_seeds": a.max_seeds,
                 "oracle_top": a.oracle_top, "n_sets": a.n_sets, "timer_mode": a.timer_mode,
-                "bandwidth_Bps": a.bandwidth, "floor_formula": FLOOR_FORMULA[a.op], "big_nnz": BIG_NNZ}
+                "bandwidth_Bps": a.bandwidth, "floor_formula": FLOOR_FORMULA[a.op], "big_nnz": BIG_NNZ,
+                "l2_gather_Bps": a.l2_gather_rate}
     merge = list(a.merge) + ([jpath] if a.skip_done and os.path.exists(jpath) else [])
     rows = load_prior(merge, settings, a.K)
     done = {(r["graph"], r["K"]) for r in rows}

@@ -1,0 +1,162 @@
+"""The gather rate of the GPU: how fast rows of a dense X can be read in the random order of a
+sparse matrix's column indices, when X fits in L2 and when it does not.
+
+A gather-bound SpMM reads nnz * K elements of X (one row of X per nonzero), of which only n * K are
+compulsory.  When X fits in L2, the repeats are L2 hits, and the kernel's real bound is the L2
+gather rate (nnz * K * bytes / rate), which can be larger than the compulsory-traffic (HBM) floor;
+``bench.py --gather-rates`` reports both floors per graph from this script's JSON.
+
+The kernel: groups of lanes (one lane per float4 of a row, at most 32) read the row of X named by
+each column index, add it into registers, and write one float per thread at the end (so no load
+is dead code).  Columns are uniformly random (no locality to exploit beyond L2 residency).  Times
+are CUDA-event times of back-to-back launches, median of repeats, after a warm-up.
+
+    python benchmarks/l2_gather.py --out DIR        # on a GPU machine (CuPy), JSON + markdown
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+SOURCE = r"""
+extern "C" __global__ void gather_rows(const float4* __restrict__ X, const int* __restrict__ cols,
+                                       long long nnz, int k4, int group, float* __restrict__ sink)
+{
+    // `group` lanes (a power of two, <= 32) share one nonzero: lane g of the group reads
+    // float4 columns g, g + group, ... of that nonzero's row of X
+    const long long tid = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    const long long nthreads = (long long)gridDim.x * blockDim.x;
+    const int g = threadIdx.x & (group - 1);
+    const long long slot = tid / group, nslots = nthreads / group;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (long long e = slot; e < nnz; e += nslots) {
+        const float4* row = X + (long long)__ldg(cols + e) * k4;
+        for (int k = g; k < k4; k += group) {
+            const float4 v = __ldg(row + k);
+            acc.x += v.x; acc.y += v.y; acc.z += v.z; acc.w += v.w;
+        }
+    }
+    sink[tid] = acc.x + acc.y + acc.z + acc.w;
+}
+"""
+
+#: X sizes that fit in the H100's 50 MB L2 (the last one does not)
+DEFAULT_X_MB = (4, 16, 32, 1024)
+DEFAULT_K = (32, 64, 128, 256)
+
+
+def group_for(K: int) -> int:
+    k4 = max(1, K // 4)
+    g = 1
+    while g < min(32, k4):
+        g *= 2
+    return g
+
+
+def measure(K: int, x_bytes: int, gathered_bytes: float = 4e9, repeats: int = 15, seed: int = 0) -> dict:
+    """One (K, size of X) point: gather rate in B/s (bytes of X rows read / kernel time)."""
+    import cupy as cp
+
+    if K % 4:
+        raise ValueError("K must be a multiple of 4 (float4 rows)")
+    n = max(1, x_bytes // (K * 4))
+    nnz = int(max(1 << 16, gathered_bytes // (K * 4)))
+    rng = np.random.default_rng(seed)
+    # positive values: a row that was not read changes the total by a visible fraction
+    X = cp.asarray(rng.uniform(1.0, 2.0, (n, K)).astype(np.float32))
+    cols = cp.asarray(rng.integers(0, n, nnz, dtype=np.int32))
+    kern = cp.RawKernel(SOURCE, "gather_rows")
+    threads = 256
+    sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+    blocks = sms * 8
+    sink = cp.empty(blocks * threads, dtype=cp.float32)
+    args = (X, cols, np.int64(nnz), np.int32(K // 4), np.int32(group_for(K)), sink)
+    for _ in range(3):
+        kern((blocks,), (threads,), args)
+    cp.cuda.Device().synchronize()
+    start, stop = cp.cuda.Event(), cp.cuda.Event()
+    times = []
+    for _ in range(repeats):
+        start.record()
+        kern((blocks,), (threads,), args)
+        stop.record()
+        stop.synchronize()
+        times.append(cp.cuda.get_elapsed_time(start, stop) / 1e3)
+    t = float(np.median(times))
+    # the result must be what the gather adds up to (a check that every row was read)
+    want = float(cp.asnumpy(X.sum(axis=1))[cp.asnumpy(cols)].astype(np.float64).sum())
+    got = float(cp.asnumpy(sink).astype(np.float64).sum())
+    ok = abs(got - want) <= 1e-3 * want
+    return {"K": K, "x_bytes": n * K * 4, "nnz": nnz, "seconds": t, "gathered_bytes": nnz * K * 4,
+            "gather_Bps": nnz * K * 4 / t, "check_ok": bool(ok)}
+
+
+def summarize(rows, l2_bytes: int) -> dict:
+    """The L2 gather rate (median over the points whose X fits in L2, K >= 64: the widths where
+    a row is at least a 256-byte burst) and the HBM gather rate (X larger than L2)."""
+    fits = [r["gather_Bps"] for r in rows if r["x_bytes"] <= l2_bytes // 2 and r["K"] >= 64]
+    hbm = [r["gather_Bps"] for r in rows if r["x_bytes"] > 2 * l2_bytes and r["K"] >= 64]
+    return {"l2_gather_Bps": float(np.median(fits)) if fits else None,
+            "hbm_gather_Bps": float(np.median(hbm)) if hbm else None}
+
+
+def markdown(doc) -> str:
+    s = doc["summary"]
+    lines = [f"# Gather rate of {doc['device']}", "",
+             f"Generated by `{doc['command']}` ({doc['date']}).", "",
+             "Rows of a dense fp32 X (n x K) read in uniformly random order, one row per index "
+             "(benchmarks/l2_gather.py); rate = bytes of rows read / kernel time (CUDA events, median).",
+             "",
+             f"L2 gather rate (X at most half of L2, K >= 64): **{_tb(s['l2_gather_Bps'])} TB/s**; "
+             f"HBM gather rate (X over twice L2): **{_tb(s['hbm_gather_Bps'])} TB/s**.", "",
+             "| K | X MB | index count | us | TB/s | check |", "|---|---|---|---|---|---|"]
+    for r in doc["rows"]:
+        lines.append(f"| {r['K']} | {r['x_bytes'] / 2**20:.1f} | {r['nnz']} | {r['seconds'] * 1e6:.1f} | "
+                     f"{r['gather_Bps'] / 1e12:.2f} | {'ok' if r['check_ok'] else 'WRONG'} |")
+    return "\n".join(lines) + "\n"
+
+
+def _tb(x):
+    return "-" if x is None else f"{x / 1e12:.2f}"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--K", type=int, nargs="+", default=list(DEFAULT_K))
+    ap.add_argument("--x-mb", type=float, nargs="+", default=list(DEFAULT_X_MB), help="sizes of X, MiB")
+    ap.add_argument("--gathered-gb", type=float, default=4.0, help="bytes of rows read per launch, GB")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    ap.add_argument("--name", default="gather_rate")
+    a = ap.parse_args(argv)
+    import cupy as cp
+
+    dev = cp.cuda.Device()
+    props = cp.cuda.runtime.getDeviceProperties(dev.id)
+    l2 = int(props.get("l2CacheSize", 50 << 20))
+    rows = []
+    for K in a.K:
+        for mb in a.x_mb:
+            r = measure(K, int(mb * 2**20), a.gathered_gb * 1e9)
+            rows.append(r)
+            print(f"K={K:4d} X={r['x_bytes'] / 2**20:8.1f} MiB  {r['gather_Bps'] / 1e12:6.2f} TB/s"
+                  f"{'' if r['check_ok'] else '  WRONG'}", flush=True)
+    name = props["name"].decode() if isinstance(props.get("name"), bytes) else str(props.get("name"))
+    doc = {"schema": "spcompile-gather/1", "device": name, "l2_bytes": l2,
+           "command": "python benchmarks/l2_gather.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+           "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "rows": rows, "summary": summarize(rows, l2)}
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, a.name + ".json"), "w") as f:
+        json.dump(doc, f, indent=1)
+    with open(os.path.join(a.out, a.name + ".md"), "w") as f:
+        f.write(markdown(doc))
+    print(markdown(doc))
+    return 0 if all(r["check_ok"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
