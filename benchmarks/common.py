@@ -132,7 +132,10 @@ def device_name(target: str) -> str:
         from spcompile.runtime import cpu as rt_cpu
 
         n = rt_cpu.num_threads()  # TVM_NUM_THREADS, else every CPU this process may use
-        return f"{rt_cpu.host_cpu_name()} ({os.cpu_count()} CPUs, kernels on {n} thread{'s' if n > 1 else ''})"
+        from spcompile.kernels.tvm.cpu_csr import PARALLEL_MIN_THREADS
+
+        pool = f"thread pool of {n}" + ("" if n >= PARALLEL_MIN_THREADS else "; default configs run on 1 thread")
+        return f"{rt_cpu.host_cpu_name()} ({os.cpu_count()} CPUs, {pool})"
     except Exception:
         return f"{platform.processor() or platform.machine()} ({os.cpu_count()} CPUs)"
 

@@ -286,3 +286,26 @@ def test_sddmm_reference_in_row_blocks_equals_the_direct_formula(block):
     assert np.array_equal(reference.sddmm(A, X, Y, block=block), direct)
     E = as_csr(sp.csr_matrix((4, 3), dtype=np.float32))
     assert reference.sddmm(E, np.ones((4, 2)), np.ones((3, 2)), block=block).shape == (0,)
+
+
+@pytest.mark.parametrize("make, args, message", [
+    (lambda d: (d / "bad.mtx").write_text("%%MatrixMarket matrix coordinate real general\n3 3 1\n5 5 1.0\n"),
+     ["bad.mtx", "-K", "8"], "cannot read 'bad.mtx' as a Matrix Market file"),
+    (lambda d: None, ["missing.mtx", "-K", "8"], "cannot read 'missing.mtx' as a Matrix Market file"),
+    (lambda d: (d / "junk.npz").write_bytes(b"junk"), ["junk.npz", "-K", "8"], "cannot read 'junk.npz'"),
+    (lambda d: sp.save_npz(d / "g.npz", random_matrix(20, 20, density=0.1, seed=1)),
+     ["g.npz", "-K", "8", "--params", "{bad"], "--params is not valid JSON"),
+    (lambda d: sp.save_npz(d / "g.npz", random_matrix(20, 20, density=0.1, seed=1)),
+     ["g.npz", "-K", "8", "--params", "[1]"], "--params must be a JSON object"),
+])
+def test_cli_build_input_mistakes_are_one_line_errors(tmp_path, monkeypatch, capsys, make, args, message):
+    from spcompile.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    make(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        main(["build", *args, "-o", str(tmp_path / "x.spc"), "--target", "cpu"])
+    assert e.value.code not in (0, None)
+    text = str(e.value.code) + capsys.readouterr().err
+    assert message in text and "Traceback" not in text and len(text.strip().splitlines()) == 1
+    assert not (tmp_path / "x.spc").exists()

@@ -367,3 +367,23 @@ def test_broken_default_database_warns_once_and_builds(tmp_path, monkeypatch):
     # with the storage named explicitly it is an error, not a silent fallback
     with pytest.raises(DatabaseError, match="not an SQLite database"):
         spcompile.build(A, "spmm", K=8, target="cpu", storage=str(junk))
+
+
+@pytest.mark.parametrize("url, have, want", [
+    ("postgresql://u@h/db", {"psycopg2"}, "postgresql+psycopg2://u@h/db"),
+    ("postgres://u@h:5/db", {"psycopg2"}, "postgresql+psycopg2://u@h:5/db"),
+    ("postgresql://u@h/db", {"psycopg", "psycopg2"}, "postgresql://u@h/db"),
+    ("postgres://u@h/db", set(), "postgresql://u@h/db"),
+    ("postgresql+psycopg://u@h/db", {"psycopg2"}, "postgresql+psycopg://u@h/db"),
+    ("mysql://u@h/db", {"psycopg2"}, "mysql://u@h/db"),
+])
+def test_postgres_url_names_the_installed_driver(monkeypatch, url, have, want):
+    import importlib.util
+
+    from spcompile.autotune import database
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: (object() if name in have else None) if name.startswith("psycopg")
+                        else real(name, *a))
+    assert database.normalize_url(url) == want

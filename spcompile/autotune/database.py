@@ -102,8 +102,28 @@ def normalize_url(storage: str | os.PathLike | None) -> str:
     if "\0" in storage:
         raise DatabaseError("the storage URL or path contains a NUL character")
     if "://" in storage:
-        return storage
+        return _postgres_driver(storage)
     return "sqlite:///" + os.path.abspath(os.path.expanduser(storage))
+
+
+def _postgres_driver(url: str) -> str:
+    """A PostgreSQL URL without a driver (``postgresql://`` or the common ``postgres://``) names
+    the driver that is installed: SQLAlchemy 2.1 takes psycopg 3 for a bare ``postgresql://``,
+    while the ``[postgres]`` extra installs psycopg2."""
+    scheme, rest = url.split("://", 1)
+    if scheme not in ("postgresql", "postgres"):
+        return url
+    import importlib.util
+
+    def found(name: str) -> bool:
+        try:
+            return importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            return False
+
+    if not found("psycopg") and found("psycopg2"):
+        return "postgresql+psycopg2://" + rest
+    return "postgresql://" + rest
 
 
 def default_storage_url() -> str:

@@ -15,7 +15,10 @@ def load_matrix(path: str):
         except (ValueError, OSError) as e:
             raise SystemExit(f"error: cannot read {path!r} as a scipy sparse .npz: {e}")
     if path.endswith((".mtx", ".mtx.gz")):
-        return sp.csr_matrix(scipy.io.mmread(path))
+        try:
+            return sp.csr_matrix(scipy.io.mmread(path))
+        except (ValueError, OSError, TypeError, IndexError) as e:
+            raise SystemExit(f"error: cannot read {path!r} as a Matrix Market file: {e}")
     raise SystemExit(f"error: unsupported matrix file {path!r} (expected .npz or .mtx)")
 
 

@@ -38,7 +38,12 @@ def _module_timing(mod, ins, target: str) -> Timing:
 
 def cmd_build(args) -> int:
     A = load_matrix(args.matrix)
-    params = json.loads(args.params) if args.params else None
+    try:
+        params = json.loads(args.params) if args.params else None
+    except ValueError as e:
+        raise SystemExit(f"error: --params is not valid JSON ({e}): {args.params!r}")
+    if params is not None and not isinstance(params, dict):
+        raise SystemExit(f"error: --params must be a JSON object of parameter names and values, got {args.params!r}")
     pipeline = args.pipeline.split(",") if args.pipeline else None
     kw = {}
     if args.tune or args.trials:
