@@ -151,3 +151,21 @@ def test_artifact_without_feature_record_warns_on_another_cpu(tmp_path, monkeypa
         loaded = spcompile.load(path)
     X = inputs_for("spmm", A.shape, 4)[0]
     np.testing.assert_allclose(loaded(X), np.asarray(A @ X), rtol=1e-5, atol=1e-5)
+
+
+def test_write_atomically_leaves_the_file_whole_or_untouched(tmp_path, monkeypatch):
+    import stat
+
+    from spcompile.runtime import files
+
+    p = tmp_path / "k.bin"
+    assert files.write_atomically(str(p), b"old") == str(p)
+    assert p.read_bytes() == b"old" and stat.S_IMODE(p.stat().st_mode) == 0o644
+
+    def fail(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(files.os, "replace", fail)
+    with pytest.raises(OSError, match="No space"):
+        files.write_atomically(str(p), b"new")
+    assert p.read_bytes() == b"old" and sorted(x.name for x in tmp_path.iterdir()) == ["k.bin"]

@@ -15,6 +15,8 @@ import platform
 import sys
 import tempfile
 
+from .files import write_atomically
+
 
 @functools.lru_cache(maxsize=None)
 def host_llvm_target() -> dict:
@@ -118,19 +120,7 @@ def materialize(data: bytes) -> str:
                     return path
     except OSError:
         pass
-    fd, part = tempfile.mkstemp(dir=d, prefix=".part-", suffix=".so")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(part, 0o644)
-        os.replace(part, path)
-    except BaseException:
-        try:
-            os.remove(part)
-        except OSError:
-            pass
-        raise
-    return path
+    return write_atomically(path, data, suffix=".so")
 
 
 def host_cpu_features() -> list[str]:

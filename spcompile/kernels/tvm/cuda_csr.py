@@ -26,7 +26,6 @@ import math
 import hashlib
 import os
 import re
-import tempfile
 from typing import Any, Mapping
 
 import numpy as np
@@ -35,6 +34,7 @@ from ..._version import tvm_version
 from ...core.formats import INT32_MAX
 from ...core.ir import SparseModule
 from ...runtime import cuda as rt
+from ...runtime.files import write_atomically
 from ..base import Kernel, Template, csr_kernel_arrays, register_template
 
 __all__ = ["CudaSpMM", "CudaSDDMM", "spmm_primfunc", "sddmm_primfunc", "cuda_source", "compile_source"]
@@ -54,19 +54,7 @@ def _cached_source(src: str, name: str) -> str:
                 return path
     except OSError:
         pass
-    fd, part = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".part-", suffix=".cu")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(part, 0o644)
-        os.replace(part, path)
-    except BaseException:
-        try:
-            os.remove(part)
-        except OSError:
-            pass
-        raise
-    return path
+    return write_atomically(path, data, suffix=".cu")
 
 
 def _nan_max(T, acc, v):
