@@ -141,13 +141,15 @@ def test_task_bounds_balance_nnz():
 
 
 def test_build_api_and_shared_library():
-    """spcompile.build picks the CPU template; same-config builds share one compiled library."""
+    """Same-config builds of the CPU template share one compiled library (the template is named:
+    build() alone may pick SciPy by quick selection on a tiny matrix)."""
     import spcompile
 
     A = make_matrix(seed=9)
     X = np.random.default_rng(0).standard_normal((A.shape[1], 64)).astype(np.float32)
-    m1 = spcompile.build(A.to_scipy(), op="spmm", K=64, target="cpu")
-    m2 = spcompile.build(make_matrix(seed=10).to_scipy(), op="spmm", K=64, target="cpu")
+    m1 = spcompile.build(A.to_scipy(), op="spmm", K=64, target="cpu", template="cpu.csr_spmm")
+    m2 = spcompile.build(make_matrix(seed=10).to_scipy(), op="spmm", K=64, target="cpu",
+                          template="cpu.csr_spmm")
     assert m1.config.template == "cpu.csr_spmm"
     assert m1.kernel.files["kernel.so"] == m2.kernel.files["kernel.so"]
     assert reference.rel_error(m1(X), reference.spmm(A, X)) < 1e-5

@@ -54,7 +54,8 @@ def test_module_survives_a_cleaned_library_folder(cache, tmp_path):
 def test_loaded_module_saves_after_its_folder_is_gone(cache, tmp_path):
     A = random_matrix(30, 30, density=0.1, seed=4)
     X = inputs_for("spmm", A.shape, 4)[0]
-    loaded = spcompile.load(spcompile.build(A, "spmm", K=4, target="cpu").save(str(tmp_path / "a.spc")))
+    loaded = spcompile.load(spcompile.build(A, "spmm", K=4, target="cpu", template="cpu.csr_spmm").save(
+        str(tmp_path / "a.spc")))
     shutil.rmtree(loaded._tmpdir)
     np.testing.assert_array_equal(spcompile.load(loaded.save(str(tmp_path / "b.spc")))(X), loaded(X))
 
@@ -121,7 +122,7 @@ def _reseal_manifest(path, change):
 def test_cpu_features_recorded_and_checked(tmp_path, monkeypatch):
     monkeypatch.delenv("SPCOMPILE_ARTIFACT_KEY", raising=False)
     A = random_matrix(30, 20, density=0.1, seed=6)
-    mod = spcompile.build(A, "spmm", K=4, target="cpu")
+    mod = spcompile.build(A, "spmm", K=4, target="cpu", template="cpu.csr_spmm")  # a compiled CPU kernel
     path = mod.save(str(tmp_path / "c.spc"))
     with zipfile.ZipFile(path) as z:
         meta = json.loads(z.read("manifest.json"))["kernel_meta"]
@@ -140,7 +141,7 @@ def test_cpu_features_recorded_and_checked(tmp_path, monkeypatch):
 def test_artifact_without_feature_record_warns_on_another_cpu(tmp_path, monkeypatch):
     monkeypatch.delenv("SPCOMPILE_ARTIFACT_KEY", raising=False)
     A = random_matrix(30, 20, density=0.1, seed=6)
-    path = spcompile.build(A, "spmm", K=4, target="cpu").save(str(tmp_path / "w.spc"))
+    path = spcompile.build(A, "spmm", K=4, target="cpu", template="cpu.csr_spmm").save(str(tmp_path / "w.spc"))
 
     def older(m):
         m["kernel_meta"].pop("cpu_features")
