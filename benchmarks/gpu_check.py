@@ -268,6 +268,10 @@ def check_half(A, label, log, quick=False, templates=None, kinds=("torch", "cupy
     return fails
 
 
+class _NONE:  # a distribution stand-in with no choices
+    choices = ()
+
+
 #: the families that run behind their own pipelines (formats made by passes)
 FAMILY_TEMPLATES = ("tc.wmma_sgt", "tc.wmma_sgt_sddmm", "sptc.vnm", "aspt.tiled")
 
@@ -301,7 +305,11 @@ def check_families(A, label, log, Ks=(1, 33, 64), seeds: int = 2):
                             mod = Pipeline(pipe)(mod0)
                             if not tpl.supports(mod):
                                 continue
-                            psets = unique_params([tpl.default_params(mod), *tpl.seed_params(mod)[:seeds]])
+                            dflt = tpl.default_params(mod)
+                            # precisions built only when asked for (e.g. split tf32): checked too
+                            extra = [{**dflt, "precision": p} for p in tpl.checks(mod).get("precision", ())
+                                     if p not in tpl.space(mod).get("precision", _NONE).choices]
+                            psets = unique_params([dflt, *tpl.seed_params(mod)[:seeds], *extra])
                         except Exception as e:  # results are data
                             rec.update(ok=False, error=f"{type(e).__name__}: {e}"[:500])
                             log.append(rec)

@@ -288,7 +288,7 @@ def test_invalid_parameters_are_named():
     mod = _mod(A, "spmm", 32, "sum", shape="tf32")
     with pytest.raises(ValueError, match=r"impl='x' \(must be one of \['mma', 'wmma'\]\), warps_per_block=3"):
         t.build(mod, {"impl": "x", "warps_per_block": 3}, compile=False)
-    with pytest.raises(ValueError, match=r"precision='fp16' \(must be one of \['tf32'\]\)"):
+    with pytest.raises(ValueError, match=r"precision='fp16' \(must be one of \['tf32', '3xtf32'\]\)"):
         t.build(mod, {"precision": "fp16"}, compile=False)          # 8-wide blocks: tf32 only
     with pytest.raises(ValueError, match=r"max_blocks=-1 \(must be an integer >= 0\)"):
         t.build(mod, {"max_blocks": -1}, compile=False)
@@ -339,22 +339,23 @@ def test_needs_sm80(monkeypatch):
 
 
 #: sha256 of the rendered source (the on-disk kernel cache key) of tc instances (main + VEC = 1
-#: fallback where the instance has one); the same as before the move onto the nvcc base.  A change
+#: fallback where the instance has one); tc.wmma_sgt's changed with the split-tf32 path (template
+#: version 4), tc.wmma_sgt_sddmm's are the same as before the move onto the nvcc base.  A change
 #: here invalidates every cached tc kernel binary -- update only for an intended kernel change
 RENDER_SHA256 = [
-    ("tc.wmma_sgt", ("tf32", 8, 1, 1, 4), {}, "7a47dd92d65a28dc8ec60362e38f68ef45b752bf809fd5a618ac670ce547e261"),
-    ("tc.wmma_sgt", ("tf32", 16, 2, 0, 1), {}, "fc6d366084ebee98cc6c6a9b767f9233affef2bb94cbca4fbe9ceff25080a505"),
-    ("tc.wmma_sgt", ("fp16", 16, 4, 1, 4), {}, "b58e721c8c23ca3a05e2194c9d0c3c5df4842aa1d72b8071cff6566f23996c0f"),
-    ("tc.wmma_sgt", ("bf16", 16, 1, 0, 8, 1), {}, "11802c0869bb5d1ff8ecbb179c83f2f9616bf22a0759fb6c6fab8fb465339db1"),
-    ("tc.wmma_sgt", ("fp16", 16, 2, 1, 8, 1), {}, "d4d0aba5f0f00abdbc0febca0d2027716b5d1307c3005b95d2ba561a6e906759"),
+    ("tc.wmma_sgt", ("tf32", 8, 1, 1, 4), {}, "a713e2330db7d0d0bacc2c66b0bbe6b8f3d7517046a3e02de8439c23ebb0e185"),
+    ("tc.wmma_sgt", ("tf32", 16, 2, 0, 1), {}, "0cfa83c30eacd5dc6568a1d97af9dec3b2693bb1bcf578e295ead43b11ca6429"),
+    ("tc.wmma_sgt", ("fp16", 16, 4, 1, 4), {}, "d11b0c4d6c42eabdf137b1987190afa999f19b9f7d7e653bbef6618431445e3d"),
+    ("tc.wmma_sgt", ("bf16", 16, 1, 0, 8, 1), {}, "96186e954ff1616a3700da46b02c2b060020788927fcae14715692e66f30886c"),
+    ("tc.wmma_sgt", ("fp16", 16, 2, 1, 8, 1), {}, "d9d55da171f3a49b37011b24d12c13d694d81dc5ac53e343d57d3b079b65d390"),
     ("tc.wmma_sgt", ("tf32", 16), {"vec": 4, "impl": "mma", "cg": 2, "unroll": 2},
-     "810677c353806b546a15476d46f30871bb284ced11c64360e22ff44cdfbe8f05"),
+     "cba6d61d65f4134592d02ba6f32673f5c6ef1c129983ca3217f1832e71092c43"),
     ("tc.wmma_sgt", ("tf32", 8), {"vec": 1, "impl": "mma", "cg": 1, "unroll": 4},
-     "102051da1edcecb92509c3946f1cce26acbaa7732caa89f485b4fac4b4b945d3"),
+     "6d4758208932008550390b2ba454ff63d5db99548507402ed06234da15c7cd47"),
     ("tc.wmma_sgt", ("fp16", 16), {"vec": 8, "ti": 1, "impl": "mma", "cg": 2, "unroll": 1},
-     "00487c285d7090d937a8be2eaba82eca90cf2dceca3962923fcda32019593563"),
+     "9ff0a0c996c5e7386be21dc354996a9b19629d7120a5ce527370ff2a251144e2"),
     ("tc.wmma_sgt", ("bf16", 16), {"vec": 4, "impl": "mma", "cg": 1, "unroll": 2},
-     "056d9300e9af09ef883e9372d8946fd8ccd53b75fa8d5aa62cb1d58415c6cf9d"),
+     "fab852ab453f4303c7d5e7720f34e155e04d44eb464d74977413db715a26e02e"),
     ("tc.wmma_sgt_sddmm", ("tf32", 8, 2, 4), {}, "35e062c7820c8b2c90d2ee6942df7997c5d9544e97707e6f954c173a387265d7"),
     ("tc.wmma_sgt_sddmm", ("tf32", 16, 1, 1), {}, "45666e1d42a2447f3ef2f53051a491f3a5a3f8f2b4e4719275d009a28571c5bc"),
     ("tc.wmma_sgt_sddmm", ("fp16", 16, 2, 8, 1), {}, "41e4c00a9c990d8428ec966c855fb68350b4e7a52ac1d33722c7d84aa5d8ab95"),

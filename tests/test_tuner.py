@@ -387,7 +387,7 @@ def test_precision_policy(db, reduced_template):
     cfg_t, info_t = choose_config(op, "cpu", storage=db, precision="tf32")
     assert info_t["source"] == "database" and cfg_t.template == _Reduced.name
     assert cfg_t.params["precision"] == "tf32"
-    assert allowed_precisions("fp16") == ("fp32", "tf32", "fp16")
+    assert allowed_precisions("fp16") == ("fp32", "3xtf32", "tf32", "fp16")   # split tf32 is fp32-level
     with pytest.raises(ValueError, match="precision must be one of"):
         spcompile.build(graph(), "spmm", K=16, target="cpu", precision="int8")
 
@@ -401,7 +401,7 @@ def test_16bit_workload_space(db):
     for dtype, prec in (("float16", "fp16"), ("bfloat16", "bf16")):
         op = make_op(graph(), "spmm", 64, dtype=dtype)
         tu = Tuner(op, "cuda", storage=db, runner=FakeRunner(), seed=0)
-        assert tu.allowed == ("fp32", prec)
+        assert tu.allowed == ("fp32", "3xtf32", prec)
         assert {"sptc.vnm", "tc.wmma_sgt", "csr.crc_cwm"} <= set(tu.space)
         assert "aspt.tiled" not in tu.space
         for t in ("sptc.vnm", "tc.wmma_sgt"):

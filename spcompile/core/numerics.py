@@ -70,6 +70,9 @@ class DType:
 
 PRECISIONS: dict[str, Precision] = {p.name: p for p in (
     Precision("fp32", 0, 1e-5, -1, 1, 4),
+    # error-compensated split tf32 on tensor cores (a = hi + lo, each tf32; a*b ~ hi*hi + hi*lo +
+    # lo*hi, fp32 accumulation): fp32-level results, so admitted wherever fp32 is
+    Precision("3xtf32", 0, 1e-5, 3, 8, 4),
     Precision("tf32", 1, 2e-3, 0, 8, 4),
     Precision("fp16", 2, 1e-2, 1, 16, 2),
     Precision("bf16", 3, 1e-2, 2, 16, 2),
@@ -178,7 +181,7 @@ def round_to(x, name: str) -> np.ndarray:
         return bf16_from_bits(bf16_bits(x))
     if p == "tf32":
         return tf32_round(x)
-    if p == "fp32":
+    if p in ("fp32", "3xtf32"):      # split tf32 keeps an fp32 operand (as hi + lo)
         return x
     raise ValueError(f"cannot round to {name!r}")
 

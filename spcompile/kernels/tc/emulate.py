@@ -56,9 +56,12 @@ def emulate_tc_spmm(arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any], X
 
 
 def _frag_values(afrag: np.ndarray, precision: str, nsteps: int) -> np.ndarray:
+    """(nsteps, 32, n) register values of the A fragments; 3xtf32: (2, nsteps, 32, 4), hi then lo."""
     a = np.asarray(afrag)
     if precision == "bf16":
         a = numerics.bf16_from_bits(a)
+    if precision == "3xtf32":
+        return np.moveaxis(a.astype(np.float64).reshape(nsteps, 2, 32, 4), 1, 0)
     return a.astype(np.float64).reshape(nsteps, 32, 4 if precision == "tf32" else 8)
 
 
@@ -81,9 +84,12 @@ def emulate_mma_spmm(arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any], 
     pcols = np.asarray(arrays["pcols"], dtype=np.int64)
     nsteps = pcols.size // KS
     nblk = nsteps // S
-    A = np.zeros((nsteps, 16, KS))
     ar, ac = a_frag_layout(prec)
-    A[:, ar, ac] = _frag_values(arrays["afrag"], prec, nsteps)           # (nsteps, 32, n)
+    split = prec == "3xtf32"
+    fv = _frag_values(arrays["afrag"], prec, nsteps)                    # (nsteps, 32, n) | (2, ...)
+    A = np.zeros((2 if split else 1, nsteps, 16, KS))
+    for h in range(A.shape[0]):
+        A[h][:, ar, ac] = fv[h] if split else fv
     brow = b_frag_rows(prec)                                            # (32, NR)
     NR = brow.shape[1]
     lane_cols = pcols.reshape(nsteps, 4, NR)[:, _T, :]                  # (nsteps, 32, NR): row ids a lane loads
@@ -98,10 +104,24 @@ def emulate_mma_spmm(arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any], 
         rowsel = np.where(lane_cols < 0, X.shape[0], lane_cols)         # (nsteps, 32, NR)
         vals = Xp[rowsel[..., None], np.minimum(colsj, K - 1)[None, :, None, :]] * valid[None, :, None, :]
         # vals: (nsteps, 32, NR, NJ); B of n-tile j: B[k = brow[l, e], n = g(l)] = vals[:, l, e, j]
-        B = np.zeros((nsteps, NJ, KS, 8))
-        for e in range(NR):
-            B[:, :, brow[:, e], _G] = np.moveaxis(vals[:, :, e, :], 2, 1)
-        C = np.einsum("srk,sjkn->sjrn", A, B).reshape(nblk, S, NJ, 16, 8).sum(1)   # (nblk, j, 16, 8)
+        def operand(v):
+            B = np.zeros((nsteps, NJ, KS, 8))
+            for e in range(NR):
+                B[:, :, brow[:, e], _G] = np.moveaxis(v[:, :, e, :], 2, 1)
+            return B
+
+        prod = lambda a, b: np.einsum("srk,sjkn->sjrn", a, b)          # noqa: E731
+        if split:
+            # the kernel: x = hi + lo in tf32 (cvt.rna of x, then of the fp32 remainder), three
+            # tf32 MMAs in fp32: lo(A) hi(x) + hi(A) lo(x) + hi(A) hi(x) (lo x lo dropped)
+            x32 = vals.astype(np.float32)
+            bh = numerics.tf32_round(x32)
+            bl = numerics.tf32_round(x32 - bh)
+            Bh, Bl = operand(bh.astype(np.float64)), operand(bl.astype(np.float64))
+            C = prod(A[1], Bh) + prod(A[0], Bl) + prod(A[0], Bh)
+        else:
+            C = prod(A[0], operand(vals))
+        C = C.reshape(nblk, S, NJ, 16, 8).sum(1)                         # (nblk, j, 16, 8)
         # lane (g, t): c0 = C[g][2t] -> column base + 2 NJ t + j, c1 = C[g][2t+1] -> + NJ + j
         for n in range(8):
             q, tt = n % 2, n // 2

@@ -19,8 +19,11 @@ from ..base import csr_kernel_arrays
 __all__ = ["PRECISIONS", "INPUT_PRECISION", "input_type", "a_frag_layout", "b_frag_rows", "split_windows",
            "tc_arrays", "mma_arrays", "sddmm_arrays"]
 
-#: the MMA operand precisions of the tensor-core kernels (code, MMA k: :mod:`spcompile.core.numerics`)
-PRECISIONS = {p: numerics.PRECISIONS[p] for p in ("tf32", "fp16", "bf16")}
+#: the MMA operand precisions of the tensor-core kernels (code, MMA k: :mod:`spcompile.core.numerics`);
+#: "3xtf32" is tf32 MMAs on split operands (hi + lo) for fp32-level results, impl "mma" only
+PRECISIONS = {p: numerics.PRECISIONS[p] for p in ("tf32", "fp16", "bf16", "3xtf32")}
+#: precisions whose MMA is the tf32 one (fragment layouts of mma.m16n8k8)
+TF32_LIKE = ("tf32", "3xtf32")
 #: workload dtype -> the only MMA precision offered for it (16-bit inputs are MMA operands as they
 #: are; fp32 inputs are converted in registers to any of PRECISIONS)
 INPUT_PRECISION = NATIVE_PRECISION
@@ -50,7 +53,7 @@ _G, _T = _LANE // 4, _LANE % 4
 def a_frag_layout(precision: str) -> tuple[np.ndarray, np.ndarray]:
     """(row, col) in the 16 x KS A operand of register element i of lane l, shape (32, n): the
     PTX ISA layouts of mma.m16n8k8 .tf32 (4 elements) and mma.m16n8k16 .f16/.bf16 (8)."""
-    if precision == "tf32":
+    if precision in TF32_LIKE:
         i = np.arange(4)
         return _G[:, None] + 8 * (i % 2), _T[:, None] + 4 * (i // 2)
     i = np.arange(8)
@@ -59,7 +62,7 @@ def a_frag_layout(precision: str) -> tuple[np.ndarray, np.ndarray]:
 
 def b_frag_rows(precision: str) -> np.ndarray:
     """k index (row of the KS x 8 B operand, column n = g) of B register element e of lane l."""
-    if precision == "tf32":
+    if precision in TF32_LIKE:
         return np.stack([_T, _T + 4], 1)
     return np.stack([2 * _T, 2 * _T + 1, 2 * _T + 8, 2 * _T + 9], 1)
 
@@ -116,6 +119,8 @@ def tc_arrays(mod: SparseModule, precision: str = "tf32", dense_a: bool = True) 
     row), and either ``tiles`` (dense 16 x BW tiles in the MMA input type) or ``nz_ptr`` /
     ``nz_pos`` / ``nz_val`` (each block's nonzeros: position ``row * BW + col`` in its tile and
     value)."""
+    if precision == "3xtf32":
+        raise ValueError("precision '3xtf32' runs with impl 'mma' only")
     fmt = mod.formats["sgt"]
     ka = csr_kernel_arrays(mod, np.int32)
     data = _spmm_data(mod, ka)
@@ -165,7 +170,7 @@ def split_windows(win_block_ptr: np.ndarray, max_blocks: int) -> dict[str, np.nd
 
 def mma_arrays(mod: SparseModule, precision: str = "tf32", max_blocks: int = 32) -> dict[str, np.ndarray]:
     """Arrays of impl "mma": ``afrag`` (A fragments per MMA k-step and lane, 16 bytes each: 4
-    tf32-rounded floats or 8 fp16/bf16), ``pcols`` (each k-step's X row ids in the order a lane
+    tf32-rounded floats or 8 fp16/bf16; 3xtf32: the step's 32 hi fragments, then its 32 lo ones), ``pcols`` (each k-step's X row ids in the order a lane
     loads them: tf32 columns (t, t+4) per lane, 16-bit (2t, 2t+1, 2t+8, 2t+9)), ``row_ids`` and
     the work items of :func:`split_windows`."""
     fmt = mod.formats["sgt"]
@@ -181,7 +186,13 @@ def mma_arrays(mod: SparseModule, precision: str = "tf32", max_blocks: int = 32)
     tiles = fmt.dense_tiles(data, np.float32).reshape(nblk, 16, S, KS).transpose(0, 2, 1, 3)  # (nblk, S, 16, KS)
     r, c = a_frag_layout(precision)
     frag = tiles[:, :, r, c]                                           # (nblk, S, 32, 4 | 8)
-    frag = numerics.tf32_round(frag) if precision == "tf32" else _as_16bit(frag, precision)
+    if precision == "3xtf32":
+        # per k-step the 32 lanes' hi fragments, then their lo fragments: a = hi + lo, each tf32
+        hi = numerics.tf32_round(frag)
+        lo = numerics.tf32_round(frag - hi)
+        frag = np.stack([hi, lo], 2)                                    # (nblk, S, 2, 32, 4)
+    else:
+        frag = numerics.tf32_round(frag) if precision == "tf32" else _as_16bit(frag, precision)
     cols = _folded_cols(mod).reshape(nblk, S, KS)
     order = b_frag_rows(precision)[:4].reshape(-1)                      # lanes t = 0..3 (g = 0)
     out = {"afrag": np.ascontiguousarray(frag.reshape(-1)), "pcols": _i32(cols[:, :, order].reshape(-1)),

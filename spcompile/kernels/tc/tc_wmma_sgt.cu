@@ -205,6 +205,10 @@ __device__ __forceinline__ void tc_spmm(
 //   * C: lane (g, t) then holds rows g and g + 8, columns base + 2 NJ t .. + 2 NJ - 1 (c0 of
 //     n-tiles 0..NJ-1, then c1 of n-tiles 0..NJ-1), written as 16-byte vectors per row (fp32 Y,
 //     or 16-bit Y rounded once from the fp32 accumulators).
+// P = 3 (split tf32, "3xtf32"): fp32-level results from tf32 MMAs.  afrag holds per k-step the 32
+// lanes' hi fragments, then their lo fragments (a = hi + lo, each tf32, split at build time); each
+// X value is split in registers (hi = cvt.rna(x), lo = cvt.rna(x - hi)), and three MMAs accumulate
+// lo(A) hi(X) + hi(A) lo(X) + hi(A) hi(X) in fp32 (the lo x lo term is below fp32 rounding).
 // A split window's items write 16 x K fp32 partials to part[slot]; the last warp to finish a
 // (window, column slice) -- per-warp atomic counter, threadfence-reduction pattern -- adds the
 // partials in slot order (deterministic, fp32), writes Y (rounded once for 16-bit Y) and resets
@@ -218,13 +222,16 @@ __device__ __forceinline__ void tc_mma_spmm(
     const int4* __restrict__ items, const int* __restrict__ slot_grp, const int* __restrict__ grp_ptr,
     const int* __restrict__ pcols, const uint4* __restrict__ afrag, const int* __restrict__ row_ids,
     const void* __restrict__ Xv, void* __restrict__ Yv, float* part, int* counters, int m, int K) {
-  constexpr int KS = (P == 0) ? 8 : 16;
+  constexpr bool X3 = (P == 3);                      // split tf32: three tf32 MMAs per product
+  constexpr int PM = X3 ? 0 : P;                     // the MMA's operand type
+  constexpr int KS = (PM == 0) ? 8 : 16;
   constexpr int S = BW / KS;                         // MMA k-steps per TC block
-  constexpr int NR = (P == 0) ? 2 : 4;               // X rows a lane loads per k-step
+  constexpr int NR = (PM == 0) ? 2 : 4;              // X rows a lane loads per k-step
   constexpr int NJ = TI ? 8 : 4;                     // n-tiles per column group (elements per load)
   constexpr int SPAN = 8 * NJ;                       // output columns per column group
+  constexpr int AF = X3 ? 2 : 1;                     // A fragments per k-step and lane (hi, lo)
   static_assert(BW % KS == 0, "TC block width must be a multiple of the MMA k");
-  static_assert(!TI || P != 0, "16-bit inputs run with the MMA of their own type");
+  static_assert(!TI || PM != 0, "16-bit inputs run with the MMA of their own type");
   typedef typename std::conditional<TI != 0, uint4, float4>::type vec_t;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -250,7 +257,7 @@ __device__ __forceinline__ void tc_mma_spmm(
       for (int s = 0; s < S; ++s) {
         const long long step = (long long)(b + u) * S + s;
         const bool ok = b + u < it.y;
-        if (P == 0) {
+        if (PM == 0) {
           int2 cc = make_int2(-1, -1);
           if (ok) cc = __ldg(reinterpret_cast<const int2*>(pcols + step * 8) + t);
           cn[u][s][0] = cc.x; cn[u][s][1] = cc.y;
@@ -268,6 +275,7 @@ __device__ __forceinline__ void tc_mma_spmm(
   load_cols(it.x);
   for (int b = it.x; b < it.y; b += U) {
     unsigned a[U][S][4];
+    unsigned al[X3 ? U : 1][X3 ? S : 1][4];          // lo fragments of split tf32
     vec_t xv[U][S][NR][CG];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -277,8 +285,13 @@ __device__ __forceinline__ void tc_mma_spmm(
       for (int s = 0; s < S; ++s) {
         const long long step = (long long)bb * S + s;
         uint4 av = make_uint4(0u, 0u, 0u, 0u);
-        if (ok) av = __ldg(afrag + step * 32 + lane);
+        if (ok) av = __ldg(afrag + step * AF * 32 + lane);
         a[u][s][0] = av.x; a[u][s][1] = av.y; a[u][s][2] = av.z; a[u][s][3] = av.w;
+        if constexpr (X3) {
+          uint4 lv = make_uint4(0u, 0u, 0u, 0u);
+          if (ok) lv = __ldg(afrag + step * AF * 32 + 32 + lane);
+          al[u][s][0] = lv.x; al[u][s][1] = lv.y; al[u][s][2] = lv.z; al[u][s][3] = lv.w;
+        }
 #pragma unroll
         for (int q = 0; q < NR; ++q)
 #pragma unroll
@@ -298,14 +311,20 @@ __device__ __forceinline__ void tc_mma_spmm(
             if constexpr (TI != 0) {                 // rows (2t, 2t+1) and (2t+8, 2t+9), element j
               b0 = sel16(xv[u][s][0][cg], xv[u][s][1 % NR][cg], j);
               b1 = sel16(xv[u][s][2 % NR][cg], xv[u][s][3 % NR][cg], j);
-            } else if (P == 0) {                     // B rows t and t + 4 of the k-step
-              b0 = f2tf32(el(xv[u][s][0][cg], j));
-              b1 = f2tf32(el(xv[u][s][1][cg], j));
+            } else if (PM == 0) {                    // B rows t and t + 4 of the k-step
+              const float x0 = el(xv[u][s][0][cg], j), x1 = el(xv[u][s][1][cg], j);
+              b0 = f2tf32(x0);
+              b1 = f2tf32(x1);
+              if constexpr (X3) {                    // small terms first: lo(A) hi(X), hi(A) lo(X)
+                const unsigned l0 = f2tf32(x0 - __uint_as_float(b0)), l1 = f2tf32(x1 - __uint_as_float(b1));
+                mma16816<0>(acc[cg][j], al[u][s], b0, b1);
+                mma16816<0>(acc[cg][j], a[u][s], l0, l1);
+              }
             } else {                                 // B rows (2t, 2t+1) and (2t+8, 2t+9)
-              b0 = pack2<P == 0 ? 1 : P>(el(xv[u][s][0][cg], j), el(xv[u][s][1 % NR][cg], j));
-              b1 = pack2<P == 0 ? 1 : P>(el(xv[u][s][2 % NR][cg], j), el(xv[u][s][3 % NR][cg], j));
+              b0 = pack2<PM == 0 ? 1 : PM>(el(xv[u][s][0][cg], j), el(xv[u][s][1 % NR][cg], j));
+              b1 = pack2<PM == 0 ? 1 : PM>(el(xv[u][s][2 % NR][cg], j), el(xv[u][s][3 % NR][cg], j));
             }
-            mma16816<P>(acc[cg][j], a[u][s], b0, b1);
+            mma16816<PM>(acc[cg][j], a[u][s], b0, b1);
           }
   }
 
@@ -315,7 +334,7 @@ __device__ __forceinline__ void tc_mma_spmm(
     for (int j = 0; j < NJ; ++j) v[j] = acc[cg][j][2 * h + q];
   };
   auto store_y = [&](long long row, int col, const float (&v)[NJ]) {
-    if constexpr (TI != 0) st_h<P == 0 ? 1 : P, NJ, VEC>(reinterpret_cast<unsigned short*>(Yv) + row * K, col, K, v);
+    if constexpr (TI != 0) st_h<PM == 0 ? 1 : PM, NJ, VEC>(reinterpret_cast<unsigned short*>(Yv) + row * K, col, K, v);
     else st_f32<NJ, VEC>(reinterpret_cast<float*>(Yv) + row * K, col, K, v);
   };
   const int win = it.z, slot = it.w;

@@ -62,9 +62,17 @@ def _pow2_at_most(x: int, hi: int) -> int:
     return 1 << (x.bit_length() - 1) if x & (x - 1) else x
 
 
-def _allowed_precisions(dtype: str) -> list[str]:
-    """The precisions offered for a workload dtype: a 16-bit input's own, or all for float32."""
-    return [INPUT_PRECISION[dtype]] if dtype in INPUT_PRECISION else list(PRECISIONS)
+#: the precisions the search offers for float32 inputs.  "3xtf32" (split tf32, fp32-level results)
+#: is built when asked for by name; it joins the search once measured on a GPU
+SEARCH_PRECISIONS = ("tf32", "fp16", "bf16")
+
+
+def _allowed_precisions(dtype: str, search: bool = True) -> list[str]:
+    """The precisions offered for a workload dtype: a 16-bit input's own, or (float32) those of
+    the search, or with ``search=False`` every one the kernels implement."""
+    if dtype in INPUT_PRECISION:
+        return [INPUT_PRECISION[dtype]]
+    return [p for p in PRECISIONS if not search or p in SEARCH_PRECISIONS]
 
 
 class _SgtTemplate(NvccTemplate):
@@ -83,6 +91,8 @@ class _SgtTemplate(NvccTemplate):
     _bw_before_tiling = 16
 
     _allowed_precisions = staticmethod(_allowed_precisions)
+    #: the kernel implements precision "3xtf32" (impl "mma" of the SpMM)
+    split_tf32 = False
 
     def requires(self, mod):
         return ("sgt",)
@@ -94,11 +104,13 @@ class _SgtTemplate(NvccTemplate):
         bws = (16,) if mod.op.dtype != "float32" else (8, 16)
         return fmt.BLK_H == 16 and fmt.BLK_W in bws and fmt.num_blocks < 2**31 // 256
 
-    def _precisions(self, mod) -> list[str]:
-        """The allowed precisions whose MMA k divides the module's SGT block width."""
+    def _precisions(self, mod, search: bool = True) -> list[str]:
+        """The allowed precisions whose MMA k divides the module's SGT block width (``search``:
+        only those the search offers; else every one this template implements)."""
         fmt = mod.formats.get("sgt")
         bw = fmt.BLK_W if fmt is not None else self._bw_before_tiling
-        return [p for p in self._allowed_precisions(mod.op.dtype) if bw % PRECISIONS[p].mma_k == 0]
+        return [p for p in self._allowed_precisions(mod.op.dtype, search) if bw % PRECISIONS[p].mma_k == 0
+                and (p != "3xtf32" or self.split_tf32)]
 
     def check_params(self, mod, params):
         full = super().check_params(mod, params)
@@ -112,7 +124,7 @@ class _SgtTemplate(NvccTemplate):
         super().validate(mod, params)
 
     def checks(self, mod):
-        return {"precision": self._precisions(mod)}
+        return {"precision": self._precisions(mod, search=False)}
 
     def _common_args(self, mod, params) -> dict:
         prec = str(params["precision"])
@@ -184,16 +196,19 @@ class TcWmmaSgt(_SgtTemplate):
     tunable: warps per block, 16-column tiles per warp, sparse-tile source).  X / Y in float32
     (converted to the MMA precision in registers) or float16 / bfloat16 (X loaded as 16-bit and
     used as the MMA operand directly, precision = the input type, fp32 accumulation, Y rounded
-    once; split windows combine fp32 partials)."""
+    once; split windows combine fp32 partials).  Precision "3xtf32" (impl "mma", float32 inputs):
+    split tf32 -- A packed as tf32 hi + lo fragments, X split in registers, three tf32 MMAs per
+    product -- for fp32-level results; built when asked for, not offered by :meth:`space` yet."""
 
     name = "tc.wmma_sgt"
-    version = "3"
+    version = "4"
     ops = (("spmm", "sum"), ("spmm", "mean"))
     source_file = "tc_wmma_sgt.cu"
     instance_macro = "SPC_TC_SPMM_INSTANCE"      # impl "wmma"
     mma_instance_macro = "SPC_TC_MMA_INSTANCE"   # impl "mma"
     kernel_class = TcKernel
     _bw_before_tiling = 8
+    split_tf32 = True
 
     def space(self, mod):
         from optuna.distributions import CategoricalDistribution as C
@@ -259,6 +274,8 @@ class TcWmmaSgt(_SgtTemplate):
     def validate(self, mod, params):
         super().validate(mod, params)
         if params["impl"] != "mma":
+            if params["precision"] == "3xtf32":
+                raise ValueError(f"invalid {self.name} parameters: precision '3xtf32' runs with impl 'mma' only")
             return
         if int(params["warps_per_block"]) > 8:
             raise ValueError(f"invalid {self.name} parameters: warps_per_block={params['warps_per_block']} "
@@ -273,7 +290,7 @@ class TcWmmaSgt(_SgtTemplate):
         """Register budget: 16-byte X vectors in flight per lane (CG x U x k-steps x rows) <= 16;
         16-bit X (8 n-tiles per column group, 32 accumulators each): at most 2 column groups."""
         KS = PRECISIONS[precision].mma_k
-        nr = 2 if precision == "tf32" else 4
+        nr = 2 if PRECISIONS[precision].mma_k == 8 else 4
         return cg * unroll * (BW // KS) * nr <= 16 and (not ti or cg <= 2)
 
     @staticmethod
