@@ -305,6 +305,82 @@ def _index_array(arrays, name: str, length: int, bound: int) -> np.ndarray:
     return x
 
 
+def index_array(arrays, name: str, lo: int, hi: int, size: int | None = None, ndim: int = 1) -> np.ndarray:
+    """``arrays[name]`` as int64 after checking it: an integer array of ``ndim`` dimensions (and
+    ``size`` elements in its first one, where given) with every value in ``[lo, hi)``;
+    ValueError naming what is wrong.  For the structural checks of saved artifacts."""
+    if name not in arrays:
+        raise ValueError(f"array {name!r} is missing")
+    x = np.asarray(arrays[name])
+    if x.dtype.kind not in "iu" or x.ndim != ndim or (size is not None and x.shape[0] != size):
+        want = f"{ndim}-D integer array" + (f" of length {size}" if size is not None else "")
+        raise ValueError(f"array {name!r} must be a {want}, got {x.dtype}{list(x.shape)}")
+    x = x.astype(np.int64, copy=False)
+    if x.size and (int(x.min()) < lo or int(x.max()) >= hi):
+        raise ValueError(f"array {name!r} holds values outside [{lo}, {hi})")
+    return x
+
+
+def pointer_array(arrays, name: str, last: int, size: int | None = None, first: int | None = 0) -> np.ndarray:
+    """A row / segment pointer: integers rising monotonically from ``first`` (any value >= 0 when
+    None) to at most ``last`` (exactly ``last`` when ``first`` is given)."""
+    x = index_array(arrays, name, 0, last + 1, size)
+    if x.size == 0:
+        raise ValueError(f"array {name!r} must hold at least one pointer")
+    if np.any(x[1:] < x[:-1]) or (first is not None and (x[0] != first or x[-1] != last)):
+        span = f"from {first} to {last}" if first is not None else f"within [0, {last}]"
+        raise ValueError(f"array {name!r} must rise monotonically {span}")
+    return x
+
+
+def float_array(arrays, name: str, size: int | None = None) -> np.ndarray:
+    """A 1-D floating-point (or raw 16-bit) array of ``size`` elements."""
+    if name not in arrays:
+        raise ValueError(f"array {name!r} is missing")
+    x = np.asarray(arrays[name])
+    if x.dtype.kind not in "fu" or x.ndim != 1 or (size is not None and x.shape[0] != size):
+        raise ValueError(f"array {name!r} must hold {size if size is not None else 'some'} values, got "
+                         f"{x.dtype}{list(x.shape)}")
+    return x
+
+
+def meta_int(meta, name: str, want: int | None = None, lo: int = 0) -> int:
+    """An integer of a saved kernel's meta (``want``: the value it must have)."""
+    v = meta.get(name)
+    if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < lo or (want is not None and v != want):
+        raise ValueError(f"kernel meta {name!r} must be " + (f"{want}" if want is not None else f"an integer >= {lo}")
+                         + f", got {v!r}")
+    return int(v)
+
+
+def check_entries(r: np.ndarray, c: np.ndarray, data, rows: int, cols: int, pattern: str | None,
+                  values: str | None, order: np.ndarray | None = None) -> None:
+    """The entries (row ``r[p]``, column ``c[p]``, value ``data[p]``) must form the matrix whose
+    pattern / values hashes the manifest names.  ``order``: the entries' canonical order as the
+    arrays claim it (they must then be in (row, column) order along it), else any order; no
+    entry may repeat."""
+    from ..core.formats import CSR
+    from ..core.ir import pattern_hash, values_hash
+
+    if pattern is None and values is None:
+        return
+    nnz = int(r.size)
+    if order is None:
+        order = np.lexsort((c, r))
+    r, c = r[order], c[order]
+    if nnz > 1:
+        key = r * np.int64(max(cols, 1)) + c
+        if np.any(key[1:] <= key[:-1]):
+            raise ValueError("the arrays do not describe a canonical matrix (entries out of order or repeated)")
+    C = CSR(np.concatenate(([0], np.cumsum(np.bincount(r, minlength=rows)))).astype(np.int64), c,
+            (np.asarray(data)[order] if data is not None else np.zeros(nnz, np.float32)).astype(np.float32),
+            (rows, cols))
+    if pattern is not None and pattern_hash(C) != pattern:
+        raise ValueError("the arrays hold another matrix than the one the manifest names (pattern hash differs)")
+    if values is not None and data is not None and values_hash(C) != values:
+        raise ValueError("the arrays hold other values than the manifest names (values hash differs)")
+
+
 def _is_permutation(x: np.ndarray, n: int) -> bool:
     return x.shape[0] == n and bool(np.all(np.bincount(x, minlength=n) == 1)) if n else True
 
@@ -317,8 +393,6 @@ def check_csr_arrays(arrays: Mapping[str, np.ndarray], rows: int, cols: int, nnz
     nnz floats, every index array of one integer dtype; with ``pattern`` / ``values`` the matrix
     they rebuild (in the caller's order) must have that pattern hash / values hash.  Linear in
     rows + nnz (plus one sort of the entries for the hashes)."""
-    from ..core.formats import CSR
-    from ..core.ir import pattern_hash, values_hash
 
     for what, v in (("rows", rows), ("cols", cols), ("nnz", nnz)):
         if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 0:
@@ -351,19 +425,8 @@ def check_csr_arrays(arrays: Mapping[str, np.ndarray], rows: int, cols: int, nnz
     # the matrix in the caller's order: current row i is original row row_ids[i]; entry p goes to
     # original position nnz_ids[p] (else the canonical (row, column) order)
     r = np.repeat(np.arange(rows, dtype=np.int64) if row_ids is None else row_ids, np.diff(indptr))
+    order = None
     if nnz_ids is not None:
         order = np.empty(nnz, dtype=np.int64)
         order[nnz_ids] = np.arange(nnz, dtype=np.int64)
-    else:
-        order = np.lexsort((indices, r))
-    r, c = r[order], indices[order]
-    if nnz > 1:
-        key = r * np.int64(max(cols, 1)) + c
-        if np.any(key[1:] <= key[:-1]):
-            raise ValueError("the arrays do not describe a canonical matrix (entries out of order or repeated)")
-    C = CSR(np.concatenate(([0], np.cumsum(np.bincount(r, minlength=rows)))).astype(np.int64), c,
-            (data[order] if data is not None else np.zeros(nnz, np.float32)).astype(np.float32), (rows, cols))
-    if pattern is not None and pattern_hash(C) != pattern:
-        raise ValueError("the arrays hold another matrix than the one the manifest names (pattern hash differs)")
-    if values is not None and data is not None and values_hash(C) != values:
-        raise ValueError("the arrays hold other values than the manifest names (values hash differs)")
+    check_entries(r, indices, data, rows, cols, pattern, values, order)

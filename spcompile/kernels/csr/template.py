@@ -16,7 +16,10 @@ different row groups and combined in the same launch (see ``spmm_crc_cwm.cu``); 
 from __future__ import annotations
 
 from ...core.numerics import DTYPES
-from ..base import register_template, unique_params
+import numpy as np
+
+from ..base import (check_entries, float_array, index_array, meta_int, pointer_array, register_template,
+                    unique_params)
 from ..nvcc import AtLeast, LaunchSpec, NvccKernel, NvccTemplate
 from .packer import pack_sddmm, pack_spmm, sddmm_partition, spmm_partition  # noqa: F401 (public here too)
 
@@ -151,6 +154,38 @@ class CrcCwm(NvccTemplate):
     def pack(self, mod, params):
         return pack_spmm(mod, int(params["max_seg"]))
 
+    def check_arrays(self, key, params, arrays, meta, values=None):
+        """Every index the kernel follows stays in its array or in X / Y, and the entries rebuild
+        the manifest's matrix: segments cover the nonzeros in order, whole-row segments name an
+        output row, split ones a slot of a row group."""
+        m, n, nnz = key.rows, key.cols, key.nnz
+        meta_int(meta, "m", m)
+        meta_int(meta, "K", key.K)
+        indices = index_array(arrays, "indices", 0, max(n, 1), nnz)
+        data = float_array(arrays, "data", nnz)
+        seg_out = index_array(arrays, "seg_out", 0, max(m, 1))
+        seg_ptr = pointer_array(arrays, "seg_ptr", nnz, seg_out.size + 1)
+        slot_grp = index_array(arrays, "slot_grp", 0, 2**31)
+        grp_ptr = pointer_array(arrays, "grp_ptr", slot_grp.size)
+        ngrp = grp_ptr.size - 1
+        if slot_grp.size and int(slot_grp.max()) >= ngrp:
+            raise ValueError(f"array 'slot_grp' holds values outside [0, {ngrp})")
+        seg_slot = index_array(arrays, "seg_slot", -1, slot_grp.size, seg_out.size)
+        grp_out = index_array(arrays, "grp_out", 0, max(m, 1), ngrp)
+        grp_len = index_array(arrays, "grp_len", 0, nnz + 1, ngrp)
+        split = seg_slot >= 0
+        writers = np.concatenate([seg_out[~split], grp_out])       # who writes each output row
+        if writers.size != m or (m and not np.all(np.bincount(writers, minlength=m) == 1)):
+            raise ValueError("every output row must be written by exactly one segment or row group")
+        if np.bincount(seg_slot[split], minlength=slot_grp.size).tolist() != [1] * slot_grp.size:
+            raise ValueError("array 'seg_slot' must name every partial-result slot exactly once")
+        row = np.where(split, grp_out[slot_grp[np.maximum(seg_slot, 0)]] if ngrp else 0, seg_out)
+        lens = np.diff(seg_ptr)
+        if ngrp and not np.array_equal(np.bincount(slot_grp[seg_slot[split]], weights=lens[split],
+                                                   minlength=ngrp).astype(np.int64), grp_len):
+            raise ValueError("array 'grp_len' does not match the nonzeros of its split rows")
+        check_entries(np.repeat(row, lens), indices, data, m, n, key.pattern, values)
+
     def instance_args(self, mod, params):
         return {"reduce": mod.op.reduce, "cf": int(params["cf"]), "vec": _largest_vec(mod.op.K, int(params["vec"])),
                 "group": int(params["group"]), "unroll": int(params["unroll"]), "dtype": mod.op.dtype}
@@ -229,6 +264,22 @@ class CsrSddmm(NvccTemplate):
             seeds.append({**d, "group": g, "k_chunks": xc, "nnz_per_warp": 64})
         seeds.append({**d, "warps_per_block": 8})
         return unique_params(seeds)
+
+    def check_arrays(self, key, params, arrays, meta, values=None):
+        """Segments cover the nonzeros in order, each reads an X row in range; the output
+        positions are a permutation of the entries, and the entries rebuild the manifest's matrix."""
+        m, n, nnz = key.rows, key.cols, key.nnz
+        meta_int(meta, "K", key.K)
+        indices = index_array(arrays, "indices", 0, max(n, 1), nnz)
+        data = float_array(arrays, "data", nnz)
+        nnz_ids = index_array(arrays, "nnz_ids", 0, max(nnz, 1), nnz)
+        if nnz and not np.all(np.bincount(nnz_ids, minlength=nnz) == 1):
+            raise ValueError("array 'nnz_ids' is not a permutation of the stored entries")
+        seg_xrow = index_array(arrays, "seg_xrow", 0, max(m, 1))
+        seg_ptr = pointer_array(arrays, "seg_ptr", nnz, seg_xrow.size + 1)
+        order = np.empty(nnz, dtype=np.int64)
+        order[nnz_ids] = np.arange(nnz, dtype=np.int64)
+        check_entries(np.repeat(seg_xrow, np.diff(seg_ptr)), indices, data, m, n, key.pattern, values, order)
 
     def checks(self, mod):
         return {"group": (4, 8, 16, 32), "k_chunks": (1, 2, 4, 8), "vec": _vec_choices(mod.op.dtype),

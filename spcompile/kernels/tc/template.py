@@ -40,7 +40,9 @@ folded in (X rows of a TC block are original column ids, output rows go to ``row
 """
 from __future__ import annotations
 
-from ..base import register_template, unique_params
+import numpy as np
+
+from ..base import float_array, index_array, meta_int, pointer_array, register_template, unique_params
 from ..nvcc import AtLeast, LaunchSpec, NvccKernel, NvccTemplate
 from .emulate import emulate_mma_spmm, emulate_tc_sddmm, emulate_tc_spmm, round_to  # noqa: F401 (public here too)
 from .packer import (INPUT_PRECISION, PRECISIONS, input_type, mma_arrays, sddmm_arrays,  # noqa: F401
@@ -125,6 +127,28 @@ class _SgtTemplate(NvccTemplate):
 
     def checks(self, mod):
         return {"precision": self._precisions(mod, search=False)}
+
+    def _check_common(self, key, params, meta) -> tuple[int, int]:
+        """The saved meta against the workload and params: rows, K, dtype, the block width and
+        the instances' precision / block width / input type.  Returns ``(BW, windows)``."""
+        meta_int(meta, "m", key.rows)
+        meta_int(meta, "K", key.K)
+        if meta.get("dtype") != key.dtype:
+            raise ValueError(f"kernel meta 'dtype' must be {key.dtype!r}, got {meta.get('dtype')!r}")
+        prec = params.get("precision")
+        if meta.get("precision") != prec or prec not in PRECISIONS:
+            raise ValueError(f"kernel meta 'precision' must be the params' {prec!r}, got {meta.get('precision')!r}")
+        BW = meta_int(meta, "BW")
+        if BW not in (8, 16) or BW % PRECISIONS[prec].mma_k:
+            raise ValueError(f"kernel meta 'BW' must be 8 or 16 and a multiple of the MMA k, got {BW}")
+        want = (PRECISIONS[prec].code, BW, input_type(key.dtype, prec))
+        inst = meta.get("instances")
+        if not isinstance(inst, list) or not inst or any(
+                not isinstance(i, list) or len(i) != 2 or not isinstance(i[1], list) or len(i[1]) < 3
+                or (i[1][0], i[1][1], i[1][-1]) != want for i in inst):
+            raise ValueError(f"kernel meta 'instances' must be instances of precision code, block width and "
+                             f"input type {want}")
+        return BW, -(-key.rows // 16)
 
     def _common_args(self, mod, params) -> dict:
         prec = str(params["precision"])
@@ -309,6 +333,66 @@ class TcWmmaSgt(_SgtTemplate):
             return mma_arrays(mod, prec, int(params["max_blocks"]))
         return tc_arrays(mod, prec, bool(int(params["dense_a"])))
 
+    def check_arrays(self, key, params, arrays, meta, values=None):
+        """Bounds of every index the kernels follow (X rows, output rows, blocks, tiles, slots)
+        and sizes that match the block count; what is in bounds but altered is the signature's
+        to catch (the dense A tiles do not say which zeros are stored entries)."""
+        BW, nwin = self._check_common(key, params, meta)
+        m, n = key.rows, key.cols
+        impl = meta.get("impl")
+        if impl != params.get("impl") or impl not in ("mma", "wmma"):
+            raise ValueError(f"kernel meta 'impl' must be the params' {params.get('impl')!r}, got {impl!r}")
+        row_ids = index_array(arrays, "row_ids", 0, max(m, 1), m)
+        if m and not np.all(np.bincount(row_ids, minlength=m) == 1):
+            raise ValueError("array 'row_ids' is not a permutation of the rows")
+        prec = str(params["precision"])
+        if impl == "mma":
+            KS = PRECISIONS[prec].mma_k
+            pcols = index_array(arrays, "pcols", -1, max(n, 1))
+            if pcols.size % BW:
+                raise ValueError(f"array 'pcols' must hold whole blocks of {BW} columns, got {pcols.size}")
+            nblk = pcols.size // BW
+            per_lane = 4 if KS == 8 else 8                              # values per 16-byte fragment
+            frags = nblk * (BW // KS) * 32 * per_lane * (2 if prec == "3xtf32" else 1)
+            afrag = float_array(arrays, "afrag", frags)
+            if afrag.dtype.itemsize * per_lane != 16:
+                raise ValueError(f"array 'afrag' must hold 16-byte fragments, got {afrag.dtype}")
+            items = index_array(arrays, "items", -1, 2**31, ndim=2)
+            if items.shape[1:] != (4,):
+                raise ValueError(f"array 'items' must be (n, 4), got {list(items.shape)}")
+            slot_grp = index_array(arrays, "slot_grp", 0, 2**31)
+            grp_ptr = pointer_array(arrays, "grp_ptr", slot_grp.size)
+            if slot_grp.size and int(slot_grp.max()) >= grp_ptr.size - 1:
+                raise ValueError(f"array 'slot_grp' holds values outside [0, {grp_ptr.size - 1})")
+            lo, hi, win, slot = items.T
+            if items.size and (lo.min() < 0 or np.any(hi < lo) or hi.max() > nblk or win.min() < 0
+                               or win.max() >= max(nwin, 1) or slot.max() >= slot_grp.size):
+                raise ValueError(f"array 'items' holds a block range outside [0, {nblk}], a window outside "
+                                 f"[0, {nwin}) or a slot outside [-1, {slot_grp.size})")
+            if items.size and np.bincount(slot[slot >= 0], minlength=slot_grp.size).tolist() != [1] * slot_grp.size:
+                raise ValueError("array 'items' must name every partial-result slot exactly once")
+            meta_int(meta, "items", items.shape[0])
+            meta_int(meta, "slots", slot_grp.size)
+            meta_int(meta, "span", self._span(key.dtype))
+            return
+        win_ptr = index_array(arrays, "win_block_ptr", 0, 2**31)
+        blk_cols = index_array(arrays, "blk_cols", -1, max(n, 1))
+        if blk_cols.size % BW:
+            raise ValueError(f"array 'blk_cols' must hold whole blocks of {BW} columns, got {blk_cols.size}")
+        nblk = blk_cols.size // BW
+        pointer_array(arrays, "win_block_ptr", nblk, meta_int(meta, "windows") + 1)
+        if win_ptr.size - 1 > max(nwin, 1):
+            raise ValueError(f"kernel meta 'windows' must be at most {nwin}")
+        fixed, per_warp = self.smem_bytes(prec, BW, int(params["tiles_per_warp"]), int(params["dense_a"]))
+        meta_int(meta, "smem_fixed", fixed)
+        meta_int(meta, "smem_per_warp", per_warp)
+        if int(params["dense_a"]):
+            float_array(arrays, "tiles", nblk * 16 * BW)
+        else:
+            nz_pos = index_array(arrays, "nz_pos", 0, 16 * BW)
+            pointer_array(arrays, "nz_ptr", nz_pos.size, nblk + 1)
+            float_array(arrays, "nz_val", nz_pos.size)
+
     def instance_args(self, mod, params):
         a = self._common_args(mod, params)
         if params["impl"] == "mma":
@@ -410,6 +494,21 @@ class TcWmmaSgtSddmm(_SgtTemplate):
 
     def pack(self, mod, params):
         return sddmm_arrays(mod)
+
+    def check_arrays(self, key, params, arrays, meta, values=None):
+        """Bounds of every index the kernel follows; the outputs are a permutation of the entries."""
+        BW, nwin = self._check_common(key, params, meta)
+        m, n, nnz = key.rows, key.cols, key.nnz
+        meta_int(meta, "nnz", nnz)
+        index_array(arrays, "row_ids", 0, max(m, 1), m)
+        blk_win = index_array(arrays, "blk_win", 0, max(nwin, 1))
+        index_array(arrays, "blk_cols", -1, max(n, 1), blk_win.size * BW)
+        nz_pos = index_array(arrays, "nz_pos", 0, 16 * BW, nnz)
+        pointer_array(arrays, "nz_ptr", nz_pos.size, blk_win.size + 1)
+        float_array(arrays, "nz_val", nnz)
+        nz_out = index_array(arrays, "nz_out", 0, max(nnz, 1), nnz)
+        if nnz and not np.all(np.bincount(nz_out, minlength=nnz) == 1):
+            raise ValueError("array 'nz_out' is not a permutation of the stored entries")
 
     def instance_args(self, mod, params):
         a = self._common_args(mod, params)
