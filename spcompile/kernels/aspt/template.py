@@ -35,9 +35,11 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+import numpy as np
+
 from ...passes.recipes import ASPT_PANEL_HEIGHT
 from ...runtime import cuda as rt
-from ..base import register_template, unique_params
+from ..base import check_entries, index_array, meta_int, pointer_array, register_template, unique_params
 from ..csr.template import _largest_vec
 from ..nvcc import AtLeast, LaunchSpec, NvccKernel, NvccTemplate
 from .emulate import emulate_aspt_spmm, emulate_panel_spmm  # noqa: F401 (public here too)
@@ -52,6 +54,91 @@ _SMEM_CAP = 112 * 1024
 #: panel height of the offered pipelines
 PANEL_HEIGHT = ASPT_PANEL_HEIGHT
 _REDUCE = {"sum": 0, "mean": 0, "max": 1, "min": 2}
+#: the arrays of each scheme's kernels (``aspt_arrays`` / ``aspt_panel_arrays``) with the element
+#: type of their kernel parameters
+TASK_ARRAYS = {**{k: np.int32 for k in ("task_x0", "task_nc", "task_eptr", "dense_xrow", "ent_out", "ent_slot",
+                                          "rem_ptr", "rem_end1", "row_len", "rem_col", "row_ids", "tail_lo",
+                                          "tail_hi", "tail_out")},
+               "ent_val": np.float32, "rem_val": np.float32}
+PANEL_ARRAYS = {**{k: np.int32 for k in ("blk_row0", "blk_nrows", "blk_s0", "blk_sf", "blk_s1", "blk_slot",
+                                           "blk_grp", "st_x0", "st_nc", "st_eptr", "dense_xrow", "ent_row",
+                                           "ent_col", "row_len", "row_ids", "grp_first", "grp_n")},
+                "ent_val": np.float32}
+_INT_MAX = 2**31 - 1
+
+
+def _typed(arrays, name: str, dtype, size: int | None = None, of: str = "") -> np.ndarray:
+    """``arrays[name]``: 1-D, exactly the element type its kernel parameter has (another width or
+    byte order would be read as other values / past its end), ``size`` long (``of``: what that
+    length follows, for the message)."""
+    want = np.dtype(dtype)
+    if name not in arrays:
+        raise ValueError(f"array {name!r} is missing")
+    x = np.asarray(arrays[name])
+    if x.dtype != want or x.ndim != 1 or (size is not None and x.shape[0] != size):
+        raise ValueError(f"array {name!r} must be a 1-D {want} array"
+                         + (f" of length {size}" + (f" ({of})" if of else "") if size is not None else "")
+                         + f", got {x.dtype.str}{list(x.shape)}")
+    return x
+
+
+def _index(arrays, name: str, lo: int, hi: int, size: int | None = None, of: str = "") -> np.ndarray:
+    _typed(arrays, name, np.int32, size, of)
+    return index_array(arrays, name, lo, hi, size)
+
+
+def _pointer(arrays, name: str, last: int, size: int | None = None, of: str = "", last_of: str = "") -> np.ndarray:
+    """A pointer array (``size`` entries) rising from 0 to ``last`` (``last_of``: what it counts)."""
+    _typed(arrays, name, np.int32, size, of)
+    try:
+        return pointer_array(arrays, name, last, size)
+    except ValueError as e:
+        raise ValueError(f"{e}" + (f" ({last_of})" if last_of else "")) from None
+
+
+def _param(params, name: str, allowed=None, lo: int = 0):
+    """Parameter ``name``: one of ``allowed`` (strings or integers), else an integer >= ``lo``."""
+    v = params.get(name)
+    if allowed is not None and all(isinstance(a, str) for a in allowed):
+        if v not in allowed:
+            raise ValueError(f"parameter {name!r} must be one of {list(allowed)}, got {v!r}")
+        return v
+    if (not isinstance(v, (int, np.integer)) or isinstance(v, bool)
+            or (int(v) not in allowed if allowed is not None else not lo <= int(v) <= _INT_MAX)):
+        raise ValueError(f"parameter {name!r} must be " + (f"one of {list(allowed)}" if allowed is not None else
+                                                          f"an integer >= {lo}") + f", got {v!r}")
+    return int(v)
+
+
+def _meta_equal(meta, name: str, want) -> None:
+    if meta.get(name) != want or type(meta.get(name)) is bool:
+        raise ValueError(f"kernel meta {name!r} must be {want!r}, got {meta.get(name)!r}")
+
+
+def _check_instances(meta, want: list) -> None:
+    """``meta["instances"]`` must name exactly the instances ``want`` (``[[name, [args]], ...]``):
+    they select the compiled entry points and their compile-time layout."""
+    inst = meta.get("instances")
+    ok = isinstance(inst, (list, tuple)) and len(inst) == len(want) and all(
+        isinstance(i, (list, tuple)) and len(i) == 2 and isinstance(i[1], (list, tuple))
+        and i[0] == nm and len(i[1]) == len(a)
+        and all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) and x == y for x, y in zip(i[1], a))
+        for i, (nm, a) in zip(inst, want))
+    if not ok:
+        raise ValueError(f"kernel meta 'instances' must be {want}, got {inst!r}")
+
+
+def _cover(starts: np.ndarray, ends: np.ndarray, size: int) -> np.ndarray:
+    """How many of the ranges ``[starts[i], ends[i])`` (inside ``[0, size]``) hold each of
+    ``0 .. size - 1``."""
+    d = np.bincount(starts, minlength=size + 1) - np.bincount(ends, minlength=size + 1)
+    return np.cumsum(d)[:size]
+
+
+def _row_counts(row_len: np.ndarray, row_ids: np.ndarray, out_rows: np.ndarray, m: int) -> None:
+    """``row_len`` (per module row) must count the entries that land in its output row."""
+    if not np.array_equal(np.bincount(out_rows, minlength=m)[row_ids], row_len):
+        raise ValueError("array 'row_len' does not count the entries of each row")
 
 
 def smem_cap(arch: int) -> int:
@@ -236,6 +323,225 @@ class AsptTiled(NvccTemplate):
         return {**meta, "KT": 32 * vec * cf, "KT1": 32 * cf, "smem": chunk * 32 * vec * cf * 4,
                 "smem1": chunk * 32 * cf * 4, "tasks": int(arrays["task_eptr"].size) - 1,
                 "tails": int(arrays["tail_lo"].size)}
+
+    def check_arrays(self, key, params, arrays, meta, values=None):
+        """Every index the kernels follow stays inside its array, X (``key.cols`` rows), Y
+        (``key.rows`` rows), the dynamic shared memory of its launch and the workspaces, and the
+        launches are the ones these arrays were built for (see ``aspt_tiled.cu``):
+
+        * the parameters / meta that shape the launches and the instances (``m``, ``K``, dtype,
+          scheme, reduce, warps, vec, cf, nbuf, chunk, H, the shared-memory sizes, the counts of
+          tasks / tails / blocks / steps / split panels, ``instances``) agree with the workload key,
+          with each other and with the arrays;
+        * every array has the element type of its kernel parameter; ``row_ids`` is a permutation
+          of the output rows, ``row_len`` counts each row's entries;
+        * per scheme the structure below, and in the end the entries (output row, original
+          column) rebuild the manifest's matrix (pattern hash; the values hash too, except for
+          ``mean``, whose values are pre-scaled): no entry lost, repeated or invented."""
+        m, n, K = key.rows, key.cols, key.K
+        for what, v in (("rows", m), ("cols", n), ("K", K)):
+            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or not 0 <= v <= _INT_MAX:
+                raise ValueError(f"workload {what} must be an integer in [0, 2**31), got {v!r}")
+        if key.dtype not in self.dtypes or key.reduce not in _REDUCE:
+            raise ValueError(f"{self.name} computes spmm {sorted(_REDUCE)} in {list(self.dtypes)}, "
+                             f"not {key.reduce!r} in {key.dtype!r}")
+        scheme = _param(params, "scheme", ("panel", "tasks"))
+        names = PANEL_ARRAYS if scheme == "panel" else TASK_ARRAYS
+        if sorted(arrays) != sorted(names):
+            raise ValueError(f"{self.name} scheme {scheme!r} takes arrays {sorted(names)}, got {sorted(arrays)}")
+        # --- launch scalars, parameters, instances
+        meta_int(meta, "m", m)
+        meta_int(meta, "K", K, lo=1)
+        _meta_equal(meta, "dtype", key.dtype)
+        _meta_equal(meta, "scheme", scheme)
+        _meta_equal(meta, "reduce", key.reduce)
+        vec = _largest_vec(K, _param(params, "vec", (1, 2, 4)))
+        cf = _param(params, "cf", (1, 2, 4))
+        W = _param(params, "warps", (1, 2, 4, 8, 16, 32))
+        nbuf = _param(params, "nbuf", (1, 2))
+        chunk_p = _param(params, "chunk", lo=1)
+        _param(params, "rows_per_warp", lo=1)
+        for p in ("max_seg", "max_ent", "split"):
+            _param(params, p, lo=0)
+        meta_int(meta, "vec", vec)
+        meta_int(meta, "warps", W)
+        arch = meta_int(meta, "arch")
+        H = meta_int(meta, "H", lo=1)
+        _check_instances(meta, [[nm, list(a)] for nm, a in self.instances(
+            vec=vec, cf=1 if scheme == "panel" else cf, reduce=key.reduce, scheme=scheme, nbuf=nbuf)])
+        row_ids = _index(arrays, "row_ids", 0, m, m, "m")
+        if m and not np.all(np.bincount(row_ids, minlength=m) == 1):
+            raise ValueError("array 'row_ids' is not a permutation of the rows")
+        row_len = _index(arrays, "row_len", 0, n + 1, m, "m")
+        dense_xrow = _index(arrays, "dense_xrow", 0, n)
+        if scheme == "panel":
+            chunk = panel_chunk(H, vec, nbuf, chunk_p, arch)
+            if chunk < 1:
+                raise ValueError(f"kernel meta 'H' = {H}: no room for staged columns in shared memory")
+            meta_int(meta, "chunk", chunk)
+            meta_int(meta, "nbuf", nbuf)
+            for k, kt in (("KT", 32 * vec), ("KT1", 32)):
+                meta_int(meta, k, kt)
+                try:
+                    meta_int(meta, "smem" + k[2:], (H + nbuf * chunk) * kt * 4)
+                except ValueError as e:
+                    raise ValueError(f"{e} (kernel meta 'H' = {H}, 'nbuf' = {nbuf}, 'chunk' = {chunk})") from None
+            r, c, v = self._check_panel(arrays, meta, m, n, H, chunk, dense_xrow.size)
+        else:
+            chunk = max(1, min(chunk_p, _SMEM_CAP // (32 * vec * cf * 4)))
+            meta_int(meta, "chunk", chunk)
+            for k, kt in (("KT", 32 * vec * cf), ("KT1", 32 * cf)):
+                meta_int(meta, k, kt)
+                meta_int(meta, "smem" + k[2:], chunk * kt * 4)
+            r, c, v = self._check_tasks(arrays, meta, m, n, chunk, row_ids, dense_xrow.size)
+        # every entry once, in range: the matrix of the manifest
+        _row_counts(row_len, row_ids, r, m)
+        if r.size != key.nnz:
+            raise ValueError(f"the entries of the arrays ({r.size}) are not the matrix's nnz={key.nnz}")
+        check_entries(r, c, v if key.reduce != "mean" else None, m, n, key.pattern,
+                      values if key.reduce != "mean" else None)
+
+    @staticmethod
+    def _check_tasks(arrays, meta, m, n, chunk, row_ids, ndense):
+        """Scheme "tasks": the row kernel's first segments ``rem_ptr[r] .. rem_end1[r]`` and the
+        tail segments ``tail_lo .. tail_hi`` split every row's remainder entries (``rem_ptr``
+        from 0 to them; ``rem_col`` X rows) exactly once, a tail inside one row and writing that
+        row's output (``tail_out``); every dense task stages ``task_nc <= chunk`` (the shared
+        memory of the launch) X rows ``dense_xrow[task_x0 ..]`` inside ``dense_xrow``, its entries
+        (``task_eptr`` from 0 to them) read a staged row (``ent_slot < task_nc``) and write an
+        output row (``ent_out``).  Returns the entries (output row, original column, value)."""
+        dx = np.asarray(arrays["dense_xrow"], np.int64)
+        # remainder
+        rem_val = _typed(arrays, "rem_val", np.float32)
+        nrem = rem_val.size
+        rem_col = _index(arrays, "rem_col", 0, n, nrem, "the entries of 'rem_val'")
+        rem_ptr = _pointer(arrays, "rem_ptr", nrem, m + 1, "m + 1", "the entries of 'rem_val'")
+        rem_end1 = _index(arrays, "rem_end1", 0, nrem + 1, m, "m")
+        if np.any(rem_end1 < rem_ptr[:-1]) or np.any(rem_end1 > rem_ptr[1:]):
+            raise ValueError("array 'rem_end1' must end each row's first segment inside the row (rem_ptr)")
+        tail_lo = _index(arrays, "tail_lo", 0, nrem)
+        ntail = tail_lo.size
+        tail_hi = _index(arrays, "tail_hi", 0, nrem + 1, ntail, "the segments of 'tail_lo'")
+        tail_out = _index(arrays, "tail_out", 0, m, ntail, "the segments of 'tail_lo'")
+        if np.any(tail_hi <= tail_lo):
+            raise ValueError("array 'tail_hi' must end every tail segment after its start (tail_lo)")
+        if np.any(_cover(np.concatenate([rem_ptr[:-1], tail_lo]), np.concatenate([rem_end1, tail_hi]), nrem) != 1):
+            raise ValueError("arrays 'rem_end1' / 'tail_lo' / 'tail_hi' must cover every remainder entry exactly once")
+        rrow = np.repeat(np.arange(m, dtype=np.int64), np.diff(rem_ptr))       # module row of each entry
+        trow = rrow[tail_lo] if ntail else np.zeros(0, np.int64)
+        if np.any(tail_hi > rem_ptr[trow + 1]):
+            raise ValueError("array 'tail_hi' runs a tail segment past its row's entries (rem_ptr)")
+        if not np.array_equal(tail_out, row_ids[trow]):
+            raise ValueError("array 'tail_out' must be the output row of each tail segment's row")
+        # dense tasks
+        ent_val = _typed(arrays, "ent_val", np.float32)
+        nent = ent_val.size
+        task_eptr = _pointer(arrays, "task_eptr", nent, last_of="the entries of 'ent_val'")
+        ntask = task_eptr.size - 1
+        task_x0 = _index(arrays, "task_x0", 0, ndense + 1, ntask, "the tasks of 'task_eptr'")
+        task_nc = _index(arrays, "task_nc", 0, chunk + 1, ntask, "the tasks of 'task_eptr'")
+        if np.any(task_x0 + task_nc > ndense):
+            raise ValueError("arrays 'task_x0' / 'task_nc' stage columns past the end of 'dense_xrow'")
+        ent_out = _index(arrays, "ent_out", 0, m, nent, "the entries of 'ent_val'")
+        ent_slot = _index(arrays, "ent_slot", 0, chunk, nent, "the entries of 'ent_val'")
+        etask = np.repeat(np.arange(ntask, dtype=np.int64), np.diff(task_eptr))
+        if np.any(ent_slot >= task_nc[etask]):
+            raise ValueError("array 'ent_slot' names a column its task does not stage (task_nc)")
+        meta_int(meta, "tasks", ntask)
+        meta_int(meta, "tails", ntail)
+        return (np.concatenate([row_ids[rrow], ent_out]), np.concatenate([rem_col, dx[task_x0[etask] + ent_slot]]),
+                np.concatenate([rem_val, ent_val]))
+
+    @staticmethod
+    def _check_panel(arrays, meta, m, n, H, chunk, ndense):
+        """Scheme "panel": blocks own ``blk_nrows <= H`` (the shared accumulator) rows from
+        ``blk_row0`` inside Y's rows and the steps ``blk_s0 <= blk_sf <= blk_s1`` (``st_*``
+        arrays, ``st_eptr`` from 0 to the entries); the blocks' step ranges cover every step
+        exactly once; a block's steps before ``blk_sf`` gather (``st_nc`` = 0, ``ent_col`` an X
+        row), the rest stage ``1 <= st_nc <= chunk`` X rows of ``dense_xrow`` (``ent_col`` one of
+        them); ``ent_row`` a row of the step's block, ordered inside a step.  Split blocks have
+        distinct scratch slots ``blk_slot`` (``part`` holds one per split block), each inside its
+        group ``blk_grp`` (``grp_first .. + grp_n``, ``grp_n`` blocks, one panel), the groups
+        index the ``counters``; every output row is written by exactly one whole block or group.
+        Returns the entries (output row, original column, value)."""
+        dx = np.asarray(arrays["dense_xrow"], np.int64)
+        row_ids = np.asarray(arrays["row_ids"], np.int64)
+        # steps and entries
+        ent_val = _typed(arrays, "ent_val", np.float32)
+        nent = ent_val.size
+        st_eptr = _pointer(arrays, "st_eptr", nent, last_of="the entries of 'ent_val'")
+        S = st_eptr.size - 1
+        st_nc = _index(arrays, "st_nc", 0, chunk + 1, S, "the steps of 'st_eptr'")
+        st_x0 = _index(arrays, "st_x0", 0, ndense + 1, S, "the steps of 'st_eptr'")
+        if np.any(st_x0 + st_nc > ndense):
+            raise ValueError("arrays 'st_x0' / 'st_nc' stage columns past the end of 'dense_xrow'")
+        # blocks
+        blk_s0 = _index(arrays, "blk_s0", 0, S + 1)
+        B = blk_s0.size
+        blk_sf = _index(arrays, "blk_sf", 0, S + 1, B, "the blocks of 'blk_s0'")
+        blk_s1 = _index(arrays, "blk_s1", 0, S + 1, B, "the blocks of 'blk_s0'")
+        if np.any(blk_sf < blk_s0) or np.any(blk_s1 < blk_sf):
+            raise ValueError("arrays 'blk_s0' / 'blk_sf' / 'blk_s1' must be ordered s0 <= sf <= s1")
+        if np.any(_cover(blk_s0, blk_s1, S) != 1):
+            raise ValueError("arrays 'blk_s0' / 'blk_s1' must give every step to exactly one block")
+        blk_row0 = _index(arrays, "blk_row0", 0, m + 1, B, "the blocks of 'blk_s0'")
+        blk_nrows = _index(arrays, "blk_nrows", 0, H + 1, B, "the blocks of 'blk_s0'")
+        if np.any(blk_row0 + blk_nrows > m):
+            raise ValueError("arrays 'blk_row0' / 'blk_nrows' name rows past the matrix's")
+        # the block of every step (block ranges are disjoint and cover the steps)
+        own = blk_s0 < blk_s1
+        at = np.full(S, -1, np.int64)
+        at[blk_s0[own]] = np.flatnonzero(own)
+        start = np.maximum.accumulate(np.where(at >= 0, np.arange(S), 0)) if S else np.zeros(0, np.int64)
+        sblk = at[start]
+        gather = np.arange(S) < blk_sf[sblk]
+        if np.any(st_nc[gather] != 0) or np.any(st_nc[~gather] == 0):
+            raise ValueError("arrays 'st_nc' / 'blk_sf': a block's steps before blk_sf gather (st_nc = 0), "
+                             "the others stage columns (st_nc >= 1)")
+        ent_row = _index(arrays, "ent_row", 0, H, nent, "the entries of 'ent_val'")
+        ent_col = _index(arrays, "ent_col", 0, max(n, chunk), nent, "the entries of 'ent_val'")
+        estep = np.repeat(np.arange(S, dtype=np.int64), np.diff(st_eptr))
+        eblk = sblk[estep]
+        if np.any(ent_row >= blk_nrows[eblk]):
+            raise ValueError("array 'ent_row' names a row outside its block (blk_nrows)")
+        if nent > 1 and np.any((ent_row[1:] < ent_row[:-1]) & (estep[1:] == estep[:-1])):
+            raise ValueError("array 'ent_row' must be ordered inside each step")
+        eg = gather[estep]
+        if np.any(ent_col[eg] >= n) or np.any(ent_col[~eg] >= st_nc[estep[~eg]]):
+            raise ValueError("array 'ent_col' names an X row (gather steps) or staged column (st_nc) out of range")
+        # split panels: scratch slots and groups
+        grp_n = _index(arrays, "grp_n", 1, B + 1)
+        G = grp_n.size
+        blk_slot = _index(arrays, "blk_slot", -1, B, B, "the blocks of 'blk_s0'")
+        split = blk_slot >= 0
+        nslots = int(split.sum())
+        grp_first = _index(arrays, "grp_first", 0, nslots + 1, G, "the groups of 'grp_n'")
+        blk_grp = _index(arrays, "blk_grp", 0, max(G, 1), B, "the blocks of 'blk_s0'")
+        sl, sg = blk_slot[split], blk_grp[split]
+        if nslots and (sl.max() >= nslots or np.any(np.bincount(sl, minlength=nslots) != 1)):
+            raise ValueError(f"array 'blk_slot' must give the split blocks the scratch slots 0 .. {nslots - 1}, each once")
+        if nslots and sg.max() >= G or np.any(grp_first + grp_n > nslots):
+            raise ValueError("arrays 'blk_grp' / 'grp_first' / 'grp_n' name a group or slot that does not exist")
+        if np.any(sl < grp_first[sg]) or np.any(sl >= grp_first[sg] + grp_n[sg]) or not np.array_equal(
+                np.bincount(sg, minlength=G), grp_n):
+            raise ValueError("arrays 'blk_grp' / 'grp_first' / 'grp_n' must hold exactly the slots of each group's blocks")
+        rep = np.zeros((2, G), np.int64)
+        rep[0, sg], rep[1, sg] = blk_row0[split], blk_nrows[split]
+        if np.any(rep[0, sg] != blk_row0[split]) or np.any(rep[1, sg] != blk_nrows[split]):
+            raise ValueError("array 'blk_grp': the blocks of a group must own the same rows")
+        whole = ~split
+        first = np.zeros(G, bool)
+        if G:
+            first[sg] = True
+        r0 = np.concatenate([blk_row0[whole], rep[0][first]])
+        if np.any(_cover(r0, r0 + np.concatenate([blk_nrows[whole], rep[1][first]]), m) != 1):
+            raise ValueError("arrays 'blk_row0' / 'blk_nrows' must give every output row to exactly one block or group")
+        meta_int(meta, "blocks", B)
+        meta_int(meta, "steps", S)
+        meta_int(meta, "split_panels", G)
+        rows = row_ids[blk_row0[eblk] + ent_row]
+        cols = np.where(eg, ent_col, dx[np.where(eg, 0, st_x0[estep] + ent_col)] if dx.size else 0)
+        return rows, cols, ent_val
 
     def kernel_class_for(self, meta):
         return AsptPanelKernel if meta.get("scheme") == "panel" else AsptKernel

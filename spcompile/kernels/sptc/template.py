@@ -34,10 +34,12 @@ The arrays are built in ``packer.py``, the numpy emulation of the kernels is ``e
 """
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from ...core.numerics import DTYPES, NATIVE_PRECISION
-from ..base import register_template, unique_params
+from ..base import index_array, meta_int, pointer_array, register_template, unique_params
 from ..nvcc import AtLeast, LaunchSpec, NvccKernel, NvccTemplate
 from .emulate import decode_tiles, emulate_sptc_spmm  # noqa: F401 (public here too)
 from .packer import (META_LAYOUT, PACKS, PRECISIONS, condense_windows, fragment_index,  # noqa: F401
@@ -49,6 +51,68 @@ __all__ = ["SptcVnm", "SptcKernel", "sptc_arrays", "pack_arrays", "condense_wind
 #: X / Y element type -> kernel code E; a 16-bit workload computes in its own precision only
 ELEMS = {d: DTYPES[d].code for d in ("float32", "float16", "bfloat16")}
 _SUFFIX = {0: "_kernel", 1: "_h", 2: "_b"}    # helper kernels per E
+#: the arrays of a kernel (``sptc_arrays``), each with the element type its kernel parameter has
+ARRAY_DTYPES = {"win_ptr": np.int32, "frag": np.uint32, "meta": np.uint32, "ccol": np.int32, "row_ids": np.int32,
+                "row_scale": np.float32, "rem_ptr": np.int32, "rem_rows": np.int32, "rem_cols": np.int32,
+                "rem_vals": np.float32, "items": np.int32, "zero_rows": np.int32}
+_INT_MAX = 2**31 - 1
+
+
+def _typed(arrays, name: str, size: int | None = None, of: str = "") -> np.ndarray:
+    """``arrays[name]``: 1-D, exactly the element type the kernel reads it as (``ARRAY_DTYPES``:
+    another width or byte order would be read as other values / past its end), ``size`` long
+    (``of``: what that length follows, for the message)."""
+    want = np.dtype(ARRAY_DTYPES[name])
+    if name not in arrays:
+        raise ValueError(f"array {name!r} is missing")
+    x = np.asarray(arrays[name])
+    if x.dtype != want or x.ndim != 1 or (size is not None and x.shape[0] != size):
+        raise ValueError(f"array {name!r} must be a 1-D {want} array"
+                         + (f" of length {size}" + (f" ({of})" if of else "") if size is not None else "")
+                         + f", got {x.dtype.str}{list(x.shape)}")
+    return x
+
+
+def _index(arrays, name: str, lo: int, hi: int, size: int | None = None, of: str = "") -> np.ndarray:
+    _typed(arrays, name, size, of)
+    return index_array(arrays, name, lo, hi, size)
+
+
+def _pointer(arrays, name: str, last: int, size: int, of: str = "", last_of: str = "") -> np.ndarray:
+    """A pointer array of ``size`` entries rising from 0 to ``last`` (``last_of``: what it counts)."""
+    _typed(arrays, name, size, of)
+    try:
+        return pointer_array(arrays, name, last, size)
+    except ValueError as e:
+        raise ValueError(f"{e}" + (f" ({last_of})" if last_of else "")) from None
+
+
+def _param(params, name: str, allowed) -> Any:
+    v = params.get(name)
+    ok = (v in allowed if all(isinstance(a, str) for a in allowed) else
+          isinstance(v, (int, np.integer)) and not isinstance(v, bool) and int(v) in allowed)
+    if not ok:
+        raise ValueError(f"parameter {name!r} must be one of {list(allowed)}, got {v!r}")
+    return v if isinstance(v, str) else int(v)
+
+
+def _check_instances(meta, want: list) -> None:
+    """``meta["instances"]`` must name exactly the instances ``want`` (``[[name, [args]], ...]``):
+    they select the compiled entry points and their compile-time layout (precision, slabs, X / Y
+    element type)."""
+    inst = meta.get("instances")
+    ok = isinstance(inst, (list, tuple)) and len(inst) == len(want) and all(
+        isinstance(i, (list, tuple)) and len(i) == 2 and isinstance(i[1], (list, tuple))
+        and i[0] == nm and len(i[1]) == len(a)
+        and all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) and x == y for x, y in zip(i[1], a))
+        for i, (nm, a) in zip(inst, want))
+    if not ok:
+        raise ValueError(f"kernel meta 'instances' must be {want}, got {inst!r}")
+
+
+def _meta_equal(meta, name: str, want) -> None:
+    if meta.get(name) != want or type(meta.get(name)) is bool:
+        raise ValueError(f"kernel meta {name!r} must be {want!r}, got {meta.get(name)!r}")
 
 
 def precisions_for(dtype: str) -> list[str]:
@@ -168,6 +232,121 @@ class SptcVnm(NvccTemplate):
 
     def pack(self, mod, params):
         return sptc_arrays(mod, str(params["precision"]), pack=str(params["pack"]), split=int(params["split"]))
+
+    def check_arrays(self, key, params, arrays, meta, values=None):
+        """Every index the kernels follow stays inside its array, X (``key.cols`` rows) or Y
+        (``key.rows`` rows) and the fp32 scratch, and the launches are the ones these arrays were
+        built for (see the module doc and ``sptc_vnm.cu``):
+
+        * the parameters / meta that shape the launches and the instance (``m``, ``K``, ``dtype``,
+          precision, slabs, warps, pack, layout, ``instances``) agree with the workload key and
+          with each other; the counts in the meta (tiles, items, remainder) with the arrays;
+        * every array has the kernel's element type; ``frag`` / ``meta`` / ``ccol`` hold 128 / 16 /
+          32 words per tile, ``ccol`` X rows or -1, the metadata valid 2:4 positions;
+        * ``win_ptr`` rises from 0 to the tiles over the 16-row windows; the work ``items``
+          (window, first tile, end tile, split number) name windows, cover every tile exactly
+          once inside their window's range, give every window an item; a window of several items
+          is split (one split number > 0, distinct, 1 .. #split windows), and ``zero_rows`` are
+          exactly the output rows of the split windows in that numbering (the zeroing / fp32
+          scratch rows, ``(split - 1) * 16 + window row``, stay inside it);
+        * ``row_ids`` a permutation of the output rows, ``row_scale`` one float per row;
+        * the remainder: distinct increasing output rows ``rem_rows``, ``rem_ptr`` from 0 to its
+          entries, ``rem_cols`` X rows, ``rem_vals`` one float per entry.
+
+        The matrix itself is not compared with the manifest's pattern hash: the 2:4 operands keep
+        no trace of an explicitly stored zero (a padded slot reads the same)."""
+        m, n, K = key.rows, key.cols, key.K
+        for what, v in (("rows", m), ("cols", n), ("K", K)):
+            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or not 0 <= v <= _INT_MAX:
+                raise ValueError(f"workload {what} must be an integer in [0, 2**31), got {v!r}")
+        if key.dtype not in ELEMS:
+            raise ValueError(f"{self.name} computes for {sorted(ELEMS)}, not {key.dtype!r}")
+        if sorted(arrays) != sorted(ARRAY_DTYPES):
+            raise ValueError(f"{self.name} takes arrays {sorted(ARRAY_DTYPES)}, got {sorted(arrays)}")
+        # --- launch scalars, parameters, instance
+        meta_int(meta, "m", m)
+        meta_int(meta, "K", K, lo=1)
+        _meta_equal(meta, "dtype", key.dtype)
+        meta_int(meta, "arch")
+        prec = _param(params, "precision", precisions_for(key.dtype))
+        NT = _param(params, "slabs_per_warp", (1, 2, 4, 8))
+        _param(params, "warps_per_block", (1, 2, 4, 8, 16))
+        pack = _param(params, "pack", PACKS)
+        _meta_equal(meta, "precision", prec)
+        _meta_equal(meta, "pack", pack)
+        _meta_equal(meta, "layout", META_LAYOUT)
+        want = [[nm, list(a)] for nm, a in self.instances(precision=prec, NT=NT, dtype=key.dtype)]
+        _check_instances(meta, want)
+        # --- tiles
+        ccol = _index(arrays, "ccol", -1, n)
+        if ccol.size % 32:
+            raise ValueError(f"array 'ccol' must hold 32 X rows per tile, got {ccol.size} values")
+        ntiles = ccol.size // 32
+        _typed(arrays, "frag", ntiles * 128, "128 words per tile of 'ccol'")
+        words = _typed(arrays, "meta", ntiles * 16, "16 words per tile of 'ccol'")
+        nib = (words[:, None] >> (4 * np.arange(8, dtype=np.uint32))[None, :]) & np.uint32(0xF)
+        if np.any((nib & 3) >= (nib >> 2)):
+            raise ValueError("array 'meta' holds invalid 2:4 metadata (positions must be distinct and increasing)")
+        nwin = -(-m // 16)
+        win_ptr = _pointer(arrays, "win_ptr", ntiles, nwin + 1, f"the 16-row windows of m={m} rows + 1",
+                           "the tiles of 'ccol'")
+        row_ids = _index(arrays, "row_ids", 0, m, m, "m")
+        if m and not np.all(np.bincount(row_ids, minlength=m) == 1):
+            raise ValueError("array 'row_ids' is not a permutation of the rows")
+        _typed(arrays, "row_scale", m, "m")
+        # --- work items: (window, first tile, end tile, split number)
+        items = _typed(arrays, "items")
+        if items.size % 4:
+            raise ValueError(f"array 'items' must hold 4 values per work item, got {items.size}")
+        it = items.reshape(-1, 4).astype(np.int64)
+        w, beg, end, at = it[:, 0], it[:, 1], it[:, 2], it[:, 3]
+        nitems = it.shape[0]
+        if nitems and (w.min() < 0 or w.max() >= nwin):
+            raise ValueError(f"array 'items' names windows outside [0, {nwin})")
+        if nitems and (np.any(beg < win_ptr[w]) or np.any(end < beg) or np.any(end > win_ptr[w + 1])):
+            raise ValueError("array 'items' holds tile ranges outside their window's tiles (win_ptr)")
+        cover = np.cumsum(np.bincount(beg, minlength=ntiles + 1) - np.bincount(end, minlength=ntiles + 1))[:ntiles]
+        if np.any(cover != 1):
+            raise ValueError("array 'items' must cover every tile exactly once")
+        per_win = np.bincount(w, minlength=nwin)
+        if np.any(per_win == 0):
+            raise ValueError("array 'items' leaves a window without a work item (its rows would not be written)")
+        if nitems and at.min() < 0:
+            raise ValueError("array 'items' holds negative split numbers")
+        wat = np.zeros(nwin, np.int64)
+        wat[w] = at
+        if np.any(at != wat[w]) or np.any((per_win > 1) & (wat == 0)):
+            raise ValueError("array 'items': the items of a window split into several must share one split number > 0")
+        sw = np.flatnonzero(wat > 0)
+        nsplit = sw.size
+        if nsplit and (wat[sw].max() > nsplit or np.any(np.bincount(wat[sw], minlength=nsplit + 1)[1:] != 1)):
+            raise ValueError(f"array 'items': the split windows must be numbered 1 .. {nsplit}, each once")
+        zero_rows = _index(arrays, "zero_rows", 0, m)
+        r = (sw[:, None] * 16 + np.arange(16)[None, :]).ravel()
+        slot = ((wat[sw] - 1)[:, None] * 16 + np.arange(16)[None, :]).ravel()
+        ok = r < m
+        expect = np.full(nsplit * 16, -1, np.int64)
+        expect[slot[ok]] = row_ids[r[ok]]
+        nz = zero_rows.size
+        if nz != int(ok.sum()) or not np.array_equal(expect[:nz], zero_rows):
+            raise ValueError("array 'zero_rows' must be the output rows of the split windows, in their split numbering")
+        # --- CSR remainder (one warp per row, distinct rows)
+        rem_rows = _index(arrays, "rem_rows", 0, m)
+        nrem = rem_rows.size
+        if nrem >= 2**26:                                   # the remainder kernel's warp id is an int
+            raise ValueError(f"array 'rem_rows' holds {nrem} rows, more than the remainder kernel indexes")
+        if np.any(rem_rows[1:] <= rem_rows[:-1]):
+            raise ValueError("array 'rem_rows' must hold distinct output rows in increasing order")
+        rem_vals = _typed(arrays, "rem_vals")
+        _index(arrays, "rem_cols", 0, n, rem_vals.size, "the entries of 'rem_vals'")
+        _pointer(arrays, "rem_ptr", rem_vals.size, nrem + 1, "the rows of 'rem_rows' + 1", "the entries of 'rem_vals'")
+        # --- counts in the meta
+        meta_int(meta, "tiles", ntiles)
+        meta_int(meta, "items", nitems)
+        meta_int(meta, "remainder_nnz", int(rem_vals.size))
+        meta_int(meta, "gathered_rows", int(np.count_nonzero(ccol >= 0)))
+        if rem_vals.size > key.nnz:
+            raise ValueError(f"array 'rem_vals' holds {rem_vals.size} entries, more than the matrix's {key.nnz}")
 
     def instance_args(self, mod, params):
         return {"precision": str(params["precision"]), "NT": int(params["slabs_per_warp"]), "dtype": mod.op.dtype}
