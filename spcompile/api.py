@@ -9,7 +9,7 @@ highest-priority template (:mod:`spcompile.autotune.policy`).
 from __future__ import annotations
 
 import warnings
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 from .autotune.policy import decide
 from .autotune.tuner import tune
@@ -50,6 +50,12 @@ def build(A, op: str = "spmm", K: int | None = None, reduce: str | None = None, 
     ``call_values``: the module will be called with new values (``mod(X, values=v)``, e.g. attention
     weights in training): only templates that read the values per call are considered.
     """
+    if params is not None and not isinstance(params, Mapping):
+        raise TypeError(f"params must be a mapping of template parameters (e.g. {{'k_tile': 32}}), "
+                        f"got {type(params).__name__}")
+    if pipeline is not None and (isinstance(pipeline, (str, bytes)) or not isinstance(pipeline, Iterable)):
+        raise TypeError(f"pipeline must be a list of passes (e.g. ['reorder.rcm']), got {type(pipeline).__name__} "
+                        f"{str(pipeline)[:60]!r}")
     sop = make_op(A, op, K, reduce, dtype)
     target = resolve_target(target)
     allowed_precisions(precision)  # a clear error for a bad policy, whatever path is taken

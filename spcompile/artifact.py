@@ -37,7 +37,7 @@ import numpy as np
 
 FORMAT = "spcompile-artifact"
 FORMAT_VERSION = 1
-_SAFE_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+_SAFE_NAME = re.compile(r"^(?!\.\.?$)[A-Za-z0-9_.-]{1,64}$")   # never "." or ".."
 _SAFE_ARRAY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 RESERVED = ("manifest.json", "arrays.npz")
 #: the manifest is small (kilobytes); anything larger or deeper is refused before parsing
@@ -292,6 +292,10 @@ def read_arrays(path: str, specs: Mapping | None = None) -> dict[str, np.ndarray
             if len(set(names)) != len(names) or not all(n.endswith(".npy") and _SAFE_ARRAY.match(n[:-4])
                                                          for n in names):
                 raise ArtifactError(f"artifact arrays.npz holds unexpected members {names[:8]}")
+            packed = [i.filename for i in infos if i.compress_type != zipfile.ZIP_STORED]
+            if packed:   # np.savez stores its members: a compressed one could inflate far past the declared sizes
+                raise ArtifactError(f"artifact arrays.npz holds compressed members {packed[:4]}: spcompile writes "
+                                    "them uncompressed, and their reads are bounded by the artifact's size")
             if specs is not None:
                 if not isinstance(specs, dict) or sorted(specs) != sorted(n[:-4] for n in names):
                     got = sorted(n[:-4] for n in names)

@@ -366,6 +366,11 @@ def _verified(path, workdir: str, A, require_signature, key):
     meta = manifest.get("kernel_meta", {})
     if not isinstance(meta, dict) or not isinstance(config.params, dict):
         raise ArtifactError("artifact manifest is incomplete or malformed (kernel_meta / params)")
+    if not isinstance(manifest.get("pass_log", []), list) or not isinstance(manifest.get("tuning") or {}, dict):
+        raise ArtifactError("artifact manifest is incomplete or malformed (pass_log must be a list, tuning a dict)")
+    if wkey.dtype not in tpl.dtypes:
+        raise ArtifactError(f"artifact's template {tpl.name!r} does not compute dtype {wkey.dtype!r} "
+                            f"(it supports {list(tpl.dtypes)})")
     if A is not None:
         C = as_csr(A)
         if C.shape != (wkey.rows, wkey.cols) or pattern_hash(C) != wkey.pattern:

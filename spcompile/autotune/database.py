@@ -672,8 +672,8 @@ class Database:
         for r in rows:   # a damaged row is skipped (with one warning), never a reason to fail
             try:
                 rec = self._to_record(r)
-                if not (isinstance(rec.value_ms, (int, float)) and math.isfinite(rec.value_ms)):
-                    raise ValueError(f"bad time {rec.value_ms!r}")
+                if not (isinstance(rec.value_ms, (int, float)) and math.isfinite(rec.value_ms) and rec.value_ms > 0):
+                    raise ValueError(f"bad time {rec.value_ms!r}")   # never stored by save_if_better
             except Exception as e:  # noqa: BLE001
                 rid = getattr(r, "id", None)
                 _warn_once(("bad-row", self.url, rid), f"skipping damaged tuning record {rid} in "

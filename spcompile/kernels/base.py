@@ -418,8 +418,8 @@ def check_csr_arrays(arrays: Mapping[str, np.ndarray], rows: int, cols: int, nnz
             raise ValueError("array 'nnz_ids' is not a permutation of the stored entries")
     if "data" in arrays:
         data = np.asarray(arrays["data"])
-        if data.dtype.kind != "f" or data.ndim != 1 or data.shape[0] != nnz:
-            raise ValueError(f"array 'data' must hold {nnz} floats, got {data.dtype}{list(data.shape)}")
+        if data.dtype != np.float32 or data.ndim != 1 or data.shape[0] != nnz:   # csr_kernel_arrays: float32
+            raise ValueError(f"array 'data' must hold {nnz} float32 values, got {data.dtype}{list(data.shape)}")
     if (pattern is None and values is None) or indptr is None or indices is None:
         return
     # the matrix in the caller's order: current row i is original row row_ids[i]; entry p goes to
