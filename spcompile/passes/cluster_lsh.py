@@ -441,8 +441,9 @@ class ClusterLSH(Pass):
             out = mod
             siglen, reason = self._siglen(R)
             if o["skip"] and sim_before > o["skip_similarity"]:
-                metrics["skipped"] = True
-                metrics["avg_similarity_after"] = sim_before
+                metrics.update(skipped=True, avg_similarity_after=sim_before,
+                               skip_reason=f"consecutive remainder rows are already similar ({sim_before:.3g} > "
+                                           f"skip_similarity {o['skip_similarity']})")
             elif reason is not None:
                 metrics.update(skipped=True, skip_reason=reason, avg_similarity_after=sim_before)
             else:
@@ -469,6 +470,10 @@ class ClusterLSH(Pass):
             out = mod
             if skip:
                 metrics["skipped"] = True
+                metrics["skip_reason"] = (
+                    f"the rows already fill dense panels (dense ratio {dr_before:.3g} > skip_dense_ratio "
+                    f"{o['skip_dense_ratio']})" if rnd == 1 else
+                    f"consecutive rows are already similar ({sim_before:.3g} > skip_similarity {o['skip_similarity']})")
             elif reason is not None:
                 metrics.update(skipped=True, skip_reason=reason)
             else:

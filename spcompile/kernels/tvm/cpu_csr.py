@@ -34,7 +34,7 @@ keeps in registers.
 from __future__ import annotations
 
 import functools
-import os
+import hashlib
 import math
 
 import numpy as np
@@ -248,11 +248,12 @@ def _sddmm_func(K: int, k_tile: int, idx: str, parallel: bool = True):
 
 
 @functools.lru_cache(maxsize=64)
-def _compiled(kind: str, *key) -> bytes:
-    """Compile (once per process and configuration); returns the shared library's bytes, kept in
-    memory (a file in a folder that something may clean is written again when needed)."""
+def _compiled(kind: str, symbol: str, *key) -> bytes:
+    """Compile (once per process and configuration) with the kernel exported as ``symbol``;
+    returns the shared library's bytes, kept in memory (a file in a folder that something may
+    clean is written again when needed)."""
     func = _spmm_func(*key) if kind == "spmm" else _sddmm_func(*key)
-    return rt.library_bytes(rt.compile_primfunc(func))
+    return rt.library_bytes(rt.compile_primfunc(func.with_attr("global_symbol", symbol)))
 
 
 class _CPUKernel(Kernel):
@@ -267,9 +268,9 @@ class _CPUKernel(Kernel):
         self._bound = [rt.as_tensor(arrays[k]) for k in meta["array_order"]]
 
     def artifact_files(self):
-        path = self.files.get("kernel.so")
-        if path is None or not os.path.isfile(path):
-            self.files = {**self.files, "kernel.so": rt.materialize(self._lib_bytes)}
+        # the library as compiled or loaded (kept in memory): a cached file that was removed,
+        # truncated or altered since is written again, never saved as it is
+        self.files = {**self.files, "kernel.so": rt.materialize(self._lib_bytes)}
         return self.files
 
     def __call__(self, *inputs, out):
@@ -312,8 +313,16 @@ class _CPUTemplate(Template):
             return [{**params, "parallel": False}]
         return []
 
-    def _code_key(self, mod, params, idx) -> tuple:
+    def _code_key(self, op, params, idx) -> tuple:
+        """Everything compiled into the kernel's code (``op``: the SparseOp or WorkloadKey)."""
         raise NotImplementedError
+
+    def entry_name(self, op, params, idx: str) -> str:
+        """The kernel's symbol in its library: the entry and a digest of its code key, so that a
+        library is only ever called for the workload and parameters it was compiled for (an
+        artifact relabelled for another K, reduction or tiling names a symbol its library lacks)."""
+        code = repr(self._code_key(op, params, str(idx)))
+        return f"{self.entry}_{hashlib.sha256(code.encode()).hexdigest()[:16]}"
 
     def build(self, mod: SparseModule, params) -> Kernel:
         params = self.check_params(mod, params)
@@ -323,21 +332,23 @@ class _CPUTemplate(Template):
         ntasks = nthreads * int(params["tasks_per_thread"]) if params["parallel"] else 1
         arrays["task_bounds"] = task_bounds(arrays["indptr"], ntasks, str(params["balance"])).astype(idt)
         arrays = {k: v for k, v in arrays.items() if k in self.array_order}
-        data = _compiled(self.entry, *self._code_key(mod, params, str(idt)))
+        symbol = self.entry_name(mod.op, params, str(idt))
+        data = _compiled(self.entry, symbol, *self._code_key(mod.op, params, str(idt)))
         path = rt.materialize(data)
         meta = {"array_order": list(self.array_order), "llvm_target": rt.host_llvm_target(),
-                "cpu_features": rt.host_cpu_features(), "entry": self.entry, "threads": nthreads}
-        return _CPUKernel(self.name, params, arrays, {"kernel.so": path}, meta, rt.load(path), self.entry, data)
+                "cpu_features": rt.host_cpu_features(), "entry": symbol, "threads": nthreads}
+        return _CPUKernel(self.name, params, arrays, {"kernel.so": path}, meta, rt.load(path), symbol, data)
 
     def check_arrays(self, key, params, arrays, meta, values=None):
         if sorted(arrays) != sorted(self.array_order):
             raise ValueError(f"template {self.name!r} takes arrays {sorted(self.array_order)}, got {sorted(arrays)}")
-        if meta.get("entry") != self.entry or list(meta.get("array_order", ())) != list(self.array_order):
-            raise ValueError(f"kernel metadata names entry {meta.get('entry')!r} / arrays "
-                             f"{meta.get('array_order')!r}; template {self.name!r} has {self.entry!r} / "
-                             f"{list(self.array_order)}")
         if np.asarray(arrays["indptr"]).dtype not in (np.dtype(np.int32), np.dtype(np.int64)):
             raise ValueError(f"index arrays must be int32 or int64, got {np.asarray(arrays['indptr']).dtype}")
+        want = self.entry_name(key, params, str(np.asarray(arrays["indptr"]).dtype))
+        if meta.get("entry") != want or list(meta.get("array_order", ())) != list(self.array_order):
+            raise ValueError(f"kernel metadata names entry {meta.get('entry')!r} / arrays "
+                             f"{meta.get('array_order')!r}; for this workload and these parameters template "
+                             f"{self.name!r} compiles {want!r} / {list(self.array_order)}")
         super().check_arrays(key, params, arrays, meta, values)
         tb = np.asarray(arrays["task_bounds"])
         if tb.ndim != 1 or tb.shape[0] < 2 or tb[0] != 0 or tb[-1] != key.rows or np.any(tb[1:] < tb[:-1]):
@@ -350,7 +361,7 @@ class _CPUTemplate(Template):
         with open(files["kernel.so"], "rb") as f:
             data = f.read()
         return _CPUKernel(self.name, params, arrays, files, {**meta, "array_order": list(self.array_order)},
-                          rt.load(files["kernel.so"]), self.entry, data)
+                          rt.load(files["kernel.so"]), str(meta["entry"]), data)
 
 
 def check_host(meta) -> None:
@@ -414,8 +425,8 @@ class CPUSpMM(_CPUTemplate):
         return {"parallel": self._parallel_default(mod), "tasks_per_thread": 4, "balance": "nnz",
                 "k_tile": k_tile, "tile_order": order, "prefetch": 16 if K <= 64 else 4}
 
-    def _code_key(self, mod, params, idx):
-        return (mod.op.K, mod.op.reduce, int(params["k_tile"]), str(params["tile_order"]), idx,
+    def _code_key(self, op, params, idx):
+        return (op.K, op.reduce, int(params["k_tile"]), str(params["tile_order"]), idx,
                 bool(params["parallel"]), int(params["prefetch"]))
 
 
@@ -440,5 +451,5 @@ class CPUSDDMM(_CPUTemplate):
         return {"parallel": self._parallel_default(mod), "tasks_per_thread": 4, "balance": "nnz",
                 "k_tile": 32 if K >= 64 else min(K, 16)}
 
-    def _code_key(self, mod, params, idx):
-        return (mod.op.K, int(params["k_tile"]), idx, bool(params["parallel"]))
+    def _code_key(self, op, params, idx):
+        return (op.K, int(params["k_tile"]), idx, bool(params["parallel"]))
