@@ -321,6 +321,21 @@ def index_array(arrays, name: str, lo: int, hi: int, size: int | None = None, nd
     return x
 
 
+def typed_array(arrays, name: str, dtype, size: int | None = None, of: str = "") -> np.ndarray:
+    """``arrays[name]``: 1-D, exactly of ``dtype`` (the element type its kernel parameter has:
+    another width or byte order would be read as other values / past its end), ``size`` long
+    (``of``: what that length follows, for the message)."""
+    want = np.dtype(dtype)
+    if name not in arrays:
+        raise ValueError(f"array {name!r} is missing")
+    x = np.asarray(arrays[name])
+    if x.dtype != want or x.ndim != 1 or (size is not None and x.shape[0] != size):
+        raise ValueError(f"array {name!r} must be a 1-D {want} array"
+                         + (f" of length {size}" + (f" ({of})" if of else "") if size is not None else "")
+                         + f", got {x.dtype.str}{list(x.shape)}")
+    return x
+
+
 def pointer_array(arrays, name: str, last: int, size: int | None = None, first: int | None = 0) -> np.ndarray:
     """A row / segment pointer: integers rising monotonically from ``first`` (any value >= 0 when
     None) to at most ``last`` (exactly ``last`` when ``first`` is given)."""

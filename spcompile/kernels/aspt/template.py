@@ -39,7 +39,8 @@ import numpy as np
 
 from ...passes.recipes import ASPT_PANEL_HEIGHT
 from ...runtime import cuda as rt
-from ..base import check_entries, index_array, meta_int, pointer_array, register_template, unique_params
+from ..base import (check_entries, index_array, meta_int, pointer_array, register_template, typed_array,
+                    unique_params)
 from ..csr.template import _largest_vec
 from ..nvcc import AtLeast, LaunchSpec, NvccKernel, NvccTemplate
 from .emulate import emulate_aspt_spmm, emulate_panel_spmm  # noqa: F401 (public here too)
@@ -67,19 +68,7 @@ PANEL_ARRAYS = {**{k: np.int32 for k in ("blk_row0", "blk_nrows", "blk_s0", "blk
 _INT_MAX = 2**31 - 1
 
 
-def _typed(arrays, name: str, dtype, size: int | None = None, of: str = "") -> np.ndarray:
-    """``arrays[name]``: 1-D, exactly the element type its kernel parameter has (another width or
-    byte order would be read as other values / past its end), ``size`` long (``of``: what that
-    length follows, for the message)."""
-    want = np.dtype(dtype)
-    if name not in arrays:
-        raise ValueError(f"array {name!r} is missing")
-    x = np.asarray(arrays[name])
-    if x.dtype != want or x.ndim != 1 or (size is not None and x.shape[0] != size):
-        raise ValueError(f"array {name!r} must be a 1-D {want} array"
-                         + (f" of length {size}" + (f" ({of})" if of else "") if size is not None else "")
-                         + f", got {x.dtype.str}{list(x.shape)}")
-    return x
+_typed = typed_array
 
 
 def _index(arrays, name: str, lo: int, hi: int, size: int | None = None, of: str = "") -> np.ndarray:

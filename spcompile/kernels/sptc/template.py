@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from ...core.numerics import DTYPES, NATIVE_PRECISION
-from ..base import index_array, meta_int, pointer_array, register_template, unique_params
+from ..base import index_array, meta_int, pointer_array, register_template, typed_array, unique_params
 from ..nvcc import AtLeast, LaunchSpec, NvccKernel, NvccTemplate
 from .emulate import decode_tiles, emulate_sptc_spmm  # noqa: F401 (public here too)
 from .packer import (META_LAYOUT, PACKS, PRECISIONS, condense_windows, fragment_index,  # noqa: F401
@@ -62,15 +62,7 @@ def _typed(arrays, name: str, size: int | None = None, of: str = "") -> np.ndarr
     """``arrays[name]``: 1-D, exactly the element type the kernel reads it as (``ARRAY_DTYPES``:
     another width or byte order would be read as other values / past its end), ``size`` long
     (``of``: what that length follows, for the message)."""
-    want = np.dtype(ARRAY_DTYPES[name])
-    if name not in arrays:
-        raise ValueError(f"array {name!r} is missing")
-    x = np.asarray(arrays[name])
-    if x.dtype != want or x.ndim != 1 or (size is not None and x.shape[0] != size):
-        raise ValueError(f"array {name!r} must be a 1-D {want} array"
-                         + (f" of length {size}" + (f" ({of})" if of else "") if size is not None else "")
-                         + f", got {x.dtype.str}{list(x.shape)}")
-    return x
+    return typed_array(arrays, name, ARRAY_DTYPES[name], size, of)
 
 
 def _index(arrays, name: str, lo: int, hi: int, size: int | None = None, of: str = "") -> np.ndarray:
