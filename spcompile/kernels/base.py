@@ -368,6 +368,25 @@ def meta_int(meta, name: str, want: int | None = None, lo: int = 0) -> int:
     return int(v)
 
 
+def meta_equal(meta, name: str, want) -> None:
+    """A value of a saved kernel's meta must be ``want`` (a bool never stands for a number)."""
+    if meta.get(name) != want or type(meta.get(name)) is bool:
+        raise ValueError(f"kernel meta {name!r} must be {want!r}, got {meta.get(name)!r}")
+
+
+def check_instances(meta, want: list) -> None:
+    """``meta["instances"]`` must name exactly the instances ``want`` (``[[name, [args]], ...]``):
+    they select the compiled entry points and their compile-time layout."""
+    inst = meta.get("instances")
+    ok = isinstance(inst, (list, tuple)) and len(inst) == len(want) and all(
+        isinstance(i, (list, tuple)) and len(i) == 2 and isinstance(i[1], (list, tuple))
+        and i[0] == nm and len(i[1]) == len(a)
+        and all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) and x == y for x, y in zip(i[1], a))
+        for i, (nm, a) in zip(inst, want))
+    if not ok:
+        raise ValueError(f"kernel meta 'instances' must be {want}, got {inst!r}")
+
+
 def check_entries(r: np.ndarray, c: np.ndarray, data, rows: int, cols: int, pattern: str | None,
                   values: str | None, order: np.ndarray | None = None) -> None:
     """The entries (row ``r[p]``, column ``c[p]``, value ``data[p]``) must form the matrix whose

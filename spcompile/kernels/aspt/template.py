@@ -39,8 +39,8 @@ import numpy as np
 
 from ...passes.recipes import ASPT_PANEL_HEIGHT
 from ...runtime import cuda as rt
-from ..base import (check_entries, index_array, meta_int, pointer_array, register_template, typed_array,
-                    unique_params)
+from ..base import (check_entries, check_instances, index_array, meta_equal, meta_int, pointer_array,
+                    register_template, typed_array, unique_params)
 from ..csr.template import _largest_vec
 from ..nvcc import AtLeast, LaunchSpec, NvccKernel, NvccTemplate
 from .emulate import emulate_aspt_spmm, emulate_panel_spmm  # noqa: F401 (public here too)
@@ -97,24 +97,6 @@ def _param(params, name: str, allowed=None, lo: int = 0):
         raise ValueError(f"parameter {name!r} must be " + (f"one of {list(allowed)}" if allowed is not None else
                                                           f"an integer >= {lo}") + f", got {v!r}")
     return int(v)
-
-
-def _meta_equal(meta, name: str, want) -> None:
-    if meta.get(name) != want or type(meta.get(name)) is bool:
-        raise ValueError(f"kernel meta {name!r} must be {want!r}, got {meta.get(name)!r}")
-
-
-def _check_instances(meta, want: list) -> None:
-    """``meta["instances"]`` must name exactly the instances ``want`` (``[[name, [args]], ...]``):
-    they select the compiled entry points and their compile-time layout."""
-    inst = meta.get("instances")
-    ok = isinstance(inst, (list, tuple)) and len(inst) == len(want) and all(
-        isinstance(i, (list, tuple)) and len(i) == 2 and isinstance(i[1], (list, tuple))
-        and i[0] == nm and len(i[1]) == len(a)
-        and all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) and x == y for x, y in zip(i[1], a))
-        for i, (nm, a) in zip(inst, want))
-    if not ok:
-        raise ValueError(f"kernel meta 'instances' must be {want}, got {inst!r}")
 
 
 def _cover(starts: np.ndarray, ends: np.ndarray, size: int) -> np.ndarray:
@@ -341,9 +323,9 @@ class AsptTiled(NvccTemplate):
         # --- launch scalars, parameters, instances
         meta_int(meta, "m", m)
         meta_int(meta, "K", K, lo=1)
-        _meta_equal(meta, "dtype", key.dtype)
-        _meta_equal(meta, "scheme", scheme)
-        _meta_equal(meta, "reduce", key.reduce)
+        meta_equal(meta, "dtype", key.dtype)
+        meta_equal(meta, "scheme", scheme)
+        meta_equal(meta, "reduce", key.reduce)
         vec = _largest_vec(K, _param(params, "vec", (1, 2, 4)))
         cf = _param(params, "cf", (1, 2, 4))
         W = _param(params, "warps", (1, 2, 4, 8, 16, 32))
@@ -356,7 +338,7 @@ class AsptTiled(NvccTemplate):
         meta_int(meta, "warps", W)
         arch = meta_int(meta, "arch")
         H = meta_int(meta, "H", lo=1)
-        _check_instances(meta, [[nm, list(a)] for nm, a in self.instances(
+        check_instances(meta, [[nm, list(a)] for nm, a in self.instances(
             vec=vec, cf=1 if scheme == "panel" else cf, reduce=key.reduce, scheme=scheme, nbuf=nbuf)])
         row_ids = _index(arrays, "row_ids", 0, m, m, "m")
         if m and not np.all(np.bincount(row_ids, minlength=m) == 1):

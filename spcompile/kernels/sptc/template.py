@@ -39,7 +39,8 @@ from typing import Any
 import numpy as np
 
 from ...core.numerics import DTYPES, NATIVE_PRECISION
-from ..base import index_array, meta_int, pointer_array, register_template, typed_array, unique_params
+from ..base import (check_instances, index_array, meta_equal, meta_int, pointer_array, register_template,
+                    typed_array, unique_params)
 from ..nvcc import AtLeast, LaunchSpec, NvccKernel, NvccTemplate
 from .emulate import decode_tiles, emulate_sptc_spmm  # noqa: F401 (public here too)
 from .packer import (META_LAYOUT, PACKS, PRECISIONS, condense_windows, fragment_index,  # noqa: F401
@@ -86,25 +87,6 @@ def _param(params, name: str, allowed) -> Any:
     if not ok:
         raise ValueError(f"parameter {name!r} must be one of {list(allowed)}, got {v!r}")
     return v if isinstance(v, str) else int(v)
-
-
-def _check_instances(meta, want: list) -> None:
-    """``meta["instances"]`` must name exactly the instances ``want`` (``[[name, [args]], ...]``):
-    they select the compiled entry points and their compile-time layout (precision, slabs, X / Y
-    element type)."""
-    inst = meta.get("instances")
-    ok = isinstance(inst, (list, tuple)) and len(inst) == len(want) and all(
-        isinstance(i, (list, tuple)) and len(i) == 2 and isinstance(i[1], (list, tuple))
-        and i[0] == nm and len(i[1]) == len(a)
-        and all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) and x == y for x, y in zip(i[1], a))
-        for i, (nm, a) in zip(inst, want))
-    if not ok:
-        raise ValueError(f"kernel meta 'instances' must be {want}, got {inst!r}")
-
-
-def _meta_equal(meta, name: str, want) -> None:
-    if meta.get(name) != want or type(meta.get(name)) is bool:
-        raise ValueError(f"kernel meta {name!r} must be {want!r}, got {meta.get(name)!r}")
 
 
 def precisions_for(dtype: str) -> list[str]:
@@ -258,17 +240,17 @@ class SptcVnm(NvccTemplate):
         # --- launch scalars, parameters, instance
         meta_int(meta, "m", m)
         meta_int(meta, "K", K, lo=1)
-        _meta_equal(meta, "dtype", key.dtype)
+        meta_equal(meta, "dtype", key.dtype)
         meta_int(meta, "arch")
         prec = _param(params, "precision", precisions_for(key.dtype))
         NT = _param(params, "slabs_per_warp", (1, 2, 4, 8))
         _param(params, "warps_per_block", (1, 2, 4, 8, 16))
         pack = _param(params, "pack", PACKS)
-        _meta_equal(meta, "precision", prec)
-        _meta_equal(meta, "pack", pack)
-        _meta_equal(meta, "layout", META_LAYOUT)
+        meta_equal(meta, "precision", prec)
+        meta_equal(meta, "pack", pack)
+        meta_equal(meta, "layout", META_LAYOUT)
         want = [[nm, list(a)] for nm, a in self.instances(precision=prec, NT=NT, dtype=key.dtype)]
-        _check_instances(meta, want)
+        check_instances(meta, want)
         # --- tiles
         ccol = _index(arrays, "ccol", -1, n)
         if ccol.size % 32:

@@ -42,7 +42,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..base import float_array, index_array, meta_int, pointer_array, register_template, unique_params
+from ..base import (check_instances, float_array, index_array, meta_int, pointer_array, register_template,
+                    unique_params)
 from ..nvcc import AtLeast, LaunchSpec, NvccKernel, NvccTemplate
 from .emulate import emulate_mma_spmm, emulate_tc_sddmm, emulate_tc_spmm, round_to  # noqa: F401 (public here too)
 from .packer import (INPUT_PRECISION, PRECISIONS, input_type, mma_arrays, sddmm_arrays,  # noqa: F401
@@ -141,19 +142,27 @@ class _SgtTemplate(NvccTemplate):
         BW = meta_int(meta, "BW")
         if BW not in (8, 16) or BW % PRECISIONS[prec].mma_k:
             raise ValueError(f"kernel meta 'BW' must be 8 or 16 and a multiple of the MMA k, got {BW}")
-        want = (PRECISIONS[prec].code, BW, input_type(key.dtype, prec))
-        inst = meta.get("instances")
-        if not isinstance(inst, list) or not inst or any(
-                not isinstance(i, list) or len(i) != 2 or not isinstance(i[1], list) or len(i[1]) < 3
-                or (i[1][0], i[1][1], i[1][-1]) != want for i in inst):
-            raise ValueError(f"kernel meta 'instances' must be instances of precision code, block width and "
-                             f"input type {want}")
+        check_instances(meta, [[nm, list(a)] for nm, a in self.instances(
+            **self._instance_args_of(key.K, key.dtype, BW, params))])
         return BW, -(-key.rows // 16)
 
     def _common_args(self, mod, params) -> dict:
+        return self._args_of(mod.op.K, mod.op.dtype, int(mod.formats["sgt"].BLK_W), params)
+
+    @staticmethod
+    def _args_of(K: int, dtype: str, BW: int, params) -> dict:
         prec = str(params["precision"])
-        ti = input_type(mod.op.dtype, prec)
-        return {"precision": prec, "BW": int(mod.formats["sgt"].BLK_W), "vec": _vec(mod.op.K, ti), "ti": ti}
+        ti = input_type(dtype, prec)
+        return {"precision": prec, "BW": BW, "vec": _vec(K, ti), "ti": ti}
+
+    def instance_args(self, mod, params):
+        return self._instance_args_of(mod.op.K, mod.op.dtype, int(mod.formats["sgt"].BLK_W), params)
+
+    def _instance_args_of(self, K: int, dtype: str, BW: int, params) -> dict:
+        """The instance arguments of ``params`` for a workload of width ``K`` and ``dtype`` on
+        ``BW``-wide blocks (what :meth:`instance_args` gives for a built module; a saved
+        kernel's instances are checked against it)."""
+        raise NotImplementedError
 
 
 # ------------------------------------------------------------------------------------------
@@ -393,8 +402,8 @@ class TcWmmaSgt(_SgtTemplate):
             pointer_array(arrays, "nz_ptr", nz_pos.size, nblk + 1)
             float_array(arrays, "nz_val", nz_pos.size)
 
-    def instance_args(self, mod, params):
-        a = self._common_args(mod, params)
+    def _instance_args_of(self, K, dtype, BW, params):
+        a = self._args_of(K, dtype, BW, params)
         if params["impl"] == "mma":
             return {**a, "impl": "mma", "cg": int(params["col_groups"]), "unroll": int(params["unroll"])}
         return {**a, "impl": "wmma", "tpw": int(params["tiles_per_warp"]), "dense_a": int(params["dense_a"])}
@@ -510,8 +519,8 @@ class TcWmmaSgtSddmm(_SgtTemplate):
         if nnz and not np.all(np.bincount(nz_out, minlength=nnz) == 1):
             raise ValueError("array 'nz_out' is not a permutation of the stored entries")
 
-    def instance_args(self, mod, params):
-        a = self._common_args(mod, params)
+    def _instance_args_of(self, K, dtype, BW, params):
+        a = self._args_of(K, dtype, BW, params)
         return {"precision": a["precision"], "BW": a["BW"], "ku": int(params["k_unroll"]), "vec": a["vec"],
                 "ti": a["ti"]}
 
