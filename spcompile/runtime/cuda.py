@@ -40,6 +40,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from .arrays import ArrayAdapter, adapter_for
+from .files import write_atomically
 from .kernel import Kernel
 
 __all__ = ["CUDAKernel", "call", "compile_cuda", "nvcc_path", "nvcc_available", "nvcc_version",
@@ -145,12 +146,10 @@ def compile_cuda(source: str, *, arch: int | None = None, options: Sequence[str]
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0:
             raise CompileError(f"nvcc failed ({' '.join(cmd)}):\n{r.stderr[-6000:]}{r.stdout[-2000:]}")
+        with open(outp, "rb") as f:
+            binary = f.read()
         with _COMPILE_LOCK:
-            fd, part = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".part-")
-            os.close(fd)
-            shutil.copyfile(outp, part)
-            os.chmod(part, 0o644)
-            os.replace(part, path)  # atomic: concurrent builders never see half a file
+            write_atomically(path, binary)  # concurrent builders never see half a file
     return path
 
 

@@ -321,8 +321,10 @@ class _CPUTemplate(Template):
         """The kernel's symbol in its library: the entry and a digest of its code key, so that a
         library is only ever called for the workload and parameters it was compiled for (an
         artifact relabelled for another K, reduction or tiling names a symbol its library lacks)."""
-        code = repr(self._code_key(op, params, str(idx)))
-        return f"{self.entry}_{hashlib.sha256(code.encode()).hexdigest()[:16]}"
+        return self._symbol(self._code_key(op, params, str(idx)))
+
+    def _symbol(self, code_key: tuple) -> str:
+        return f"{self.entry}_{hashlib.sha256(repr(code_key).encode()).hexdigest()[:16]}"
 
     def build(self, mod: SparseModule, params) -> Kernel:
         params = self.check_params(mod, params)
@@ -332,8 +334,9 @@ class _CPUTemplate(Template):
         ntasks = nthreads * int(params["tasks_per_thread"]) if params["parallel"] else 1
         arrays["task_bounds"] = task_bounds(arrays["indptr"], ntasks, str(params["balance"])).astype(idt)
         arrays = {k: v for k, v in arrays.items() if k in self.array_order}
-        symbol = self.entry_name(mod.op, params, str(idt))
-        data = _compiled(self.entry, symbol, *self._code_key(mod.op, params, str(idt)))
+        code = self._code_key(mod.op, params, str(idt))
+        symbol = self._symbol(code)
+        data = _compiled(self.entry, symbol, *code)
         path = rt.materialize(data)
         meta = {"array_order": list(self.array_order), "llvm_target": rt.host_llvm_target(),
                 "cpu_features": rt.host_cpu_features(), "entry": symbol, "threads": nthreads}
