@@ -79,6 +79,23 @@ def load_graph(name: str) -> sp.csr_matrix:
     return sp.load_npz(path).tocsr()
 
 
+def hub_matrix(seed: int = 3) -> sp.csr_matrix:
+    """A power-law-like 700 x 500 matrix: a few hub columns shared by many rows, a hub row, empty
+    rows (dense tiles and tails for the ASpT formats)."""
+    rng = np.random.default_rng(seed)
+    m, n = 700, 500
+    rows = rng.integers(0, m, 6000)
+    cols = np.minimum((rng.pareto(1.2, 6000) * 8).astype(np.int64), n - 1)
+    A = sp.coo_matrix((rng.standard_normal(6000), (rows, cols)), shape=(m, n)).tocsr()
+    A = A + sp.csr_matrix((rng.standard_normal(n), (np.full(n, 5), np.arange(n))), shape=(m, n))
+    keep = np.ones(m)
+    keep[[0, 17, m - 1]] = 0.0
+    A = (sp.diags(keep) @ A).tocsr()
+    A.sum_duplicates()
+    A.eliminate_zeros()
+    return A.astype(np.float32)
+
+
 def random_matrix(m: int, n: int, *, density: float = 0.05, seed: int = 0, empty_rows: int = 3,
                   long_row: bool = True, dtype=np.float32) -> sp.csr_matrix:
     """Random m x n CSR with ``empty_rows`` rows that hold nothing and (when ``long_row``) one row

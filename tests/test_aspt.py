@@ -32,7 +32,7 @@ from spcompile.runtime import cuda as rt
 from spcompile.runtime import cuda_available
 from spcompile.kernels import get_template
 
-from conftest import random_matrix
+from conftest import hub_matrix as _hub, random_matrix
 
 REDUCES = ("sum", "mean", "max", "min")
 
@@ -45,20 +45,6 @@ def _ref(A, X, reduce):
     return reference.run("spmm", reduce, as_csr(A), X)
 
 
-def _hub(seed=3):
-    """Power-law-like matrix: a few hub columns shared by many rows, a hub row, empty rows."""
-    rng = np.random.default_rng(seed)
-    m, n = 700, 500
-    rows = rng.integers(0, m, 6000)
-    cols = np.minimum((rng.pareto(1.2, 6000) * 8).astype(np.int64), n - 1)
-    A = sp.coo_matrix((rng.standard_normal(6000), (rows, cols)), shape=(m, n)).tocsr()
-    A = A + sp.csr_matrix((rng.standard_normal(n), (np.full(n, 5), np.arange(n))), shape=(m, n))
-    keep = np.ones(m)
-    keep[[0, 17, m - 1]] = 0.0
-    A = (sp.diags(keep) @ A).tocsr()
-    A.sum_duplicates()
-    A.eliminate_zeros()
-    return A.astype(np.float32)
 
 
 MATRICES = {

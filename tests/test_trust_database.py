@@ -8,6 +8,7 @@ import json
 import os
 import sqlite3
 import stat
+import sys
 import threading
 import time
 import warnings
@@ -22,8 +23,12 @@ from spcompile.autotune.database import TABLE, Database, DatabaseError, open_dat
 from spcompile.compile import make_op
 from spcompile.core.config import Config
 
+from conftest import REPO
 from test_database import make_record
 from test_tuner import Drifting, FakeRunner
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+from trust_probe import _columns_sql  # noqa: E402  (the current table layout as SQL, plus extras)
 
 cli_main = importlib.import_module("spcompile.cli.main")
 
@@ -42,17 +47,6 @@ def _fresh_warnings():
     dbm._WARNED.clear()
 
 
-def _columns_sql(extra: str = "") -> str:
-    db = Database("sqlite://")   # the current layout, in memory
-    cols = []
-    for c in db.table.columns:
-        t = "INTEGER PRIMARY KEY AUTOINCREMENT" if c.name == "id" else "TEXT"
-        if c.name in ("kernel_ms", "preprocess_ms", "value_ms", "baseline_ms", "created"):
-            t = "REAL"
-        if c.name in ("K", "rows", "cols", "nnz", "trial_number"):
-            t = "INTEGER"
-        cols.append(f'"{c.name}" {t}')
-    return ", ".join(cols) + (", " + extra if extra else "")
 
 
 # -- a table from another version ----------------------------------------------------------------
