@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Trust probe: bad input, hostile artifacts and faults, tried as a demanding user and an attacker
-would, on the CPU target.  Writes the table the "trust" issue asks for: per class, cases tried,
-handled cleanly, silently wrong, crash / unclear error, hang, loss.
+would, on the CPU target.  Writes a table per class of cases tried, handled cleanly, silently
+wrong, crash / unclear error, hang and loss.
 
     python benchmarks/trust_probe.py [--out DIR] [--quick] [--only CLASS] [--list] [--case NAME ...]
 
