@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import json
 import os
 import statistics
@@ -113,19 +114,27 @@ def _mapped_state(mine: dict, theirs: dict, name: str) -> dict:
     return out
 
 
-def run_impl(model, graph_arg, x, y, steps, warmup, precision, device, lr):
+def run_impl(model, graph_arg, x, y, steps, warmup, precision, device, lr, graphed=False):
     """Train ``steps`` steps from the model's current parameters: per-step times (after
-    ``warmup`` steps), the losses, the first step's time."""
+    ``warmup`` steps), the losses, the first step's time.
+
+    ``graphed``: the whole step (forward, loss, backward, ``Adam(capturable=True)`` step) captured
+    once in a CUDA graph and replayed -- PyTorch's whole-network capture recipe: the first step
+    eagerly (module builds, caches), three more eagerly on a side stream, one step captured (the
+    capture runs nothing), then every further step one replay.  Times are those of the replays."""
     import torch
 
     model.to(device)
-    opt = torch.optim.Adam(model.parameters(), lr=lr)
-    amp = PRECISIONS[precision]
     cuda = device.type == "cuda"
+    if graphed and not cuda:
+        raise ValueError("CUDA-graph capture needs a CUDA device")
+    opt = torch.optim.Adam(model.parameters(), lr=lr, capturable=graphed)
+    amp = PRECISIONS[precision]
 
     def step():
-        opt.zero_grad(set_to_none=True)
-        with (torch.autocast(device.type, dtype=getattr(torch, amp)) if amp else contextlib.nullcontext()):
+        opt.zero_grad(set_to_none=not graphed)
+        with (torch.autocast(device.type, dtype=getattr(torch, amp), cache_enabled=not graphed) if amp
+              else contextlib.nullcontext()):
             out = model(x, graph_arg)
         loss = torch.nn.functional.cross_entropy(out.float(), y)
         loss.backward()
@@ -138,23 +147,38 @@ def run_impl(model, graph_arg, x, y, steps, warmup, precision, device, lr):
     if cuda:
         torch.cuda.synchronize()
     first = time.perf_counter() - t0
-    for i in range(1, steps):
+    run = step
+    if graphed:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(min(3, steps - 1)):
+                losses.append(step().clone())
+        torch.cuda.current_stream().wait_stream(side)
+        cg = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(cg):
+            static_loss = step()
+
+        def run():
+            cg.replay()
+            return static_loss.clone()
+    for i in range(len(losses), steps):
         if cuda:
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
-            losses.append(step())
+            losses.append(run())
             b.record()
             times.append((a, b))
         else:
             t = time.perf_counter()
-            losses.append(step())
+            losses.append(run())
             times.append(time.perf_counter() - t)
     if cuda:
         torch.cuda.synchronize()
         times = [a.elapsed_time(b) for a, b in times]
     else:
         times = [t * 1e3 for t in times]
-    timed = times[max(0, warmup - 1):] or times
+    timed = times[max(0, warmup - 1 - (steps - 1 - len(times))):] or times
     return {"ms_per_step": statistics.median(timed) if timed else float("nan"),
             "ms_mean": statistics.fmean(timed) if timed else float("nan"),
             "steps_timed": len(timed), "first_step_s": first,
@@ -197,6 +221,9 @@ def main(argv=None) -> int:
     p.add_argument("--classes", type=int, default=16)
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--compile", action="store_true", help="also time the spcompile model under torch.compile(fullgraph=True)")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="also time every implementation with its whole training step captured in a CUDA graph "
+                        "(<impl>_graphed; PyTorch's whole-network capture)")
     p.add_argument("--build-options", default="{}", help="JSON keyword arguments of spcompile.build for the graphs' "
                                                         "modules, e.g. '{\"tune\": true, \"timeout\": 60}'")
     p.add_argument("--resume", action="store_true", help="keep the rows of an earlier run's train_gnn.json under "
@@ -249,29 +276,27 @@ def main(argv=None) -> int:
                     continue
                 torch.manual_seed(1)
                 ms = make_models(kind, a.features, hidden, a.classes, a.heads, pyg_nn, impls)
+                if a.cuda_graph:     # twins from the same initial parameters, trained on their own
+                    ms.update({f"{k}_graphed": copy.deepcopy(m) for k, m in list(ms.items())
+                               if k != "spcompile_compiled"})
                 row = {"graph": name, "rows": n, "nnz": int(A.nnz), "model": kind, "precision": prec,
                        "device": str(device), "impls": {}}
                 for impl, model in ms.items():
                     try:
-                        gkey = (kind, "spcompile" if impl.startswith("spcompile") else impl)
+                        base_impl = impl.removesuffix("_graphed")
+                        gkey = (kind, "spcompile" if impl.startswith("spcompile") else base_impl)
                         if gkey not in prepared:   # one graph per model kind and input form (its modules
-                            prepared[gkey] = graph_inputs(A, device, kind, impl, build_options)  # per dtype)
+                            prepared[gkey] = graph_inputs(A, device, kind, base_impl, build_options)  # per dtype)
                         garg = prepared[gkey]
-                        r = run_impl(model, garg, x, y, a.steps, a.warmup, prec, device, a.lr)
+                        r = run_impl(model, garg, x, y, a.steps, a.warmup, prec, device, a.lr,
+                                     graphed=impl.endswith("_graphed"))
                     except Exception as e:   # one implementation failing does not stop the run; recorded
                         r = {"error": f"{type(e).__name__}: {e}"}
                     row["impls"][impl] = r
                     print(f"{name} {kind} {prec} {impl}: " + (f"{r['ms_per_step']:.3f} ms/step, first step "
                           f"{r['first_step_s']:.2f} s, final loss {r['losses'][-1]:.4f}" if "error" not in r
                           else r["error"]), flush=True)
-                ours = row["impls"].get("spcompile", {})
-                base = {k: v for k, v in row["impls"].items() if k.startswith("pyg") and "error" not in v}
-                if base and "error" not in ours:
-                    best = min(base, key=lambda k: base[k]["ms_per_step"])
-                    row["best_pyg"] = best
-                    row["speedup"] = base[best]["ms_per_step"] / ours["ms_per_step"]
-                    row["max_loss_diff"] = max(max(abs(p - q) for p, q in zip(ours["losses"], v["losses"]))
-                                               for v in base.values())
+                summarize_row(row)
                 results.append(row)
                 common.write_json(out_json, {
                     "args": vars(a), "versions": common.versions(), "device": common.device_name(device.type),
@@ -281,10 +306,37 @@ def main(argv=None) -> int:
     return 0
 
 
+def summarize_row(row) -> None:
+    """The row's speed-ups: ``speedup`` = the faster eager PyG baseline's step time / spcompile's
+    eager one; with CUDA-graph runs, ``speedup_graphed`` = the fastest PyG time in any mode (eager
+    or graphed) / spcompile's graphed one.  ``max_loss_diff``: the largest difference between
+    spcompile's loss curve and any baseline's, ``loss_diff_20``: the same over the first 20 steps
+    (later steps of two fp32 runs drift apart as rounding differences grow)."""
+    ok = {k: v for k, v in row["impls"].items() if "error" not in v}
+    ours = ok.get("spcompile")
+    eager = {k: v for k, v in ok.items() if k.startswith("pyg") and not k.endswith("_graphed")}
+    anymode = {k: v for k, v in ok.items() if k.startswith("pyg")}
+    if ours is None or not eager:
+        return
+    best = min(eager, key=lambda k: eager[k]["ms_per_step"])
+    row["best_pyg"] = best
+    row["speedup"] = eager[best]["ms_per_step"] / ours["ms_per_step"]
+    diffs = [[abs(p - q) for p, q in zip(ours["losses"], v["losses"])] for v in anymode.values()]
+    row["max_loss_diff"] = max(max(d) for d in diffs)
+    row["loss_diff_20"] = max(max(d[:20]) for d in diffs)
+    g = ok.get("spcompile_graphed")
+    if g is not None:
+        top = min(anymode, key=lambda k: anymode[k]["ms_per_step"])
+        row["best_pyg_any"] = top
+        row["speedup_graphed"] = anymode[top]["ms_per_step"] / g["ms_per_step"]
+
+
 def markdown(results, device) -> str:
     impls = sorted({k for r in results for k in r["impls"]}, key=lambda k: (not k.startswith("spcompile"), k))
+    graphed = any("speedup_graphed" in r for r in results)
     header = ["graph", "rows", "nnz", "model", "precision"] + [f"{k} ms/step" for k in impls] + \
-        ["speedup vs best PyG", "max loss diff"]
+        ["speedup vs best PyG"] + (["graphed speedup vs best PyG (any mode)"] if graphed else []) + \
+        ["loss diff (20 steps)", "max loss diff"]
     rows = []
     for r in results:
         cells = [r["graph"], r["rows"], r["nnz"], r["model"], r["precision"]]
@@ -292,17 +344,26 @@ def markdown(results, device) -> str:
             v = r["impls"].get(k)
             cells.append("-" if v is None else ("error" if "error" in v else f"{v['ms_per_step']:.3f}"))
         cells.append(f"{r['speedup']:.2f}x" if "speedup" in r else "-")
+        if graphed:
+            cells.append(f"{r['speedup_graphed']:.2f}x" if "speedup_graphed" in r else "-")
+        cells.append(f"{r['loss_diff_20']:.2e}" if "loss_diff_20" in r else "-")
         cells.append(f"{r['max_loss_diff']:.2e}" if "max_loss_diff" in r else "-")
         rows.append(cells)
     lines = [f"# GNN training steps ({device})", ""] + common.md_table(header, rows)
     geo = {}
     for r in results:
         if "speedup" in r:
-            geo.setdefault((r["model"], r["precision"]), []).append(r["speedup"])
+            geo.setdefault((r["model"], r["precision"]), {}).setdefault("eager", []).append(r["speedup"])
+        if "speedup_graphed" in r:
+            geo.setdefault((r["model"], r["precision"]), {}).setdefault("graphed", []).append(r["speedup_graphed"])
     if geo:
-        lines += ["", "Geometric mean speedup over the faster PyG baseline:", ""]
-        lines += common.md_table(["model", "precision", "graphs", "geomean speedup"],
-                                 [[m, q, len(v), f"{common.geomean(v):.2f}x"] for (m, q), v in sorted(geo.items())])
+        lines += ["", "Geometric mean speed-up over the faster PyG baseline (eager: both eager; graphed: "
+                  "spcompile's CUDA-graph step against PyG's fastest step in either mode):", ""]
+        lines += common.md_table(
+            ["model", "precision", "graphs", "geomean speedup (eager)", "geomean speedup (graphed)"],
+            [[m, q, len(v.get("eager", [])), f"{common.geomean(v['eager']):.2f}x" if v.get("eager") else "-",
+              f"{common.geomean(v['graphed']):.2f}x ({len(v['graphed'])})" if v.get("graphed") else "-"]
+             for (m, q), v in sorted(geo.items())])
     errs = [(r["graph"], r["model"], r["precision"], k, v["error"]) for r in results
             for k, v in r["impls"].items() if "error" in v]
     if errs:

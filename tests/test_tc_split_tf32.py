@@ -3,9 +3,10 @@
 A is split at build time into tf32 hi + lo fragments, X in registers the same way, and three tf32
 MMAs accumulate lo(A) hi(X) + hi(A) lo(X) + hi(A) hi(X) in fp32.  Checked here without a GPU:
 the packed fragments, the lane-by-lane emulation of the kernel against float64 (fp32-level error,
-where plain tf32 is ~1e-3), the parameter rules (impl "mma" only, SpMM only, not in the search
-until measured on a GPU, admitted by the fp32 policy) and that its instances compile for sm_90
-and sm_80."""
+where plain tf32 is ~1e-3), the parameter rules (impl "mma" only, SpMM only, offered by the search and the seeds, the only
+tensor-core precision the default fp32 policy admits) and that its instances compile for sm_90
+and sm_80.  On the GPU, ``benchmarks/gpu_check.py`` checks it against float64 under
+compute-sanitizer."""
 from __future__ import annotations
 
 import subprocess
@@ -115,8 +116,13 @@ def test_parameter_rules():
     t = get_template("tc.wmma_sgt")
     mod = _mod(A, 32)
     assert "3xtf32" in numerics.allowed_precisions("fp32")             # fp32-level: the fp32 policy admits it
-    assert "3xtf32" not in t.space(mod)["precision"].choices             # not searched until measured
-    assert all(p["precision"] != "3xtf32" for p in t.seed_params(mod))
+    assert "3xtf32" in t.space(mod)["precision"].choices                 # searched
+    assert [p["impl"] for p in t.seed_params(mod) if p["precision"] == "3xtf32"] == ["mma"]   # one seed
+    assert t.default_params(mod)["precision"] == "tf32"                  # a separate choice, not the default
+    sd = get_template("tc.wmma_sgt_sddmm")
+    smod0 = SparseModule.from_op(make_op(A, "sddmm", 32))
+    assert "3xtf32" not in sd.space(smod0)["precision"].choices          # the SDDMM does not implement it
+    assert sd.default_params(smod0)["precision"] == "tf32"
     t.check_params(mod, _params(t, mod))                                 # built when asked for
     with pytest.raises(ValueError, match="impl 'mma' only"):
         t.validate(mod, t.check_params(mod, _params(t, mod, impl="wmma")))

@@ -408,9 +408,11 @@ def test_16bit_workload_space(db):
             assert list(tu._dists[t]["precision"].choices) == [prec]
         assert any(p and p[0]["name"] == "reorder.rcm" and any(q["name"] == "cluster.lsh" for q in p)
                    for p in tu.space["sptc.vnm"].values())
-    # an fp32 workload keeps the tensor-core templates out by default
+    # an fp32 workload keeps the lower-precision tensor-core variants out by default: split tf32
+    # (fp32-level) is the only one left
     tu32 = Tuner(make_op(graph(), "spmm", 64), "cuda", storage=db, runner=FakeRunner(), seed=0)
-    assert "sptc.vnm" not in tu32.space and "tc.wmma_sgt" not in tu32.space
+    assert "sptc.vnm" not in tu32.space
+    assert list(tu32._dists["tc.wmma_sgt"]["precision"].choices) == ["3xtf32"]
 
 
 class _Tiny(Template):

@@ -65,17 +65,24 @@ def _pow2_at_most(x: int, hi: int) -> int:
     return 1 << (x.bit_length() - 1) if x & (x - 1) else x
 
 
-#: the precisions the search offers for float32 inputs.  "3xtf32" (split tf32, fp32-level results)
-#: is built when asked for by name; it joins the search once measured on a GPU
-SEARCH_PRECISIONS = ("tf32", "fp16", "bf16")
+#: the precisions the search offers for float32 inputs ("3xtf32": split tf32, fp32-level results,
+#: only where a template implements it)
+SEARCH_PRECISIONS = ("3xtf32", "tf32", "fp16", "bf16")
 
 
-def _allowed_precisions(dtype: str, search: bool = True) -> list[str]:
+def _allowed_precisions(dtype: str, search: bool = True, split: bool = True) -> list[str]:
     """The precisions offered for a workload dtype: a 16-bit input's own, or (float32) those of
-    the search, or with ``search=False`` every one the kernels implement."""
+    the search, or with ``search=False`` every one the kernels implement; ``split=False`` leaves
+    split tf32 out (a template without it)."""
     if dtype in INPUT_PRECISION:
         return [INPUT_PRECISION[dtype]]
-    return [p for p in PRECISIONS if not search or p in SEARCH_PRECISIONS]
+    return [p for p in PRECISIONS if (not search or p in SEARCH_PRECISIONS) and (split or p != "3xtf32")]
+
+
+def _default_precision(dtype: str) -> str:
+    """A default configuration's precision: the input's own (16-bit), else plain tf32 (the
+    precision policy decides whether a build may use it; split tf32 is a separate choice)."""
+    return next(p for p in _allowed_precisions(dtype) if p != "3xtf32")
 
 
 class _SgtTemplate(NvccTemplate):
@@ -231,7 +238,7 @@ class TcWmmaSgt(_SgtTemplate):
     used as the MMA operand directly, precision = the input type, fp32 accumulation, Y rounded
     once; split windows combine fp32 partials).  Precision "3xtf32" (impl "mma", float32 inputs):
     split tf32 -- A packed as tf32 hi + lo fragments, X split in registers, three tf32 MMAs per
-    product -- for fp32-level results; built when asked for, not offered by :meth:`space` yet."""
+    product -- for fp32-level results (admitted by the default fp32 precision policy)."""
 
     name = "tc.wmma_sgt"
     version = "4"
@@ -248,7 +255,7 @@ class TcWmmaSgt(_SgtTemplate):
 
         return {"impl": C(["mma", "wmma"]), "warps_per_block": C([1, 2, 4, 8]), "col_groups": C([1, 2, 4]),
                 "unroll": C([1, 2, 4]), "max_blocks": C([0, 8, 32, 128]), "tiles_per_warp": C([1, 2, 4]),
-                "dense_a": C([0, 1]), "precision": C(self._allowed_precisions(mod.op.dtype))}
+                "dense_a": C([0, 1]), "precision": C(self._allowed_precisions(mod.op.dtype, split=self.split_tf32))}
 
     @staticmethod
     def _span(dtype: str) -> int:
@@ -274,7 +281,7 @@ class TcWmmaSgt(_SgtTemplate):
         cg, wm = self._mma_shape(K, self._span(mod.op.dtype))
         return {"impl": "mma", "warps_per_block": wm, "col_groups": cg, "unroll": 4 if cg == 1 else 2,
                 "max_blocks": 32, "tiles_per_warp": tpw, "dense_a": 1,
-                "precision": self._allowed_precisions(mod.op.dtype)[0]}
+                "precision": _default_precision(mod.op.dtype)}
 
     def _defaults(self, mod):
         d = self.default_params(mod)
@@ -485,12 +492,12 @@ class TcWmmaSgtSddmm(_SgtTemplate):
         from optuna.distributions import CategoricalDistribution as C
 
         return {"warps_per_block": C([2, 4, 8]), "k_unroll": C([1, 2]),
-                "precision": C(self._allowed_precisions(mod.op.dtype))}
+                "precision": C(self._allowed_precisions(mod.op.dtype, split=self.split_tf32))}
 
     def default_params(self, mod):
         chunk = 32 if mod.op.dtype == "float32" else 64
         return {"warps_per_block": 4, "k_unroll": 2 if mod.op.K > chunk else 1,
-                "precision": self._allowed_precisions(mod.op.dtype)[0]}
+                "precision": _default_precision(mod.op.dtype)}
 
     def seed_params(self, mod):
         d = self.default_params(mod)
