@@ -19,7 +19,7 @@ from spcompile.core.numerics import dtype_name
 from spcompile.core.ir import DTYPES, SparseModule
 from spcompile.runtime import cuda as rt
 from spcompile.runtime import cuda_available
-from spcompile.kernels import get_template
+from spcompile.kernels import get_template, list_templates
 
 pytestmark = pytest.mark.usefixtures("no_tuning_db")
 
@@ -50,6 +50,19 @@ def test_workload_key_differs_by_dtype():
 def test_cpu_target_refuses_16bit(dtype):
     with pytest.raises(ValueError, match=r"unsupported dtype .*target 'cpu'.*float32 / float64 inputs only.*csr\.crc_cwm"):
         spcompile.build(A_SMALL, "spmm", K=8, target="cpu", dtype=dtype)
+
+
+@pytest.mark.parametrize("op", ["spmm", "sddmm"])
+def test_cuda_target_refuses_float64(op):
+    """float64 is computed by the CPU templates only: target='cuda' says so before a GPU is looked
+    for (this runs without one), and no CUDA template supports a float64 workload."""
+    with pytest.raises(ValueError, match=r"unsupported dtype 'float64' on target 'cuda'.*computed in float32.*"
+                                         r"target='cpu' by \['cpu\.csr_"):
+        spcompile.build(A_SMALL, op, K=8, target="cuda", dtype="float64")
+    mod = SparseModule.from_op(make_op(A_SMALL, op, 8, dtype="float64"))
+    cuda = list_templates("cuda", op=op, reduce="sum" if op == "spmm" else None)
+    assert cuda and not any(t.supports(mod) for t in cuda)
+    assert all(t.supports(mod) for t in list_templates("cpu", op=op, reduce="sum" if op == "spmm" else None))
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
