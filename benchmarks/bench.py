@@ -236,7 +236,7 @@ def seed_candidates(sop, target, pipes: PipelineCache, allowed, max_seeds=None, 
             seen, n = [], 0
             for p in seeds:
                 p = {**tpl.default_params(mod), **dict(p)}
-                if p in seen or tpl.precision_of(p) not in allowed:
+                if p in seen or tpl.precision_of(p, mod.op.dtype) not in allowed:
                     continue
                 seen.append(p)
                 if max_seeds is not None and n >= max_seeds:
@@ -385,7 +385,7 @@ def col_oracle(w: Workload, pipes: PipelineCache, timer, precision: str, max_see
             r = {"template": tname, "pipeline_spec": spec, "config": {"params": params}}
             try:
                 tpl = get_template(tname)
-                mod = build_from_config(sop, tpl.make_config(params, spec, w.target), module=pipes.get(sop, spec))
+                mod = build_from_config(sop, tpl.make_config(params, spec, w.target, sop.dtype), module=pipes.get(sop, spec))
                 col = _checked(w, "oracle", mod, {})
                 r.update(col.rec)
                 if col.call is not None:

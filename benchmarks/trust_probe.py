@@ -831,6 +831,8 @@ def _artifact_cases() -> None:
         "other-shape-top-level-only": (lambda m: m.update(shape=[700, 500]), None),
         "other-op": (wk(op="sddmm", reduce=None), None), "other-reduce": (wk(reduce="max"), None),
         "reduce-removed": (wk(reduce=None), None), "other-dtype": (wk(dtype="float16"), None),
+        "other-dtype-float64": (wk(dtype="float64"), None),
+        "other-dtype-float64-and-entry": (wk_and_entry(dtype="float64"), None),
         "other-pattern": (wk(pattern="0" * 32), None),
         "other-values-hash": (lambda m: m.update(values_hash="0" * 32), "values"),
         "library-renamed": (rename_lib, None),
@@ -1507,8 +1509,10 @@ def _input_cases() -> None:
 
                 if not isinstance(m, spcompile.CompiledModule):
                     raise Wrong(f"build returned {type(m).__name__}")
-                ins = [np.random.default_rng(0).standard_normal(s).astype(np.float32) for s in m._in_shapes]
-                return check_close(m(*ins), _ref_for(mat, m.op, m.reduce, *ins), f"{m.op}/{m.reduce} K={m.K}")
+                ins = [np.random.default_rng(0).standard_normal(s).astype(m.key.dtype) for s in m._in_shapes]
+                tol = {"rtol": 1e-12, "atol": 1e-12} if m.key.dtype == "float64" else {}   # computed in float64
+                return check_close(m(*ins), _ref_for(mat, m.op, m.reduce, *ins), f"{m.key.dtype} {m.op}/{m.reduce} "
+                                   f"K={m.K}", **tol)
             return expect_error(lambda: _build(mat, op, K, reduce, **kw2), exc, match, accept=accept)
         return fn
 
@@ -1549,7 +1553,8 @@ def _input_cases() -> None:
              "reduce=avg": {"reduce": "avg"}, "reduce=prod": {"reduce": "prod"}, "reduce=SUM": {"reduce": "SUM"},
              "reduce-on-sddmm": {"op": "sddmm", "reduce": "max"}, "reduce=1": {"reduce": 1},
              "dtype=float128": {"dtype": "float128"}, "dtype=int8": {"dtype": "int8"},
-             "dtype=float64": {"dtype": "float64"}, "dtype=float16-on-cpu": {"dtype": "float16"},
+             "dtype=float64": {"dtype": "float64"}, "dtype=float64-on-cuda": {"dtype": "float64", "target": "cuda"},
+             "dtype=float16-on-cpu": {"dtype": "float16"},
              "dtype=np.float32": {"dtype": np.float32}, "target=gpu": {"target": "gpu"},
              "target=tpu": {"target": "tpu"}, "target=empty": {"target": ""}, "target=None": {"target": None},
              "target=CPU": {"target": "CPU"}, "precision=fp8": {"precision": "fp8"}}
@@ -2785,7 +2790,7 @@ CORE = [re.compile(p) for p in (
                                  "data-short", "data-float64", "indices-float", "indices-int64", "missing-array",
                                  "data-doubled", "indices-shuffled", "values-src-not-permutation", "specs-not-updated",
                                  "sddmm-nnz-ids-shifted") + "$",
-    r"artifacts\.manifest:" + _alt("other-K", "other-K-and-entry", "other-reduce-and-entry", "other-op", "other-reduce", "other-dtype", "library-renamed-with-member",
+    r"artifacts\.manifest:" + _alt("other-K", "other-K-and-entry", "other-reduce-and-entry", "other-op", "other-reduce", "other-dtype", "other-dtype-float64-and-entry", "library-renamed-with-member",
                                    "entry-renamed", "template-of-another-op", "template-unknown",
                                    "tvm-version", "cpu-features-unknown", "nesting-100000", "huge-int-5000-digits",
                                    "workload-key-string", "sizes-huge",
@@ -2809,7 +2814,7 @@ CORE = [re.compile(p) for p in (
     r"inputs\.(template|pipeline):" + _alt("unknown", "other-op", "cuda-on-cpu", "unknown-pass", "not-a-list") + "$",
     r"inputs\.K:" + _alt("0", "-1", "2^40", "None") + "$",
     r"inputs\.name:" + _alt("op=spmv", "reduce=avg", "reduce-on-sddmm", "dtype=float128", "dtype=float16-on-cpu",
-                            "target=gpu") + "$",
+                            "dtype=float64", "dtype=float64-on-cuda", "target=gpu") + "$",
     r"inputs\.A:" + _alt("indptr-not-monotone", "indptr-wrong-length", "negative-index", "index-out-of-range",
                          "data-short", "indices-float", "shape-negative", "dense-numpy", "coo-out-of-range") + "$",
     r"inputs\.A-valid:" + _alt("0x0:spmm-max", "5x5-no-nonzeros:spmm-max", "duplicates:spmm-max",

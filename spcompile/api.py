@@ -57,15 +57,17 @@ def build(A, op: str = "spmm", K: int | None = None, reduce: str | None = None, 
         raise TypeError(f"pipeline must be a list of passes (e.g. ['reorder.rcm']), got {type(pipeline).__name__} "
                         f"{str(pipeline)[:60]!r}")
     sop = make_op(A, op, K, reduce, dtype)
+    if target in ("cpu", "cuda"):   # a dtype the target does not compute: said before looking for a GPU
+        check_dtype(sop, target, template)
     target = resolve_target(target)
-    allowed_precisions(precision)  # a clear error for a bad policy, whatever path is taken
+    allowed_precisions(precision, sop.dtype)  # a clear error for a bad policy, whatever path is taken
     check_dtype(sop, target, template)
     if template is not None or params is not None or pipeline is not None:
         if template is None:
             template = default_config(sop, target).template
             check_dtype(sop, target, template)
         tpl = get_template(template)
-        cfg = tpl.make_config(dict(params or {}), Pipeline(pipeline or ()).spec(), target)
+        cfg = tpl.make_config(dict(params or {}), Pipeline(pipeline or ()).spec(), target, sop.dtype)
         return build_from_config(sop, cfg, ctx, {"source": "explicit"})
     skipped: list[int] = []
     while True:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from .core.formats import as_csr
-from .core.numerics import dtype_name
+from .core import numerics
 from .core.ir import SparseModule, SparseOp, values_hash
 from .core.config import Config
 from .module import CompiledModule
@@ -23,7 +23,8 @@ def make_op(A, op: str = "spmm", K: int | None = None, reduce: str | None = None
             dtype: str = "float32") -> SparseOp:
     if K is None:
         raise TypeError("K (the dense feature width) is required, e.g. build(A, op='spmm', K=64)")
-    return SparseOp(op, reduce, as_csr(A), K, dtype_name(dtype))
+    dt = numerics.dtype(dtype)
+    return SparseOp(op, reduce, as_csr(A, dt.compute), K, dt.name)   # the values never rounded below it
 
 
 def _templates_for_dtype(sop: SparseOp, target: str) -> list[str]:
@@ -32,21 +33,30 @@ def _templates_for_dtype(sop: SparseOp, target: str) -> list[str]:
 
 
 def check_dtype(sop: SparseOp, target: str, template: str | None) -> None:
-    """float16 / bfloat16 workloads only build with templates that declare them
-    (``Template.dtypes``, float32 only by default); a clear error otherwise."""
+    """A workload builds only with templates that declare its dtype (``Template.dtypes``: float32
+    by default; float16 / bfloat16 on some CUDA templates, float64 on the CPU ones); a clear error
+    otherwise, naming the target and templates that compute it."""
     if sop.dtype == "float32":
         return
-    if target == "cpu":
-        raise ValueError(f"unsupported dtype {sop.dtype!r} on target 'cpu': the CPU templates compute in "
-                         f"float32 only; {sop.dtype} inputs (fp32 accumulation) are supported on target='cuda' "
-                         f"by {_templates_for_dtype(sop, 'cuda') or 'no template'}")
+    here = _templates_for_dtype(sop, target)
+    if not here:
+        other = "cuda" if target == "cpu" else "cpu"
+        computes = sorted({d for t in list_templates(target) for d in t.dtypes})
+        raise ValueError(f"unsupported dtype {sop.dtype!r} on target {target!r}: the {target.upper()} templates "
+                         f"take {' / '.join(computes)} inputs only ({_DTYPE_NOTES[target]}); {sop.dtype} "
+                         f"{sop.op} is supported on target={other!r} by "
+                         f"{_templates_for_dtype(sop, other) or 'no template'}")
     if template is not None:
         tpl = get_template(template)
         if sop.dtype not in tpl.dtypes:
             raise ValueError(f"unsupported dtype {sop.dtype!r} for template {tpl.name!r} (it supports "
                              f"{list(tpl.dtypes)}); templates with {sop.dtype} "
-                             f"inputs for op={sop.op!r} reduce={sop.reduce!r}: "
-                             f"{_templates_for_dtype(sop, 'cuda') or 'none'}")
+                             f"inputs for op={sop.op!r} reduce={sop.reduce!r}: {here}")
+
+
+#: what each target's kernels compute in, for the errors of :func:`check_dtype`
+_DTYPE_NOTES = {"cpu": "float32 computed in float32, float64 in float64",
+                "cuda": "computed in float32 or tensor-core precisions, 16-bit inputs with fp32 accumulation"}
 
 
 def default_config(op: SparseOp, target: str) -> Config:
@@ -57,7 +67,7 @@ def default_config(op: SparseOp, target: str) -> Config:
         if pipes and pipes[0]:
             continue  # templates that need a preprocessing pipeline are left to the tuner
         if tpl.supports(mod):
-            return tpl.make_config(tpl.default_params(mod), (), target)
+            return tpl.make_config(tpl.default_params(mod), (), target, op.dtype)
     raise RuntimeError(f"no template on target {target!r} supports op={op.op!r} reduce={op.reduce!r}")
 
 
@@ -83,7 +93,7 @@ def build_from_config(op: SparseOp, config: Config, ctx: PassContext | None = No
     # the options each pass actually ran with (PassContext overrides included), so that the
     # config replays to exactly this module
     ran = tuple({"name": r.name, "options": dict(r.options)} for r in mod.log)
-    cfg = tpl.make_config(params, ran, config.target)
+    cfg = tpl.make_config(params, ran, config.target, op.dtype)
     out = CompiledModule(op.key(), cfg, kernel, [r.to_dict() for r in mod.log], values_hash(op.A), tuning)
     out.matrix = op.A
     out.values_src = mod.nnz_perm

@@ -21,6 +21,7 @@ from .artifact import FORMAT_VERSION, ArtifactError, check_manifest_digest, read
 from .core.config import Config
 from .core.formats import as_csr
 from .core.ir import WorkloadKey, pattern_hash, values_hash
+from .core.numerics import DTYPES
 from .kernels import get_template
 from .runtime import cuda as rt_cuda
 from .runtime.arrays import ArrayAdapter, adapter_for
@@ -36,7 +37,8 @@ class CompiledModule:
 
     ``mod(X)`` (SpMM) or ``mod(X, Y)`` (SDDMM) returns the result in the caller's row/column
     order; ``out=`` may pass a preallocated output.  ``config`` is the decision that built it;
-    ``key`` the workload key; ``pass_log`` what the passes did and measured."""
+    ``key`` the workload key; ``pass_log`` what the passes did and measured.  Inputs, ``out`` and
+    the result are of the module's dtype (``key.dtype``)."""
 
     def __init__(self, key: WorkloadKey, config: Config, kernel, pass_log=(), values_hash: str = "",
                  tuning: Mapping[str, Any] | None = None):
@@ -64,6 +66,9 @@ class CompiledModule:
     K = property(lambda self: self.key.K)
     shape = property(lambda self: (self.key.rows, self.key.cols))
     target = property(lambda self: self.config.target)
+    #: the element type of the matrix values the kernel reads (call-time ``values`` are cast to
+    #: it): float32, float64 for a float64 module
+    _value_dtype = property(lambda self: DTYPES[self.key.dtype].compute)
 
     def __repr__(self):
         return (f"CompiledModule(op={self.op!r}, reduce={self.reduce!r}, shape={self.shape}, "
@@ -80,8 +85,8 @@ class CompiledModule:
     def __call__(self, *inputs, out=None, values=None):
         """Run the op.  ``values``: the matrix's values for this call, one per stored entry of
         the CSR it was built for, in that CSR's order (``spcompile.as_csr(A)``: row by row,
-        columns sorted, duplicates summed); numpy / torch / CuPy, cast to float32; on the
-        module's device.  Later calls without ``values`` use the built values again."""
+        columns sorted, duplicates summed); numpy / torch / CuPy, cast to the module's value type
+        (float32; float64 for a float64 module); on the module's device.  Later calls without ``values`` use the built values again."""
         if values is not None or self._swapped:
             self._use_values(values)
         plan = self._plan
@@ -199,11 +204,11 @@ class CompiledModule:
         if values is None:
             np.copyto(buf, st["baked"])
             return
-        a = adapter_for(values)
+        a, vt = adapter_for(values), self._value_dtype
         if a.name == "torch" and values.device.type == "cpu":
-            v = values.detach().float().numpy()
+            v = values.detach().to(getattr(sys.modules["torch"], vt)).numpy()
         elif a.name == "numpy":
-            v = np.asarray(values, dtype=np.float32)
+            v = np.asarray(values, dtype=vt)
         else:
             raise ValueError("values must be on the host for a target='cpu' module")
         if self.values_src is None:
@@ -230,11 +235,11 @@ class CompiledModule:
                 dev.set(host)
                 return
             if a.name == "numpy":
-                v = np.asarray(values, dtype=np.float32)
+                v = np.asarray(values, dtype=self._value_dtype)
                 dev.set(v if src is None else np.take(v, src))
                 return
             cupy = sys.modules["cupy"]
-            v = values.astype(np.float32, copy=False)
+            v = values.astype(self._value_dtype, copy=False)
             dev[...] = v if src is None else cupy.take(v, cupy.asarray(src))
             return
         torch = sys.modules["torch"]
@@ -244,9 +249,7 @@ class CompiledModule:
             st["torch_buf"] = torch.from_dlpack(dev)
             st["torch_src"] = None if src is None else torch.from_numpy(np.asarray(src, np.int64)).to(values.device)
             st["torch_baked"] = torch.from_numpy(self.kernel.arrays[name]).to(values.device)
-        v = values.detach()
-        if v.dtype != torch.float32:
-            v = v.float()
+        v = values.detach().to(getattr(torch, self._value_dtype))
         if st["torch_src"] is None:
             st["torch_buf"].copy_(v)
         else:
@@ -331,6 +334,11 @@ def _check_key(key: WorkloadKey) -> None:
         raise ValueError(f"dtype {key.dtype!r} / pattern {key.pattern!r} are not valid")
 
 
+def _matrix_of(key: WorkloadKey, A):
+    """``A`` canonical, its values in the workload's arithmetic type (as the module was built)."""
+    return as_csr(A, DTYPES[key.dtype].compute)
+
+
 def _verified(path, workdir: str, A, require_signature, key):
     """Every check of :func:`load` that needs no kernel code: files, sizes, checksums, signature,
     versions, template, matrix, arrays.  Returns (manifest, key, config, template, arrays, paths, meta)."""
@@ -372,7 +380,7 @@ def _verified(path, workdir: str, A, require_signature, key):
         raise ArtifactError(f"artifact's template {tpl.name!r} does not compute dtype {wkey.dtype!r} "
                             f"(it supports {list(tpl.dtypes)})")
     if A is not None:
-        C = as_csr(A)
+        C = _matrix_of(wkey, A)
         if C.shape != (wkey.rows, wkey.cols) or pattern_hash(C) != wkey.pattern:
             raise ArtifactError("artifact was built for a different matrix (sparsity pattern differs)")
         if values_hash(C) != manifest.get("values_hash"):
@@ -431,7 +439,7 @@ def load(path: str, A=None, *, require_signature: bool | None = None, key=None) 
                              manifest.get("tuning"))
         mod.values_src = values_src
         if A is not None:
-            mod.matrix = as_csr(A)
+            mod.matrix = _matrix_of(wkey, A)
         mod._tmpdir = workdir
         weakref.finalize(mod, shutil.rmtree, workdir, True)  # binaries stay while the module lives
         return mod
@@ -454,5 +462,5 @@ def loads(data: bytes, A=None) -> CompiledModule:
 def _unpickle(data: bytes, mat) -> CompiledModule:
     mod = loads(data)
     if mat is not None:
-        mod.matrix = as_csr(mat)
+        mod.matrix = _matrix_of(mod.key, mat)
     return mod

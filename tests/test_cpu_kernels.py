@@ -1,9 +1,11 @@
-"""Correctness of the TVM CPU templates (cpu.csr_spmm, cpu.csr_sddmm) against the float64 reference."""
+"""Correctness of the TVM CPU templates (cpu.csr_spmm, cpu.csr_sddmm) against the float64 reference;
+float64 workloads (those templates and extern.scipy) at the float64 tolerance."""
 import numpy as np
 import pytest
 import scipy.sparse as sp
 
-from spcompile.core import numerics, reference  # noqa: F401
+import spcompile
+from spcompile.core import numerics, reference
 from spcompile.core.formats import as_csr
 from spcompile.core.ir import SparseModule, SparseOp
 from spcompile.kernels import get_template
@@ -32,33 +34,45 @@ def make_matrix(m=157, n=93, seed=0):
     return as_csr(A)
 
 
-def permuted(A, K, op="spmm", reduce="sum", seed=1):
+def make_matrix64(m=157, n=93, seed=0):
+    """:func:`make_matrix` with float64 values that float32 cannot hold (a rounding to float32
+    anywhere is 1e-7 off, far above the float64 tolerance)."""
+    A = make_matrix(m, n, seed)
+    return as_csr((A.indptr, A.indices, A.data.astype(np.float64) * (1 + 2.0 ** -40), A.shape), np.float64)
+
+
+def permuted(A, K, op="spmm", reduce="sum", seed=1, dtype="float32"):
     rng = np.random.default_rng(seed)
-    mod = SparseModule.from_op(SparseOp(op, reduce, A, K))
+    mod = SparseModule.from_op(SparseOp(op, reduce, A, K, dtype))
     return mod.permute(rng.permutation(A.shape[0]), rng.permutation(A.shape[1]))
 
 
 def check_spmm(mod, params, A, K, reduce, seed=0):
+    """The kernel of ``mod`` (its dtype: inputs, output and values) against the float64
+    reference at the dtype's tolerance."""
     kern = SPMM.build(mod, params)
-    X = np.random.default_rng(seed).standard_normal((A.shape[1], K)).astype(np.float32)
-    out = np.full((A.shape[0], K), np.nan, dtype=np.float32)
+    dt = mod.op.dtype
+    assert kern.arrays["data"].dtype == numerics.dtype(dt).compute
+    X = np.random.default_rng(seed).standard_normal((A.shape[1], K)).astype(dt)
+    out = np.full((A.shape[0], K), np.nan, dtype=dt)
     kern(X, out=out)
     ref = reference.spmm(A, X, reduce)
     err = reference.rel_error(out, ref)
-    assert err < 1e-5, (reduce, K, params, err)
+    assert err < numerics.tolerance(dt), (reduce, K, params, err)
     lens = A.row_lengths
     assert np.all(out[lens == 0] == 0), "empty rows must give 0"
 
 
 def check_sddmm(mod, params, A, K, seed=0):
     kern = SDDMM.build(mod, params)
+    dt = mod.op.dtype
     rng = np.random.default_rng(seed)
-    X = rng.standard_normal((A.shape[0], K)).astype(np.float32)
-    Y = rng.standard_normal((A.shape[1], K)).astype(np.float32)
-    out = np.full(A.nnz, np.nan, dtype=np.float32)
+    X = rng.standard_normal((A.shape[0], K)).astype(dt)
+    Y = rng.standard_normal((A.shape[1], K)).astype(dt)
+    out = np.full(A.nnz, np.nan, dtype=dt)
     kern(X, Y, out=out)
     err = reference.rel_error(out, reference.sddmm(A, X, Y))
-    assert err < 1e-5, (K, params, err)
+    assert err < numerics.tolerance(dt), (K, params, err)
 
 
 @pytest.mark.parametrize("K", [1, 3, 64, 100])
@@ -143,8 +157,6 @@ def test_task_bounds_balance_nnz():
 def test_build_api_and_shared_library():
     """Same-config builds of the CPU template share one compiled library (the template is named:
     build() alone may pick SciPy by quick selection on a tiny matrix)."""
-    import spcompile
-
     A = make_matrix(seed=9)
     X = np.random.default_rng(0).standard_normal((A.shape[1], 64)).astype(np.float32)
     m1 = spcompile.build(A.to_scipy(), op="spmm", K=64, target="cpu", template="cpu.csr_spmm")
@@ -153,3 +165,86 @@ def test_build_api_and_shared_library():
     assert m1.config.template == "cpu.csr_spmm"
     assert m1.kernel.files["kernel.so"] == m2.kernel.files["kernel.so"]
     assert reference.rel_error(m1(X), reference.spmm(A, X)) < 1e-5
+
+
+# -- float64 workloads ----------------------------------------------------------------------------
+@pytest.mark.parametrize("K", [1, 33])
+@pytest.mark.parametrize("reduce", ["sum", "max", "min", "mean"])
+def test_spmm_float64(K, reduce):
+    """X, the values and the accumulators in float64: the float64 reference at 1e-12 on a
+    non-square matrix (empty rows, a full row, explicit zeros), on a wide one whose full row holds
+    3000 entries, and with the passes' permutations folded in (parallel, slice by slice)."""
+    for A in (make_matrix64(), make_matrix64(40, 3000, seed=1)):
+        mod = SparseModule.from_op(SparseOp("spmm", reduce, A, K, "float64"))
+        check_spmm(mod, SPMM.default_params(mod), A, K, reduce)
+    A = make_matrix64(seed=2)
+    pmod = permuted(A, K, "spmm", reduce, seed=3, dtype="float64")
+    params = {**SPMM.default_params(pmod), "parallel": True, "tasks_per_thread": 8, "tile_order": "task"}
+    check_spmm(pmod, params, A, K, reduce)
+
+
+@pytest.mark.parametrize("K", [1, 33])
+def test_sddmm_float64(K):
+    for A in (make_matrix64(seed=4), make_matrix64(40, 3000, seed=5)):
+        mod = SparseModule.from_op(SparseOp("sddmm", None, A, K, "float64"))
+        check_sddmm(mod, SDDMM.default_params(mod), A, K)
+    A = make_matrix64(seed=6)
+    pmod = permuted(A, K, "sddmm", None, seed=7, dtype="float64")
+    check_sddmm(pmod, {**SDDMM.default_params(pmod), "parallel": True, "tasks_per_thread": 8}, A, K)
+
+
+def test_float64_code_differs_from_float32():
+    """The dtype is compiled into the code: a float64 kernel has a symbol (and library) of its own."""
+    A = make_matrix()
+    k32, k64 = (SPMM.build(m, SPMM.default_params(m)) for m in
+                (SparseModule.from_op(SparseOp("spmm", "sum", A, 8, d)) for d in ("float32", "float64")))
+    assert k32.meta["entry"] != k64.meta["entry"] and k32.files["kernel.so"] != k64.files["kernel.so"]
+
+
+F64_BUILDS = [("spmm", "mean", "cpu.csr_spmm"), ("spmm", "max", "cpu.csr_spmm"), ("sddmm", None, "cpu.csr_sddmm"),
+              ("spmm", "sum", "extern.scipy"), ("spmm", "mean", "extern.scipy"), ("spmm", "sum", None)]
+
+
+@pytest.mark.parametrize("op,reduce,template", F64_BUILDS)
+def test_float64_build_call_save_load(op, reduce, template, tmp_path, no_tuning_db):
+    """build(dtype="float64") end to end (template None: quick selection among the float64
+    candidates): float64 results at 1e-12, precision fp64, out= float64, float32 inputs and
+    outputs refused, and the artifact's round trip (the matrix compared in float64)."""
+    A = make_matrix64(seed=12)
+    S = A.to_scipy()
+    mod = spcompile.build(S, op, K=5, reduce=reduce, target="cpu", dtype="float64", template=template)
+    assert mod.config.precision == "fp64" and mod.key.dtype == "float64"
+    rng = np.random.default_rng(0)
+    shapes = [(A.shape[1], 5)] if op == "spmm" else [(A.shape[0], 5), (A.shape[1], 5)]
+    ins = [rng.standard_normal(s) for s in shapes]
+    out = mod(*ins)
+    assert out.dtype == np.float64
+    assert reference.rel_error(out, reference.run(op, reduce, A, *ins)) < 1e-12
+    buf = np.full(out.shape, np.nan)
+    assert mod(*ins, out=buf) is buf and np.array_equal(buf, out)
+    with pytest.raises(TypeError, match="dtype float32, expected float64"):
+        mod(*[x.astype(np.float32) for x in ins])
+    with pytest.raises(ValueError, match="out must be a C-contiguous, writable float64"):
+        mod(*ins, out=np.empty(out.shape, np.float32))
+    loaded = spcompile.load(mod.save(str(tmp_path / "m.spc")), S)
+    assert loaded.key == mod.key and loaded.matrix.data.dtype == np.float64
+    assert loaded.kernel.arrays["data"].dtype == np.float64
+    np.testing.assert_array_equal(loaded(*ins), out)
+    with pytest.raises(spcompile.ArtifactError, match="values differ"):
+        spcompile.load(str(tmp_path / "m.spc"), S.astype(np.float32))   # the rounded matrix is another one
+
+
+def test_float64_call_values_are_not_rounded():
+    torch = pytest.importorskip("torch")
+    A = make_matrix64(seed=13)
+    mod = spcompile.build(A.to_scipy(), "spmm", K=4, target="cpu", dtype="float64", template="cpu.csr_spmm",
+                          pipeline=["reorder.degree"])
+    X = np.random.default_rng(1).standard_normal((A.shape[1], 4))
+    v = np.random.default_rng(2).standard_normal(A.nnz)
+    Av = as_csr((A.indptr, A.indices, v, A.shape), np.float64)
+    for vals in (v, torch.from_numpy(v)):
+        assert reference.rel_error(mod(X, values=vals), reference.spmm(Av, X)) < 1e-12
+    v32 = v.astype(np.float32)       # float32 values are widened exactly
+    A32 = as_csr((A.indptr, A.indices, v32.astype(np.float64), A.shape), np.float64)
+    assert reference.rel_error(mod(X, values=v32), reference.spmm(A32, X)) < 1e-12
+    assert reference.rel_error(mod(X), reference.spmm(A, X)) < 1e-12     # the built values again

@@ -14,11 +14,12 @@ import pytest
 import scipy.sparse as sp
 
 import spcompile
-from spcompile.compile import dtype_name, make_op
+from spcompile.compile import make_op
+from spcompile.core.numerics import dtype_name
 from spcompile.core.ir import DTYPES, SparseModule
 from spcompile.runtime import cuda as rt
 from spcompile.runtime import cuda_available
-from spcompile.kernels import get_template
+from spcompile.kernels import get_template, list_templates
 
 pytestmark = pytest.mark.usefixtures("no_tuning_db")
 
@@ -28,25 +29,40 @@ A_SMALL = sp.random(40, 30, density=0.2, format="csr", random_state=0, dtype=np.
 # -- CPU: dtypes, keys, errors -------------------------------------------------------------------
 
 def test_dtypes_and_aliases():
-    assert DTYPES == ("float32", "float16", "bfloat16")
+    assert DTYPES == ("float32", "float16", "bfloat16", "float64")
     for d, want in (("half", "float16"), ("fp16", "float16"), ("bf16", "bfloat16"), (np.float16, "float16"),
-                    (np.dtype("float32"), "float32"), ("float32", "float32")):
+                    (np.dtype("float32"), "float32"), ("float32", "float32"), ("double", "float64"),
+                    ("fp64", "float64"), ("f64", "float64"), (np.float64, "float64")):
         assert dtype_name(d) == want
-    with pytest.raises(ValueError, match="unsupported dtype 'float64'"):
-        make_op(A_SMALL, "spmm", 8, dtype="float64")
+    for bad in ("int8", "float128", "complex64"):
+        with pytest.raises(ValueError, match=f"unsupported dtype '{bad}'"):
+            make_op(A_SMALL, "spmm", 8, dtype=bad)
 
 
 def test_workload_key_differs_by_dtype():
     keys = [make_op(A_SMALL, "spmm", 16, "sum", dtype=d).key() for d in DTYPES]
-    assert len({k.digest() for k in keys}) == 3 and len(set(keys)) == 3
+    assert len({k.digest() for k in keys}) == len(DTYPES) and len(set(keys)) == len(DTYPES)
     assert [k.dtype for k in keys] == list(DTYPES)
-    assert keys[0].pattern == keys[1].pattern == keys[2].pattern
+    assert len({k.pattern for k in keys}) == 1
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_cpu_target_refuses_16bit(dtype):
-    with pytest.raises(ValueError, match=r"unsupported dtype .*target 'cpu'.*float32 only.*csr\.crc_cwm"):
+    with pytest.raises(ValueError, match=r"unsupported dtype .*target 'cpu'.*float32 / float64 inputs only.*csr\.crc_cwm"):
         spcompile.build(A_SMALL, "spmm", K=8, target="cpu", dtype=dtype)
+
+
+@pytest.mark.parametrize("op", ["spmm", "sddmm"])
+def test_cuda_target_refuses_float64(op):
+    """float64 is computed by the CPU templates only: target='cuda' says so before a GPU is looked
+    for (this runs without one), and no CUDA template supports a float64 workload."""
+    with pytest.raises(ValueError, match=r"unsupported dtype 'float64' on target 'cuda'.*computed in float32.*"
+                                         r"target='cpu' by \['cpu\.csr_"):
+        spcompile.build(A_SMALL, op, K=8, target="cuda", dtype="float64")
+    mod = SparseModule.from_op(make_op(A_SMALL, op, 8, dtype="float64"))
+    cuda = list_templates("cuda", op=op, reduce="sum" if op == "spmm" else None)
+    assert cuda and not any(t.supports(mod) for t in cuda)
+    assert all(t.supports(mod) for t in list_templates("cpu", op=op, reduce="sum" if op == "spmm" else None))
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])

@@ -1,5 +1,6 @@
-"""spcompile.nn: the differentiable ops (gradcheck and float64 references), call-time values,
-the PyG-style layers against their definitions, torch.compile(fullgraph=True)."""
+"""spcompile.nn: the differentiable ops (float64 gradcheck at its defaults, float32 gradients
+against float64 references), call-time values, the PyG-style layers against their definitions,
+torch.compile(fullgraph=True)."""
 from __future__ import annotations
 
 import os
@@ -14,6 +15,7 @@ torch = __import__("torch") if os.environ.get("CI") else pytest.importorskip("to
 import spcompile  # noqa: E402
 from spcompile import nn as snn  # noqa: E402
 from spcompile.core.formats import as_csr  # noqa: E402
+from spcompile.nn import ops  # noqa: E402
 
 from conftest import random_matrix  # noqa: E402
 
@@ -55,11 +57,25 @@ def _ref_spmm(A, X, v, reduce):
     return torch.where(mask.any(1)[:, None], Y, torch.zeros_like(Y))
 
 
-def _inputs(A, seed):
+def _inputs(A, seed, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
-    X = torch.randn(A.shape[1], K, generator=g)
-    v = torch.randn(as_csr(A).nnz, generator=g)
+    X = torch.randn(A.shape[1], K, generator=g, dtype=dtype)
+    v = torch.randn(as_csr(A).nnz, generator=g, dtype=dtype)
     return X, v
+
+
+def _smallest_gap(A, X, v) -> float:
+    """The smallest difference between two products ``v[e] * X[col e, k]`` of one row and one
+    column k: a max / min gradcheck needs it far above its step (no winner changes)."""
+    C = as_csr(A)
+    rows = C.row_ids.astype(np.int64)
+    P = v.detach().double().numpy()[:, None] * X.detach().double().numpy()[C.indices]
+    gaps = [np.inf]
+    for k in range(P.shape[1]):
+        order = np.lexsort((P[:, k], rows))
+        same_row = rows[order][1:] == rows[order][:-1]
+        gaps.extend(np.diff(P[order, k])[same_row])
+    return float(np.min(gaps))
 
 
 @pytest.mark.parametrize("reduce", ["sum", "mean", "max", "min"])
@@ -79,17 +95,80 @@ def test_spmm_grads_match_float64_reference(A, graph, reduce):
 
 
 @pytest.mark.parametrize("reduce", ["sum", "mean", "max", "min"])
-def test_spmm_gradcheck(A, graph, reduce):
-    # the kernels compute in float32: gradcheck in float32 with a step and tolerances to match
-    # (float64 inputs are refused, see test_float64_refused)
-    X, v = _inputs(A, 3)
+def test_spmm_gradcheck_float64(A, graph, reduce):
+    # float64 CPU inputs are computed in float64 end to end (kernels, values, backward):
+    # gradcheck at its float64 defaults (eps 1e-6, atol 1e-5, rtol 1e-3), in X and the values,
+    # and in X with the graph's own values
+    X, v = _inputs(A, 3, torch.float64)
+    if reduce in ("max", "min"):
+        assert _smallest_gap(A, X, v) > 1e-3     # no ties: the 1e-6 steps never change a winner
     X.requires_grad_(True)
     v.requires_grad_(True)
-    assert torch.autograd.gradcheck(lambda X, v: snn.spmm(graph, X, values=v, reduce=reduce), (X, v),
-                                     eps=1e-3, atol=1e-2, rtol=1e-2, nondet_tol=1e-6)
+    assert torch.autograd.gradcheck(lambda X, v: snn.spmm(graph, X, values=v, reduce=reduce), (X, v))
+    assert torch.autograd.gradcheck(lambda X: snn.spmm(graph, X, reduce=reduce), (X,))
+    Y = snn.spmm(graph, X, values=v, reduce=reduce)
+    assert Y.dtype == torch.float64
+    ref = _ref_spmm(A, X.detach(), v.detach(), reduce)
+    assert torch.allclose(Y, ref, rtol=1e-12, atol=1e-12)
 
 
-def test_sddmm_grads_and_gradcheck(A, graph):
+def test_sddmm_gradcheck_float64(A, graph):
+    C = as_csr(A)
+    g = torch.Generator().manual_seed(14)
+    X = torch.randn(C.shape[0], K, generator=g, dtype=torch.float64, requires_grad=True)
+    Y = torch.randn(C.shape[1], K, generator=g, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(C.nnz, generator=g, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda X, Y, v: snn.sddmm(graph, X, Y, values=v), (X, Y, v))
+    assert torch.autograd.gradcheck(lambda X, Y: snn.sddmm(graph, X, Y), (X, Y))
+    rows = torch.from_numpy(C.row_ids.astype(np.int64))
+    cols = torch.from_numpy(C.indices.astype(np.int64))
+    out = snn.sddmm(graph, X, Y, values=v)
+    assert out.dtype == torch.float64
+    assert torch.allclose(out, v * (X[rows] * Y[cols]).sum(1), rtol=1e-12, atol=1e-12)
+
+
+def test_float64_graph_values_are_not_rounded():
+    # a graph of a float64 matrix: float64 calls use its values unrounded (float32 calls rounded),
+    # through the transposed graph of the backward too; values given as float32 are widened
+    A64 = random_matrix(13, 11, density=0.3, seed=12, dtype=np.float64)
+    A64.data = A64.data + 1e-9                        # not representable in float32
+    g = snn.SparseGraph(A64)
+    X = torch.randn(11, K, dtype=torch.float64, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    vd = torch.from_numpy(np.array(as_csr(A64, np.float64).data))
+    Y = snn.spmm(g, X)
+    assert torch.allclose(Y, _dense(A64, vd) @ X.detach(), rtol=1e-13, atol=1e-13)
+    G = torch.randn(Y.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    Y.backward(G)
+    assert torch.allclose(X.grad, _dense(A64, vd).T @ G, rtol=1e-13, atol=1e-13)
+    assert g.typed("values", torch.float64) is g.typed("values", torch.float64)   # converted once
+    assert g.values.dtype == torch.float32 and snn.spmm(g, X.detach().float()).dtype == torch.float32
+    v32 = torch.randn(g.nnz, generator=torch.Generator().manual_seed(3))
+    assert torch.allclose(snn.spmm(g, X.detach(), values=v32), _dense(A64, v32.double()) @ X.detach(),
+                          rtol=1e-13, atol=1e-13)
+    # pickled and transposed graphs keep the float64 values
+    import pickle
+
+    g2 = pickle.loads(pickle.dumps(g))
+    assert torch.equal(g2.typed("values", torch.float64), vd)
+    assert torch.equal(g.transpose().typed("values", torch.float64), vd[g.tperm])
+
+
+def test_float64_module_forward_and_backward(A):
+    # a float64 module built by the user: forward with its own (float64) values, the gradient
+    # through its graph at float64 accuracy
+    mod = spcompile.build(A, "spmm", K=K, reduce="mean", target="cpu", dtype="float64")
+    X, _ = _inputs(A, 15, torch.float64)
+    X.requires_grad_(True)
+    Y = snn.spmm(mod, X)
+    vd = torch.from_numpy(np.array(as_csr(A, np.float64).data))
+    assert Y.dtype == torch.float64
+    assert torch.allclose(Y, _ref_spmm(A, X.detach(), vd, "mean"), rtol=1e-12, atol=1e-12)
+    assert torch.autograd.gradcheck(lambda X: snn.spmm(mod, X), (X,))
+    with pytest.raises(TypeError, match="dtype float32, expected float64"):
+        mod(X.detach().float())
+
+
+def test_sddmm_float32_grads_match_float64_reference(A, graph):
     C = as_csr(A)
     g = torch.Generator().manual_seed(4)
     X = torch.randn(C.shape[0], K, generator=g, requires_grad=True)
@@ -106,8 +185,6 @@ def test_sddmm_grads_and_gradcheck(A, graph):
     ref.backward(G.double())
     for a, b in ((X, Xd), (Y, Yd), (v, vd)):
         assert torch.allclose(a.grad.double(), b.grad, atol=1e-5, rtol=1e-5)
-    assert torch.autograd.gradcheck(lambda X, Y, v: snn.sddmm(graph, X, Y, values=v), (X, Y, v),
-                                    eps=1e-3, atol=1e-2, rtol=1e-2)
 
 
 def test_spmm_of_a_built_module_with_reordering(A):
@@ -150,9 +227,17 @@ def test_errors_where_gradients_cannot_flow(A, tmp_path):
     assert Xg.grad is not None and torch.isfinite(Xg.grad).all()
 
 
-def test_float64_refused_and_bad_shapes(graph):
-    with pytest.raises(TypeError, match="float64 inputs are not supported"):
-        snn.spmm(graph, torch.zeros(graph.shape[1], K, dtype=torch.float64))
+def test_bad_dtypes_devices_and_shapes(graph):
+    # float64 CUDA tensors: a clear error before anything is built (a stand-in with a CUDA device:
+    # only the dtype and the device are looked at)
+    from types import SimpleNamespace
+
+    with pytest.raises(TypeError, match="float64 CUDA tensors are not supported.*CUDA kernels compute in float32"):
+        ops._plan(SimpleNamespace(dtype=torch.float64, device=torch.device("cuda", 0)), "spmm")
+    with pytest.raises(TypeError, match="must be float32, float64, float16 or bfloat16"):
+        snn.spmm(graph, torch.zeros(graph.shape[1], K, dtype=torch.int32))
+    with pytest.raises(TypeError, match="one dtype"):
+        snn.sddmm(graph, torch.zeros(graph.shape[0], K, dtype=torch.float64), torch.zeros(graph.shape[1], K))
     with pytest.raises(ValueError, match="expected \\(11, K\\)"):
         snn.spmm(graph, torch.zeros(5, K))
     with pytest.raises(ValueError, match="values has shape"):
@@ -180,13 +265,15 @@ def test_bf16_inputs_on_cpu_compute_in_float32(A, graph):
     assert torch.allclose(Y.double(), ref, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("reduce", ["sum", "max"])
-def test_opcheck(A, graph, reduce):
-    # schema, fake (meta) shape function and autograd registration of the custom ops
-    X, v = _inputs(A, 8)
-    torch.library.opcheck(torch.ops.spcompile.spmm.default, (X.requires_grad_(True), v, graph.id, reduce))
+def test_opcheck(A, graph, reduce, dtype):
+    # schema, fake (meta) shape function (gradient dtypes too) and autograd registration of the custom ops
+    X, v = _inputs(A, 8, dtype)
+    torch.library.opcheck(torch.ops.spcompile.spmm.default, (X.requires_grad_(True), v.requires_grad_(True),
+                                                              graph.id, reduce))
     C = as_csr(A)
-    Xs = torch.randn(C.shape[0], K, requires_grad=True)
+    Xs = torch.randn(C.shape[0], K, requires_grad=True, dtype=dtype)
     torch.library.opcheck(torch.ops.spcompile.sddmm.default, (Xs, X, None, graph.id))
 
 

@@ -98,6 +98,20 @@ def test_gatconv_matches_definition(heads, concat):
         assert p.grad is not None and torch.allclose(p.grad.double(), P[k].grad, atol=1e-5), k
 
 
+def test_float64_gatconv_matches_definition_and_gradcheck():
+    # a float64 layer computes in float64 end to end (the edge softmax too): the definition at
+    # float64 accuracy, gradcheck in x at its defaults
+    torch.manual_seed(3)
+    conv = snn.GATConv(F, 3, heads=2).double()
+    x = torch.randn(N, F, dtype=torch.float64, requires_grad=True)
+    ei = _edges(4)
+    out = conv(x, ei)
+    P = {k: p.detach() for k, p in conv.named_parameters()}
+    ref = _gat_ref(x.detach(), ei, P["lin.weight"], P["att_src"], P["att_dst"], P["bias"], 2, 3)
+    assert out.dtype == torch.float64 and torch.allclose(out, ref, rtol=1e-12, atol=1e-12)
+    assert torch.autograd.gradcheck(lambda x: conv(x, ei), (x,))
+
+
 class GCN(torch.nn.Module):
     def __init__(self, f, hidden, classes):
         super().__init__()

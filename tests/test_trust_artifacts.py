@@ -38,6 +38,13 @@ def mod(matrix):
 
 
 @pytest.fixture(scope="module")
+def mod64(matrix):
+    """``mod``'s workload in float64 (same matrix, K, pipeline and parameters)."""
+    return spcompile.build(matrix, "spmm", K=4, reduce="sum", target="cpu", pipeline=["reorder.degree"],
+                           dtype="float64")
+
+
+@pytest.fixture(scope="module")
 def sddmm_mod(matrix):
     return spcompile.build(matrix, "sddmm", K=3, target="cpu", pipeline=["reorder.degree"])
 
@@ -174,6 +181,7 @@ ARRAY_FORGERIES = [
     ("row ids repeated", _set("row_ids", lambda x: np.zeros_like(x)), "permutation"),
     ("task bounds past rows", _set("task_bounds", lambda x: (x * 3).astype(x.dtype)), "task_bounds"),
     ("short data", _set("data", lambda x: x[:-1].copy()), "data"),
+    ("float64 data", _set("data", lambda x: x.astype(np.float64)), "data.*float32"),
     ("float indices", _set("indices", lambda x: x.astype(np.float32)), "integer|mix"),
     ("mixed index dtypes", _set("indices", lambda x: x.astype(np.int64)), "mix"),
     ("missing array", lambda a: a.pop("row_ids"), "takes arrays"),
@@ -227,6 +235,38 @@ def test_relabelled_for_another_matrix(mod, matrix, tmp_path, no_env_key):
     for A in (None, B):
         with pytest.raises(ArtifactError, match="another matrix"):
             spcompile.load(path, A=A)
+
+
+def test_float64_artifact_forgeries(mod64, matrix, tmp_path, no_env_key):
+    """A float64 artifact loads and computes as built; its values in float32, or another byte
+    order, are refused."""
+    X = inputs_for("spmm", matrix.shape, 4)[0].astype(np.float64)
+    np.testing.assert_array_equal(spcompile.load(forged(tmp_path, mod64, "g.spc"))(X), mod64(X))
+    for edit in (_set("data", lambda x: x.astype(np.float32)), _set("data", lambda x: x.astype(">f8"))):
+        with pytest.raises(ArtifactError, match="data.*float64"):
+            spcompile.load(forged(tmp_path, mod64, "b.spc", edit_arrays=edit))
+
+
+def test_relabelled_dtype_is_refused(mod, mod64, tmp_path, no_env_key):
+    """A float32 artifact relabelled float64 and the reverse: the workload's dtype alone, or with
+    the values converted, their hash and the kernel's entry made to match the other dtype's:
+    refused (the library holds no kernel compiled for the other dtype)."""
+    for src, other in ((mod, mod64), (mod64, mod)):
+        vt = other.kernel.arrays["data"].dtype
+
+        def dtype(m):
+            m["workload_key"]["dtype"] = m["dtype"] = other.key.dtype
+
+        def everything(m):
+            dtype(m)
+            m["values_hash"] = other.values_hash
+            m["kernel_meta"]["entry"] = other.kernel.meta["entry"]
+
+        with pytest.raises(ArtifactError, match="entry"):
+            spcompile.load(forged(tmp_path, src, "d.spc", change=dtype))
+        path = forged(tmp_path, src, "e.spc", change=everything, edit_arrays=_set("data", lambda x: x.astype(vt)))
+        with pytest.raises(ArtifactError, match="cannot be loaded"):
+            spcompile.load(path)
 
 
 MANIFEST_FORGERIES = [

@@ -392,6 +392,35 @@ def test_precision_policy(db, reduced_template):
         spcompile.build(graph(), "spmm", K=16, target="cpu", precision="int8")
 
 
+def test_float64_workload_policy_space_and_records(db):
+    """A float64 workload computes in fp64, its own precision, under every policy (fp64 never joins
+    another workload's policy, nor replaces fp32 in it); its space holds the templates that compute
+    float64; the real runner checks its results at the fp64 tolerance; its records say fp64 and
+    build() finds them."""
+    from spcompile.compile import default_config
+
+    op = make_op(graph(), "spmm", 16, dtype="float64")
+    assert numerics.allowed_precisions("fp32") == ("fp32", "3xtf32")
+    assert numerics.allowed_precisions("bf16", "float64")[0] == "fp64"
+    tu = Tuner(op, "cpu", storage=db, runner=FakeRunner(), seed=0)
+    assert tu.allowed == ("fp64", "fp32", "3xtf32") and tu.space
+    assert all("float64" in spcompile.get_template(t).dtypes for t in tu.space)
+    res = tu.run(trials=4)
+    assert res.best_config.precision == "fp64"
+    rec = open_database(db).lookup(op.key(), "cpu")
+    assert rec is not None and rec.config.precision == "fp64"
+    cfg, info = choose_config(op, "cpu", storage=db)
+    assert info["source"] == "database" and cfg == rec.config
+    real = CPURunner(repeats=2, warmup=0, min_sample_s=1e-4).measure(op, default_config(op, "cpu"))
+    assert real.ok and real.rel_error < numerics.tolerance("float64") == 1e-12
+    with pytest.raises(ValueError, match="precision='fp64'.*float64"):
+        Tuner(make_op(graph(), "spmm", 16), "cpu", storage=db, runner=FakeRunner(), precision="fp64")
+    with pytest.raises(ValueError, match="precision='fp64'.*float64"):
+        spcompile.build(graph(), "spmm", K=16, target="cpu", precision="fp64")
+    assert spcompile.build(graph(), "spmm", K=16, target="cpu", dtype="float64", precision="fp64",
+                           storage=db).config.precision == "fp64"
+
+
 @pytest.mark.skipif(not __import__("spcompile.runtime.cuda", fromlist=["x"]).nvcc_available(),
                     reason="CUDA templates need nvcc")
 def test_16bit_workload_space(db):

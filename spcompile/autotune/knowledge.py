@@ -173,7 +173,7 @@ def candidate_config(cid: str, op: SparseOp, target: str = "cuda") -> Config:
         params = tpl.default_params(mod0)
     else:
         raise ValueError(f"unknown portfolio member {cid!r}")
-    return tpl.make_config(params, spec, target)
+    return tpl.make_config(params, spec, target, op.dtype)
 
 
 # -- the data and the model ------------------------------------------------------------------

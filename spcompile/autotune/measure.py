@@ -399,9 +399,9 @@ class Timer:
 
 
 def make_inputs(op: SparseOp, n_sets: int, seed: int = 0) -> list[tuple[np.ndarray, ...]]:
-    """``n_sets`` independent random input tuples for ``op``: float32 arrays whose values are
-    exactly representable in the op's dtype (so the float64 reference sees the inputs the kernel
-    sees)."""
+    """``n_sets`` independent random input tuples for ``op``: float32 arrays (float64 for a float64
+    op) whose values are exactly representable in the op's dtype (so the float64 reference sees
+    the inputs the kernel sees)."""
     rng = np.random.default_rng(seed)
     return [tuple(round_to(rng.standard_normal(s, dtype=np.float32), op.dtype) for s in op.input_shapes)
             for _ in range(n_sets)]
@@ -616,14 +616,14 @@ class CPURunner(Runner):
         inputs, refs = self._data(op)
         worst = 0.0
         for ins, ref in zip(inputs, refs):
-            out = np.full(op.output_shape, np.nan, dtype=np.float32)  # poisoned: unwritten entries fail
+            out = np.full(op.output_shape, np.nan, dtype=op.dtype)  # poisoned: unwritten entries fail
             cm(*ins, out=out)
             worst = max(worst, reference.rel_error(out, ref))
         return worst
 
     def _call(self, op, cm):
         inputs, _ = self._data(op)
-        outs = [np.empty(op.output_shape, dtype=np.float32) for _ in inputs]
+        outs = [np.empty(op.output_shape, dtype=op.dtype) for _ in inputs]
         return (lambda i: cm(*inputs[i], out=outs[i])), len(inputs)
 
     def _baseline_here(self, op: SparseOp) -> MeasureResult:
@@ -740,7 +740,7 @@ class CUDARunner(Runner):
         if tpl is not None:
             mod = SparseModule.from_op(op)
             if tpl.available() and tpl.supports(mod):
-                res = self.measure(op, tpl.make_config(tpl.default_params(mod), (), "cuda"))
+                res = self.measure(op, tpl.make_config(tpl.default_params(mod), (), "cuda", op.dtype))
                 res.name = tpl.name
                 if res.ok:
                     return res

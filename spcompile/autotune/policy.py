@@ -115,7 +115,7 @@ def decide(sop: SparseOp, target: str, storage: str | None = None, tune: bool = 
         if not ranked:
             dflt = default_config(sop, target)
             tpl = get_template(dflt.template)
-            ranked = [(dflt, None)] + [(tpl.make_config(p, dflt.pipeline, target), None)
+            ranked = [(dflt, None)] + [(tpl.make_config(p, dflt.pipeline, target, sop.dtype), None)
                                        for p in tpl.quick_alternatives(dict(dflt.params))]
         try:
             mod, qinfo = quick_select(sop, target, ranked, budget_s=budget, ctx=ctx, label=label, vendor=vendor_ok)

@@ -46,7 +46,7 @@ def vendor_config(op: SparseOp, target: str) -> Config | None:
         return None
     if (op.op, op.reduce) not in tpl.ops or op.dtype not in tpl.dtypes or not tpl.available():
         return None
-    return tpl.make_config({}, (), target)
+    return tpl.make_config({}, (), target, op.dtype)
 
 
 #: up to this many multiply-adds (nnz x K) the results are checked against the float64

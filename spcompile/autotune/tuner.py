@@ -394,7 +394,7 @@ class Tuner:
         params = dict(tpl.default_params(self._mod0))
         for pname, dist in self._dists[tname].items():
             params[pname] = suggest(trial, f"{tname}:{pname}", dist)
-        return tpl.make_config(params, pipes[label], self.target)
+        return tpl.make_config(params, pipes[label], self.target, self.op.dtype)
 
     def params_from_config(self, cfg: Config) -> dict | None:
         """Optuna params (for ``enqueue_trial``) reproducing ``cfg``; None if outside the space."""
@@ -424,7 +424,7 @@ class Tuner:
         for tname, pipes in self.space.items():
             tpl = get_template(tname)
             own = next(iter(pipes.values()))
-            seeds.append(("default", tpl.make_config(tpl.default_params(self._mod0), own, self.target)))
+            seeds.append(("default", tpl.make_config(tpl.default_params(self._mod0), own, self.target, self.op.dtype)))
             mod = self._mod0
             if own:  # heuristics may need the format data the template's pipeline produces
                 try:
@@ -437,7 +437,7 @@ class Tuner:
                 heur = []
             for p in heur:
                 seeds.append(("heuristic", tpl.make_config({**tpl.default_params(self._mod0), **dict(p)},
-                                                           own, self.target)))
+                                                           own, self.target, self.op.dtype)))
         if self.similar:
             try:
                 for dist, rec in self.db.similar(self.key, self.target_info, self.objective, self.similar,

@@ -23,13 +23,16 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from . import numerics as _numerics
 from .formats import CSR, permute_csr
 
 OPS: dict[str, tuple] = {"spmm": ("sum", "max", "min", "mean"), "sddmm": (None,)}
-#: input/output dtypes of a workload.  float16 / bfloat16: X (and Y) and the result in that dtype,
-#: the matrix values and all arithmetic in fp32 (one rounding of the output); only some CUDA
-#: templates support them (a template's ``dtypes``), the CPU target is float32 only.
-DTYPES = ("float32", "float16", "bfloat16")
+#: input/output dtypes of a workload (:data:`spcompile.core.numerics.DTYPES`).  float16 /
+#: bfloat16: X (and Y) and the result in that dtype, the matrix values and all arithmetic in fp32
+#: (one rounding of the output); only some CUDA templates support them.  float64: X, Y, the
+#: result, the matrix values and all arithmetic in float64; the CPU templates only.  Which
+#: template computes which dtypes: its ``dtypes``.
+DTYPES = tuple(_numerics.DTYPES)
 #: the widest dense operand supported (K columns of X and Y)
 MAX_K = 1 << 20
 
@@ -131,7 +134,8 @@ class WorkloadKey:
 
 @dataclass(frozen=True, eq=False)
 class SparseOp:
-    """Frozen description of the work: op, reduce, canonical CSR matrix, feature width K, dtype."""
+    """Frozen description of the work: op, reduce, canonical CSR matrix, feature width K, dtype.
+    ``A``'s values are held in the dtype's arithmetic type (float32; float64 for float64)."""
 
     op: str
     reduce: str | None
@@ -155,6 +159,9 @@ class SparseOp:
         object.__setattr__(self, "dtype", str(self.dtype))
         if not isinstance(self.A, CSR):
             raise TypeError("SparseOp.A must be a canonical CSR (use spcompile.core.formats.as_csr)")
+        compute = np.dtype(_numerics.DTYPES[self.dtype].compute)
+        if self.A.data.dtype != compute:   # the values in the workload's arithmetic type
+            object.__setattr__(self, "A", self.A.astype(compute))
 
     @property
     def shape(self) -> tuple[int, int]:

@@ -20,6 +20,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from ..core.config import Config
+from ..core.numerics import DTYPES, exact_precision
 from ..core.ir import SparseModule
 from ..passes import recipes
 from ..runtime.kernel import Kernel
@@ -96,10 +97,10 @@ class Template:
 
     @property
     def call_values_array(self) -> str | None:
-        """The kernel array holding the matrix values as one float32 entry per stored entry of
-        the permuted CSR (``csr_kernel_arrays``' ``data``), so that a call may pass new values
-        (``mod(X, values=v)``); None where the format bakes the values into a packed layout.
-        Declared in :data:`CALL_VALUE_ARRAYS`."""
+        """The kernel array holding the matrix values as one entry per stored entry of the permuted
+        CSR (``csr_kernel_arrays``' ``data``, in the workload's arithmetic type), so that a call
+        may pass new values (``mod(X, values=v)``); None where the format bakes the values into a
+        packed layout.  Declared in :data:`CALL_VALUE_ARRAYS`."""
         return CALL_VALUE_ARRAYS.get(self.name)
     #: the saved arrays are :func:`csr_kernel_arrays` (or a subset of their names), checked by
     #: :func:`check_csr_arrays` when an artifact is loaded; ``csr_values``: ``data`` holds the
@@ -167,16 +168,18 @@ class Template:
             check_param_value(self.name, name, full[name], space.get(name), defaults.get(name),
                               self.strict_choices)
 
-    def precision_of(self, params: Mapping[str, Any]) -> str:
-        """The precision a configuration with ``params`` computes in."""
+    def precision_of(self, params: Mapping[str, Any], dtype: str = "float32") -> str:
+        """The precision a configuration with ``params`` computes a ``dtype`` workload in."""
         if self.precision_param is None:
-            return "fp32"
+            return exact_precision(dtype)
         return str(params.get(self.precision_param, "fp32"))
 
-    def make_config(self, params: Mapping[str, Any], pipeline=(), target: str | None = None) -> Config:
-        """A :class:`Config` of this template (its format and precision filled in)."""
+    def make_config(self, params: Mapping[str, Any], pipeline=(), target: str | None = None,
+                    dtype: str = "float32") -> Config:
+        """A :class:`Config` of this template for a ``dtype`` workload (its format and precision
+        filled in)."""
         return Config(self.name, dict(params), tuple(pipeline), target or self.target, self.format,
-                      self.precision_of(params))
+                      self.precision_of(params, dtype))
 
     # -- build / load ------------------------------------------------------------------------
     def build(self, mod: SparseModule, params: Mapping[str, Any]) -> Kernel:
@@ -194,7 +197,7 @@ class Template:
         ``values``: the manifest's values hash.  Templates add their own arrays' checks."""
         if self.csr_arrays:
             check_csr_arrays(arrays, key.rows, key.cols, key.nnz, pattern=key.pattern,
-                             values=values if self.csr_values else None)
+                             values=values if self.csr_values else None, value_dtype=DTYPES[key.dtype].compute)
 
     def source_hash(self) -> str:
         """Hash of everything that defines this template's code (its module source + version)."""
@@ -276,7 +279,8 @@ def csr_kernel_arrays(mod: SparseModule, index_dtype=np.int32) -> dict[str, np.n
     """CSR arrays of ``mod.A`` with the passes' permutations folded in, for kernels that work in
     the caller's order: ``indices`` are *original* column ids, ``row_ids[i]`` is the original row
     of current row i (where its output goes), ``nnz_ids[p]`` the original position of stored
-    entry p (where an SDDMM output goes)."""
+    entry p (where an SDDMM output goes), ``data`` the values in the workload's arithmetic type
+    (float32; float64 for float64 workloads: never rounded)."""
     A = mod.A
     m = A.shape[0]
     idt = np.dtype(index_dtype) if max(A.nnz, *A.shape) <= np.iinfo(np.int32).max else np.dtype(np.int64)
@@ -288,7 +292,7 @@ def csr_kernel_arrays(mod: SparseModule, index_dtype=np.int32) -> dict[str, np.n
     return {
         "indptr": np.array(A.indptr, dtype=idt),
         "indices": np.array(indices, dtype=idt),
-        "data": np.array(A.data, dtype=np.float32),
+        "data": np.array(A.data, dtype=DTYPES[mod.op.dtype].compute),
         "row_ids": row_ids if mod.row_perm is None else np.array(row_ids, dtype=idt),
         "nnz_ids": nnz_ids if mod.nnz_perm is None else np.array(nnz_ids, dtype=idt),
     }
@@ -388,11 +392,11 @@ def check_instances(meta, want: list) -> None:
 
 
 def check_entries(r: np.ndarray, c: np.ndarray, data, rows: int, cols: int, pattern: str | None,
-                  values: str | None, order: np.ndarray | None = None) -> None:
+                  values: str | None, order: np.ndarray | None = None, value_dtype=np.float32) -> None:
     """The entries (row ``r[p]``, column ``c[p]``, value ``data[p]``) must form the matrix whose
-    pattern / values hashes the manifest names.  ``order``: the entries' canonical order as the
-    arrays claim it (they must then be in (row, column) order along it), else any order; no
-    entry may repeat."""
+    pattern / values hashes the manifest names (values hashed as ``value_dtype``, the workload's
+    arithmetic type).  ``order``: the entries' canonical order as the arrays claim it (they must
+    then be in (row, column) order along it), else any order; no entry may repeat."""
     from ..core.formats import CSR
     from ..core.ir import pattern_hash, values_hash
 
@@ -407,7 +411,7 @@ def check_entries(r: np.ndarray, c: np.ndarray, data, rows: int, cols: int, patt
         if np.any(key[1:] <= key[:-1]):
             raise ValueError("the arrays do not describe a canonical matrix (entries out of order or repeated)")
     C = CSR(np.concatenate(([0], np.cumsum(np.bincount(r, minlength=rows)))).astype(np.int64), c,
-            (np.asarray(data)[order] if data is not None else np.zeros(nnz, np.float32)).astype(np.float32),
+            (np.asarray(data)[order] if data is not None else np.zeros(nnz, value_dtype)).astype(value_dtype),
             (rows, cols))
     if pattern is not None and pattern_hash(C) != pattern:
         raise ValueError("the arrays hold another matrix than the one the manifest names (pattern hash differs)")
@@ -420,11 +424,12 @@ def _is_permutation(x: np.ndarray, n: int) -> bool:
 
 
 def check_csr_arrays(arrays: Mapping[str, np.ndarray], rows: int, cols: int, nnz: int,
-                     pattern: str | None = None, values: str | None = None) -> None:
+                     pattern: str | None = None, values: str | None = None, value_dtype=np.float32) -> None:
     """ValueError unless ``arrays`` (names of :func:`csr_kernel_arrays`, those present) describe a
     ``rows x cols`` matrix with ``nnz`` entries: ``indptr`` monotone from 0 to nnz, ``indices`` in
     [0, cols), ``row_ids`` a permutation of the rows, ``nnz_ids`` one of the entries, ``data``
-    nnz floats, every index array of one integer dtype; with ``pattern`` / ``values`` the matrix
+    nnz values of exactly ``value_dtype`` (the workload's arithmetic type: what the kernel reads
+    them as), every index array of one integer dtype; with ``pattern`` / ``values`` the matrix
     they rebuild (in the caller's order) must have that pattern hash / values hash.  Linear in
     rows + nnz (plus one sort of the entries for the hashes)."""
 
@@ -451,9 +456,9 @@ def check_csr_arrays(arrays: Mapping[str, np.ndarray], rows: int, cols: int, nnz
         if not _is_permutation(nnz_ids, nnz):
             raise ValueError("array 'nnz_ids' is not a permutation of the stored entries")
     if "data" in arrays:
-        data = np.asarray(arrays["data"])
-        if data.dtype != np.float32 or data.ndim != 1 or data.shape[0] != nnz:   # csr_kernel_arrays: float32
-            raise ValueError(f"array 'data' must hold {nnz} float32 values, got {data.dtype}{list(data.shape)}")
+        data, want = np.asarray(arrays["data"]), np.dtype(value_dtype)
+        if data.dtype != want or data.ndim != 1 or data.shape[0] != nnz:   # csr_kernel_arrays' data
+            raise ValueError(f"array 'data' must hold {nnz} {want} values, got {data.dtype}{list(data.shape)}")
     if (pattern is None and values is None) or indptr is None or indices is None:
         return
     # the matrix in the caller's order: current row i is original row row_ids[i]; entry p goes to
@@ -463,4 +468,4 @@ def check_csr_arrays(arrays: Mapping[str, np.ndarray], rows: int, cols: int, nnz
     if nnz_ids is not None:
         order = np.empty(nnz, dtype=np.int64)
         order[nnz_ids] = np.arange(nnz, dtype=np.int64)
-    check_entries(r, indices, data, rows, cols, pattern, values, order)
+    check_entries(r, indices, data, rows, cols, pattern, values, order, value_dtype)

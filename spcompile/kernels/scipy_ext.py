@@ -6,8 +6,9 @@ from __future__ import annotations
 import numpy as np
 
 from ..core.ir import SparseModule
+from ..core.numerics import DTYPES
 from ..runtime.kernel import Kernel
-from .base import Template, register_template
+from .base import Template, check_csr_arrays, meta_equal, register_template
 
 
 def _host_view(a):
@@ -53,16 +54,17 @@ class ScipyKernel(Kernel):
 
 @register_template
 class Scipy(Template):
-    """SciPy's CSR SpMM (sum and mean, float32) as a CPU candidate: quick selection and the tuner
-    offer it beside the compiled kernels, so a CPU module is never slower than ``A @ X`` in
-    SciPy.  Works on the original matrix (passes do not apply to a library call)."""
+    """SciPy's CSR SpMM (sum and mean; float32, or float64 throughout for float64 workloads) as a
+    CPU candidate: quick selection and the tuner offer it beside the compiled kernels, so a CPU
+    module is never slower than ``A @ X`` in SciPy.  Works on the original matrix (passes do not
+    apply to a library call)."""
 
     name = "extern.scipy"
     version = "1"
     target = "cpu"
     priority = 1
     ops = (("spmm", "sum"), ("spmm", "mean"))
-    dtypes = ("float32",)
+    dtypes = ("float32", "float64")
     #: not a tuning candidate: the tuner measures SciPy as its baseline in every run and stores
     #: nothing slower than it, and on a database miss quick selection offers it
     tunable = False
@@ -78,14 +80,24 @@ class Scipy(Template):
     def build(self, mod: SparseModule, params):
         params = self.check_params(mod, params)
         A = mod.op.A  # caller's order: the library needs no permutation folding
-        data = np.array(A.data, dtype=np.float32)
+        vt = DTYPES[mod.op.dtype].compute   # the values in the workload's arithmetic type
+        data = np.array(A.data, dtype=vt)
         if mod.op.reduce == "mean":
             lens = np.diff(A.indptr.astype(np.int64))
-            data = (data / np.repeat(np.maximum(lens, 1), lens)).astype(np.float32)
+            data = (data / np.repeat(np.maximum(lens, 1), lens)).astype(vt)
         idx = np.int32 if max(A.nnz, A.shape[1]) < 2**31 else np.int64
         arrays = {"indptr": np.array(A.indptr, dtype=idx), "indices": np.array(A.indices, dtype=idx), "data": data}
         meta = {"op": "spmm", "reduce": mod.op.reduce, "shape": list(A.shape)}
         return ScipyKernel(self.name, params, arrays, {}, meta)
+
+    def check_arrays(self, key, params, arrays, meta, values=None):
+        """The matrix's CSR arrays (mean: its values pre-divided by the row lengths, so the values
+        hash is checked for sum only), the values in the workload's arithmetic type."""
+        if sorted(arrays) != ["data", "indices", "indptr"]:
+            raise ValueError(f"template {self.name!r} takes arrays ['data', 'indices', 'indptr'], got {sorted(arrays)}")
+        meta_equal(meta, "shape", [key.rows, key.cols])
+        check_csr_arrays(arrays, key.rows, key.cols, key.nnz, pattern=key.pattern,
+                         values=values if key.reduce == "sum" else None, value_dtype=DTYPES[key.dtype].compute)
 
     def load(self, params, arrays, files, meta):
         return ScipyKernel(self.name, params, arrays, files, meta)

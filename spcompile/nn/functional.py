@@ -71,9 +71,9 @@ def sddmm(A, X: torch.Tensor, Y: torch.Tensor, values: torch.Tensor | None = Non
 
 def edge_softmax(logits: torch.Tensor, graph: SparseGraph) -> torch.Tensor:
     """Softmax of per-entry ``logits`` (nnz or nnz x heads) over each row of ``graph`` (a target
-    node's incoming edges); computed in float32."""
+    node's incoming edges); computed in float32 (float64 logits: in float64)."""
     rows = graph.rows
-    e = logits.float()
+    e = logits.to(ops._compute(logits))
     shape = (graph.shape[0],) + tuple(e.shape[1:])
     idx = rows.view(-1, *([1] * (e.dim() - 1))).expand_as(e)
     with torch.no_grad():   # the shift cancels in the softmax: no gradient through it

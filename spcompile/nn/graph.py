@@ -49,13 +49,18 @@ class SparseGraph:
     module the graph builds (e.g. ``tune=True``, ``storage=...``, ``select_budget=...``).
 
     ``rows``, ``cols`` (int64), ``values`` (float32) are tensors on :attr:`device`
-    (:meth:`to` moves them).  Modules are built lazily on first use, per (op, K, reduce, dtype,
-    device), on the *pattern* (values are always passed at call time), so one graph serves any
-    edge values -- GCN normalisation, attention -- without rebuilding."""
+    (:meth:`to` moves them); :meth:`typed` gives the values in float64 for float64 inputs (the
+    input's own float64 values where it held them, unrounded).  Modules are built lazily on first
+    use, per (op, K, reduce, dtype, device), on the *pattern* (values are always passed at call
+    time), so one graph serves any edge values -- GCN normalisation, attention -- without
+    rebuilding."""
 
     def __init__(self, A, **build_options: Any):
         C = as_csr(A)
         self.csr: CSR = C
+        #: the values of an input that held float64 ones, unrounded (float64 calls use them), else None
+        self._values64 = as_csr(A, np.float64).data if _holds_float64(A) else None
+        self._typed: dict = {}
         self.shape = (int(C.shape[0]), int(C.shape[1]))
         self.nnz = C.nnz
         self.build_options = dict(build_options)
@@ -77,8 +82,12 @@ class SparseGraph:
         # the matrix, build options and device; modules are built again where it is unpickled
         # (a new graph: new id; modules given by the caller travel pickled with it)
         C = self.csr
-        return (_rebuild, ((C.indptr, C.indices, C.data, self.shape), self.build_options,
+        return (_rebuild, ((C.indptr, C.indices, self._data(), self.shape), self.build_options,
                            str(self.device), list(self._user.values())))
+
+    def _data(self) -> np.ndarray:
+        """The values at the precision the graph was given them in (float64 or float32)."""
+        return self.csr.data if self._values64 is None else self._values64
 
     # -- construction ---------------------------------------------------------------------
     @classmethod
@@ -109,11 +118,26 @@ class SparseGraph:
         lens = np.maximum(np.diff(np.asarray(C.indptr, np.int64)), 1).astype(np.float32)
         #: per stored entry, the length of its row (at least 1): mean's divisor
         self.row_len = torch.from_numpy(lens).to(device)[self.rows]
+        self._typed = {}
         self.device = device
         if self._transpose is not None:
             self._transpose.to(device)
             self.tperm = torch.from_numpy(self._tperm_np).to(device)
         return self
+
+    def typed(self, name: str, dtype):
+        """The float32 tensor ``name`` ("values", "ones", "row_len") in torch ``dtype`` (float64 for
+        float64 inputs; the values unrounded where the graph was given float64 ones), made once
+        per device and kept, so that modules see the same tensor on every call."""
+        t = getattr(self, name)
+        if t.dtype == dtype:
+            return t
+        got = self._typed.get((name, dtype))
+        if got is None:
+            src = self._values64 if name == "values" and dtype == _torch().float64 else None
+            got = t.to(dtype) if src is None else _torch().from_numpy(np.array(src)).to(self.device)
+            self._typed[(name, dtype)] = got
+        return got
 
     # -- transpose ------------------------------------------------------------------------
     def transpose(self) -> "SparseGraph":
@@ -127,7 +151,7 @@ class SparseGraph:
                 order = np.lexsort((rows, cols))   # by column, then row: A^T's canonical order
                 indptr = np.zeros(self.shape[1] + 1, np.int64)
                 np.cumsum(np.bincount(cols, minlength=self.shape[1]), out=indptr[1:])
-                T = SparseGraph((indptr, rows[order], np.asarray(C.data, np.float32)[order],
+                T = SparseGraph((indptr, rows[order], self._data()[order],
                                  (self.shape[1], self.shape[0])), **self.build_options)
                 T._transpose, T._tperm_np = self, np.argsort(order)
                 T.to(self.device)
@@ -173,6 +197,17 @@ class SparseGraph:
                 errors.append(f"{tpl.name}: {e}")
         raise RuntimeError(f"no template on target {target!r} takes call-time values for op={op!r} "
                            f"reduce={reduce!r} dtype={dtype!r} ({'; '.join(errors) or 'none available'})")
+
+
+def _holds_float64(A) -> bool:
+    """Whether sparse input ``A`` (anything :func:`spcompile.as_csr` takes) holds float64 values."""
+    if isinstance(A, CSR):
+        dt = A.data.dtype
+    elif isinstance(A, tuple) and len(A) == 4:
+        dt = np.asarray(A[2]).dtype
+    else:
+        dt = getattr(A, "dtype", None)   # scipy sparse, torch sparse
+    return str(dt).rpartition(".")[2] == "float64"
 
 
 def _rebuild(A, build_options, device, user) -> SparseGraph:

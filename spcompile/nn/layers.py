@@ -145,7 +145,7 @@ class GATConv(nn.Module):
         a_src = (h * self.att_src).sum(-1)          # N x H
         a_dst = (h * self.att_dst).sum(-1)
         logits = nn.functional.leaky_relu(a_src[graph.cols] + a_dst[graph.rows], self.negative_slope)
-        alpha = edge_softmax(logits, graph)         # nnz x H, float32
+        alpha = edge_softmax(logits, graph)         # nnz x H, float32 (float64 for float64 x)
         out = torch.stack([spmm(graph, h[:, k], values=alpha[:, k]) for k in range(H)], dim=1)
         out = out.reshape(N, H * C) if self.concat else out.mean(dim=1)
         if self.bias is not None:

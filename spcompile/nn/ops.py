@@ -26,7 +26,11 @@ graph's index tensors.  Second derivatives are not supported.
 
 Dtypes: float32 everywhere; float16 / bfloat16 on CUDA where a template computes them (fp32
 accumulation); on the CPU, 16-bit inputs are computed in float32 and the result rounded back.
-float64 is refused (the kernels compute in float32).  Values are float32.
+float64 on the CPU: computed in float64 throughout (values, kernels and gradients; so
+``torch.autograd.gradcheck`` holds at its float64 defaults); float64 CUDA tensors are refused
+(the CUDA kernels compute in float32 or take 16-bit inputs).  Values are float32, float64 for
+float64 inputs (a graph's own values then in float64: :meth:`SparseGraph.typed`); gradients
+with respect to values come back in the values' dtype.
 """
 from __future__ import annotations
 
@@ -43,23 +47,33 @@ _REDUCES = ("sum", "mean", "max", "min")
 
 def _plan(X: torch.Tensor, what: str):
     """(module dtype, target, input to hand the module) for a float input tensor."""
-    if X.dtype == torch.float64:
-        raise TypeError(f"{what}: float64 inputs are not supported (the kernels compute in float32); "
-                        f"pass float32 (or float16 / bfloat16 on CUDA)")
-    if X.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise TypeError(f"{what}: inputs must be float32, float16 or bfloat16, got {X.dtype}")
+    if X.dtype not in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+        raise TypeError(f"{what}: inputs must be float32, float64, float16 or bfloat16, got {X.dtype}")
     if X.device.type == "cuda":
+        if X.dtype == torch.float64:
+            raise TypeError(f"{what}: float64 CUDA tensors are not supported (the CUDA kernels compute in "
+                            f"float32, or take float16 / bfloat16 inputs); pass float32 (or float16 / "
+                            f"bfloat16), or compute in float64 on the CPU")
         return str(X.dtype).rpartition(".")[2], "cuda", X.detach()
     if X.device.type != "cpu":
         raise ValueError(f"{what}: unsupported device {X.device}")
+    if X.dtype == torch.float64:
+        return "float64", "cpu", X.detach()
     return "float32", "cpu", X.detach().float()
 
 
-def _values(g: SparseGraph, values: Optional[torch.Tensor], device) -> torch.Tensor:
+def _compute(X: torch.Tensor) -> torch.dtype:
+    """The dtype of the values and the arithmetic for inputs like ``X``: float64 for float64
+    inputs, else float32."""
+    return torch.float64 if X.dtype == torch.float64 else torch.float32
+
+
+def _values(g: SparseGraph, values: Optional[torch.Tensor], device, dtype=torch.float32) -> torch.Tensor:
+    """The values for a call (``dtype``: the arithmetic's, for the graph's own values)."""
     if values is None:
         if g.device != device:
             raise ValueError(f"the graph's tensors are on {g.device} but the inputs on {device}: call graph.to({str(device)!r})")
-        return g.values
+        return g.typed("values", dtype)
     if values.shape != (g.nnz,):
         raise ValueError(f"values has shape {tuple(values.shape)}, expected ({g.nnz},) (one per stored entry)")
     return values.detach()
@@ -77,7 +91,7 @@ def _spmm(g: SparseGraph, X: torch.Tensor, values: Optional[torch.Tensor], reduc
     if values is None and g._user.get(key) is mod:
         Y = mod(Xc)                      # the caller's module with its own values
     else:
-        Y = mod(Xc, values=_values(g, values, X.device))
+        Y = mod(Xc, values=_values(g, values, X.device, _compute(X)))
     return Y if Y.dtype == X.dtype else Y.to(X.dtype)
 
 
@@ -94,7 +108,7 @@ def _sddmm(g: SparseGraph, X: torch.Tensor, Y: torch.Tensor, values: Optional[to
     if values is None and g._user.get(key) is mod:
         out = mod(Xc, Yc)
     else:
-        out = mod(Xc, Yc, values=_values(g, values, X.device))
+        out = mod(Xc, Yc, values=_values(g, values, X.device, _compute(X)))
     return out if out.dtype == X.dtype else out.to(X.dtype)
 
 
@@ -103,7 +117,7 @@ def _transposed(g: SparseGraph, X: torch.Tensor, w: torch.Tensor) -> torch.Tenso
     T = g.transpose()
     # the graph's own values: the transposed graph holds them in its order already (one tensor,
     # so the module need not rewrite them each call)
-    return _spmm(T, X, None if w is g.values else w[g.tperm], "sum")
+    return _spmm(T, X, None if w is g.typed("values", w.dtype) else w[g.tperm], "sum")
 
 
 @torch.library.custom_op("spcompile::spmm", mutates_args=())
@@ -119,8 +133,8 @@ def _spmm_fake(X, values, graph, reduce):
 
 def _arg_entries(g: SparseGraph, X, v, reduce):
     """Per output element (m x K) the entry that won the max / min (``g.nnz``: an empty row)."""
-    m, K = g.shape[0], X.shape[1]
-    P = v.float()[:, None] * X.float()[g.cols]
+    m, K, ct = g.shape[0], X.shape[1], _compute(X)
+    P = v.to(ct)[:, None] * X.to(ct)[g.cols]
     idx = g.rows[:, None].expand(-1, K)
     fill = float("-inf") if reduce == "max" else float("inf")
     best = torch.full((m, K), fill, dtype=P.dtype, device=P.device).scatter_reduce(
@@ -140,33 +154,34 @@ def spmm_backward_op(dY: torch.Tensor, X: torch.Tensor, values: Optional[torch.T
 
 def _spmm_backward_impl(dY, X, values, graph, reduce, need_x, need_v):
     g = graph_by_id(graph)
+    ct = _compute(X)
     dX = X.new_empty((0,))
-    dv = torch.empty((0,), dtype=torch.float32, device=X.device)
+    dv = torch.empty((0,), dtype=ct, device=X.device)
     try:
-        v = values.detach().float() if values is not None else _values(g, None, X.device)
+        v = values.detach().to(ct) if values is not None else _values(g, None, X.device, ct)
         dY = dY.detach()
         X = X.detach()
         if reduce in ("sum", "mean"):
-            w = v if reduce == "sum" else v / g.row_len
+            w = v if reduce == "sum" else v / g.typed("row_len", ct)
             if need_x:
                 dX = _transposed(g, dY, w).to(X.dtype)
             if need_v:
-                dv = _sddmm(g, dY, X.to(dY.dtype), g.ones).float()
+                dv = _sddmm(g, dY, X.to(dY.dtype), g.typed("ones", ct)).to(ct)
                 if reduce == "mean":
-                    dv = dv / g.row_len
+                    dv = dv / g.typed("row_len", ct)
         else:
             E = _arg_entries(g, X, v, reduce)
             valid = E < g.nnz
             Ec = E.clamp(max=max(g.nnz - 1, 0))
-            gy = torch.where(valid, dY.float(), torch.zeros((), dtype=torch.float32, device=dY.device))
+            gy = torch.where(valid, dY.to(ct), torch.zeros((), dtype=ct, device=dY.device))
             cols = g.cols[Ec]
             if need_x:
-                dX = torch.zeros((g.shape[1], X.shape[1]), dtype=torch.float32, device=X.device)
+                dX = torch.zeros((g.shape[1], X.shape[1]), dtype=ct, device=X.device)
                 dX.scatter_add_(0, cols, gy * v[Ec])
                 dX = dX.to(X.dtype)
             if need_v:
-                dv = torch.zeros(g.nnz, dtype=torch.float32, device=X.device)
-                dv.index_add_(0, Ec.reshape(-1), (gy * X.float().gather(0, cols)).reshape(-1))
+                dv = torch.zeros(g.nnz, dtype=ct, device=X.device)
+                dv.index_add_(0, Ec.reshape(-1), (gy * X.to(ct).gather(0, cols)).reshape(-1))
     except (RuntimeError, ValueError, TypeError) as e:
         raise RuntimeError(f"spcompile: the gradient of spmm (reduce={reduce!r}) cannot be computed: {e}") from e
     return dX, dv
@@ -176,7 +191,7 @@ def _spmm_backward_impl(dY, X, values, graph, reduce, need_x, need_v):
 def _spmm_backward_fake(dY, X, values, graph, reduce, need_x, need_v):
     g = graph_by_id(graph)
     dX = X.new_empty((g.shape[1], X.shape[1]) if need_x else (0,))
-    dv = X.new_empty((g.nnz,) if need_v else (0,), dtype=torch.float32)
+    dv = X.new_empty((g.nnz,) if need_v else (0,), dtype=_compute(X))
     return dX, dv
 
 
@@ -218,18 +233,19 @@ def sddmm_backward_op(dO: torch.Tensor, X: torch.Tensor, Y: torch.Tensor, values
 
 def _sddmm_backward_impl(dO, X, Y, values, graph, need_x, need_y, need_v):
     g = graph_by_id(graph)
+    ct = _compute(X)
     dX, dY = X.new_empty((0,)), Y.new_empty((0,))
-    dv = torch.empty((0,), dtype=torch.float32, device=X.device)
+    dv = torch.empty((0,), dtype=ct, device=X.device)
     try:
         X, Y, dO = X.detach(), Y.detach(), dO.detach()
-        v = (values if values is not None else _values(g, None, X.device)).detach().float()
-        gw = v * dO.float()
+        v = (values if values is not None else _values(g, None, X.device, ct)).detach().to(ct)
+        gw = v * dO.to(ct)
         if need_x:
             dX = _spmm(g, Y, gw, "sum").to(X.dtype)
         if need_y:
             dY = _transposed(g, X, gw).to(Y.dtype)
         if need_v:
-            dv = dO.float() * _sddmm(g, X, Y, g.ones).float()
+            dv = dO.to(ct) * _sddmm(g, X, Y, g.typed("ones", ct)).to(ct)
     except (RuntimeError, ValueError, TypeError) as e:
         raise RuntimeError(f"spcompile: the gradient of sddmm cannot be computed: {e}") from e
     return dX, dY, dv
@@ -239,7 +255,7 @@ def _sddmm_backward_impl(dO, X, Y, values, graph, need_x, need_y, need_v):
 def _sddmm_backward_fake(dO, X, Y, values, graph, need_x, need_y, need_v):
     g = graph_by_id(graph)
     return (X.new_empty(tuple(X.shape) if need_x else (0,)), Y.new_empty(tuple(Y.shape) if need_y else (0,)),
-            X.new_empty((g.nnz,) if need_v else (0,), dtype=torch.float32))
+            X.new_empty((g.nnz,) if need_v else (0,), dtype=_compute(X)))
 
 
 def _sddmm_setup(ctx, inputs, output):

@@ -42,7 +42,7 @@ class ArrayAdapter:
     #: the word for one of its arrays in error messages
     noun = "array"
     #: module dtypes the framework can hold
-    dtypes: frozenset[str] = frozenset(("float32", "float16"))
+    dtypes: frozenset[str] = frozenset(("float32", "float16", "float64"))
     #: data pointer of an array (C-level)
     ptr: Callable[[Any], int]
 
@@ -223,7 +223,7 @@ def _readable_alias(x: np.ndarray) -> np.ndarray:
 class _Torch(ArrayAdapter):
     name = "torch"
     noun = "tensor"
-    dtypes = frozenset(("float32", "float16", "bfloat16"))
+    dtypes = frozenset(("float32", "float16", "bfloat16", "float64"))
 
     @functools.cached_property
     def ptr(self):
@@ -247,7 +247,7 @@ class _Torch(ArrayAdapter):
         return x if x.is_contiguous() else x.contiguous()
 
     def cast_hint(self, name, dtype):
-        method = {"float32": "float", "float16": "half"}.get(dtype, dtype)
+        method = {"float32": "float", "float16": "half", "float64": "double"}.get(dtype, dtype)
         return f"{name}.{method}()"
 
     def device_name(self, device):

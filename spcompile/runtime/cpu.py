@@ -199,5 +199,5 @@ def configure_threads() -> int:
 
 def as_tensor(a):
     """Zero-copy TVM view of a C-contiguous numpy array (or anything with __dlpack__)."""
-    # kernels declare 4-byte alignment (align=4 in match_buffer), so any float32 view is fine
+    # kernels declare 4-byte alignment (align=4 in match_buffer), so any float32 / float64 view is fine
     return ffi().from_dlpack(a, require_alignment=0)

@@ -19,8 +19,10 @@ Schedule parameters (tunable through ``space()``):
   places ahead (0: off); the gathers from X are indirect, so the hardware cannot predict them,
 * ``k_tile`` (SDDMM): the vector accumulator width of the dot products.
 
-The compiled code depends only on (K, reduce, k_tile, tile_order, index dtype): the matrix enters
-as data, so builds of the same configuration share one compiled library.
+The compiled code depends only on (K, reduce, k_tile, tile_order, index dtype, dtype): the matrix
+enters as data, so builds of the same configuration share one compiled library.  A float32
+workload computes in float32, a float64 one in float64 throughout: X, Y, the values (``data``)
+and the accumulators.
 Row loops are written as ``for r in range(count): i = start + r``: a loop whose start depends on
 the parallel variable lost its offset in TVM 0.27's lowering (rows were read from 0).
 
@@ -40,6 +42,7 @@ import math
 import numpy as np
 
 from ...core.ir import SparseModule
+from ...core.numerics import DTYPES
 from ...runtime import cpu as rt
 from ..base import Kernel, Template, csr_kernel_arrays, register_template
 
@@ -89,20 +92,29 @@ def _tiles(K: int, k_tile: int) -> tuple[int, int, int]:
     return KT, K // KT, K % KT
 
 
+def _constants(dtype: str, *values: float):
+    """``values`` as TIR constants of ``dtype``."""
+    from tvm.script import tirx as T
+
+    return tuple(getattr(T, dtype)(v) for v in values)
+
+
 def _spmm_func(K: int, reduce: str, k_tile: int, tile_order: str, idx: str, parallel: bool = True,
-               prefetch: int = 0):
+               prefetch: int = 0, dtype: str = "float32"):
     from tvm.script import tirx as T
 
     LOOP = T.parallel if parallel else T.serial
 
+    F = dtype   # X, Y, the values and the accumulators
     KT, NT, REM = _tiles(K, k_tile)
     # size-1 buffers become TIR scalars that do not survive the parallel lowering: keep >= 2
     AW, RW = max(KT, 2), max(REM, 2)
     SUM = reduce in ("sum", "mean")
-    init = 0.0 if SUM else (-math.inf if reduce == "max" else math.inf)
+    INIT, ZERO = _constants(F, 0.0 if SUM else (-math.inf if reduce == "max" else math.inf), 0.0)
     ROW_ORDER = tile_order == "row"
     PF = int(prefetch)
-    PFL = (KT + 15) // 16  # cache lines (16 floats) of one K slice
+    LINE = 64 // DTYPES[F].bytes   # elements per cache line
+    PFL = (KT + LINE - 1) // LINE  # cache lines of one K slice
 
     def combine(acc, v):
         """One step of the reduction."""
@@ -117,10 +129,10 @@ def _spmm_func(K: int, reduce: str, k_tile: int, tile_order: str, idx: str, para
         """A row's result from its accumulator (mean: divided by the row's length; an empty row
         gives 0 for every reduction)."""
         if reduce == "mean":
-            return acc / T.Cast("float32", T.max(hi - lo, 1))
+            return acc / T.Cast(F, T.max(hi - lo, 1))
         if SUM:
             return acc
-        return T.Select(hi == lo, T.float32(0), acc)
+        return T.Select(hi == lo, ZERO, acc)
 
     @T.macro
     def row_slice(indptr, indices, data, rows, nnz, X, Y, i, acc, width, base, pf):
@@ -128,7 +140,7 @@ def _spmm_func(K: int, reduce: str, k_tile: int, tile_order: str, idx: str, para
         lo = T.meta_var(T.Cast("int32", indptr[i]))
         hi = T.meta_var(T.Cast("int32", indptr[i + 1]))
         for k in T.vectorized(width):
-            acc[k] = T.float32(init)
+            acc[k] = INIT
         for j in T.serial(lo, hi):
             col = T.meta_var(T.Cast("int64", indices[j]))
             if pf > 0:
@@ -136,7 +148,7 @@ def _spmm_func(K: int, reduce: str, k_tile: int, tile_order: str, idx: str, para
                 # this runs into the next rows too)
                 pcol = T.meta_var(T.Cast("int64", indices[T.min(j + pf, nnz - 1)]))
                 for q in T.serial(PFL):
-                    T.evaluate(T.call_intrin("void", "tirx.prefetch", T.address_of(X[pcol, base + q * 16]), 0, 3, 1))
+                    T.evaluate(T.call_intrin("void", "tirx.prefetch", T.address_of(X[pcol, base + q * LINE]), 0, 3, 1))
             for k in T.vectorized(width):
                 acc[k] = combine(acc[k], data[j] * X[col, base + k])
         for k in T.vectorized(width):
@@ -153,13 +165,13 @@ def _spmm_func(K: int, reduce: str, k_tile: int, tile_order: str, idx: str, para
         bounds = T.match_buffer(a_bounds, (nb,), idx, align=4)
         indptr = T.match_buffer(a_indptr, (m + 1,), idx, align=4)
         indices = T.match_buffer(a_indices, (nnz,), idx, align=4)
-        data = T.match_buffer(a_data, (nnz,), "float32", align=4)
+        data = T.match_buffer(a_data, (nnz,), F, align=4)
         rows = T.match_buffer(a_rows, (m,), idx, align=4)
-        X = T.match_buffer(x, (n, K), "float32", align=4)
-        Y = T.match_buffer(y, (m, K), "float32", align=4)
+        X = T.match_buffer(x, (n, K), F, align=4)
+        Y = T.match_buffer(y, (m, K), F, align=4)
         for task in LOOP(nb - 1):
-            acc = T.alloc_buffer((AW,), "float32", scope="global")
-            racc = T.alloc_buffer((RW,), "float32", scope="global")
+            acc = T.alloc_buffer((AW,), F, scope="global")
+            racc = T.alloc_buffer((RW,), F, scope="global")
             first = T.meta_var(T.Cast("int32", bounds[task]))
             count = T.meta_var(T.Cast("int32", bounds[task + 1]) - T.Cast("int32", bounds[task]))
             if ROW_ORDER:
@@ -179,10 +191,12 @@ def _spmm_func(K: int, reduce: str, k_tile: int, tile_order: str, idx: str, para
     return spmm
 
 
-def _sddmm_func(K: int, k_tile: int, idx: str, parallel: bool = True):
+def _sddmm_func(K: int, k_tile: int, idx: str, parallel: bool = True, dtype: str = "float32"):
     from tvm.script import tirx as T
 
     LOOP = T.parallel if parallel else T.serial
+    F = dtype   # X, Y, the values, the dot products and the output
+    ZERO, = _constants(F, 0.0)
 
     KT, NT, REM = _tiles(K, k_tile)
     # horizontal sum of the KT-lane accumulator by halving (log2 steps) while the width is even
@@ -217,27 +231,27 @@ def _sddmm_func(K: int, k_tile: int, idx: str, parallel: bool = True):
         bounds = T.match_buffer(a_bounds, (nb,), idx, align=4)
         indptr = T.match_buffer(a_indptr, (m + 1,), idx, align=4)
         indices = T.match_buffer(a_indices, (nnz,), idx, align=4)
-        data = T.match_buffer(a_data, (nnz,), "float32", align=4)
+        data = T.match_buffer(a_data, (nnz,), F, align=4)
         rows = T.match_buffer(a_rows, (m,), idx, align=4)
         nnz_ids = T.match_buffer(a_nnz_ids, (nnz,), idx, align=4)
-        X = T.match_buffer(x, (mx, K), "float32", align=4)
-        Y = T.match_buffer(y, (n, K), "float32", align=4)
-        out = T.match_buffer(o, (nnz,), "float32", align=4)
+        X = T.match_buffer(x, (mx, K), F, align=4)
+        Y = T.match_buffer(y, (n, K), F, align=4)
+        out = T.match_buffer(o, (nnz,), F, align=4)
         for task in LOOP(nb - 1):
-            acc = T.alloc_buffer((AW,), "float32", scope="global")
-            s = T.alloc_buffer((2,), "float32", scope="global")
+            acc = T.alloc_buffer((AW,), F, scope="global")
+            s = T.alloc_buffer((2,), F, scope="global")
             for r in T.serial(T.Cast("int32", bounds[task + 1]) - T.Cast("int32", bounds[task])):
                 i = T.meta_var(T.Cast("int32", bounds[task]) + r)
                 orow = T.meta_var(T.Cast("int64", rows[i]))
                 for j in T.serial(T.Cast("int32", indptr[i]), T.Cast("int32", indptr[i + 1])):
                     col = T.meta_var(T.Cast("int64", indices[j]))
                     for k in T.vectorized(KT):
-                        acc[k] = T.float32(0)
+                        acc[k] = ZERO
                     for t in T.serial(NT):
                         for k in T.vectorized(KT):
                             acc[k] = acc[k] + X[orow, t * KT + k] * Y[col, t * KT + k]
                     halve(acc, KT, halve)
-                    s[0] = T.float32(0)
+                    s[0] = ZERO
                     for k in T.serial(REM):
                         s[0] = s[0] + X[orow, NT * KT + k] * Y[col, NT * KT + k]
                     for k in T.serial(TAIL):
@@ -283,6 +297,8 @@ class _CPUTemplate(Template):
     version = "2"
     priority = 10
     csr_arrays = True
+    #: X / Y / output, values and arithmetic all of one type (the dtype is in the code key)
+    dtypes = ("float32", "float64")
     entry = ""
     array_order: tuple[str, ...] = ()
 
@@ -314,13 +330,15 @@ class _CPUTemplate(Template):
         return []
 
     def _code_key(self, op, params, idx) -> tuple:
-        """Everything compiled into the kernel's code (``op``: the SparseOp or WorkloadKey)."""
+        """Everything compiled into the kernel's code (``op``: the SparseOp or WorkloadKey), in the
+        order of the kernel function's arguments (the dtype last)."""
         raise NotImplementedError
 
     def entry_name(self, op, params, idx: str) -> str:
         """The kernel's symbol in its library: the entry and a digest of its code key, so that a
         library is only ever called for the workload and parameters it was compiled for (an
-        artifact relabelled for another K, reduction or tiling names a symbol its library lacks)."""
+        artifact relabelled for another K, reduction, tiling or dtype names a symbol its library
+        lacks)."""
         return self._symbol(self._code_key(op, params, str(idx)))
 
     def _symbol(self, code_key: tuple) -> str:
@@ -430,7 +448,7 @@ class CPUSpMM(_CPUTemplate):
 
     def _code_key(self, op, params, idx):
         return (op.K, op.reduce, int(params["k_tile"]), str(params["tile_order"]), idx,
-                bool(params["parallel"]), int(params["prefetch"]))
+                bool(params["parallel"]), int(params["prefetch"]), op.dtype)
 
 
 @register_template
@@ -455,4 +473,4 @@ class CPUSDDMM(_CPUTemplate):
                 "k_tile": 32 if K >= 64 else min(K, 16)}
 
     def _code_key(self, op, params, idx):
-        return (op.K, int(params["k_tile"]), idx, bool(params["parallel"]))
+        return (op.K, int(params["k_tile"]), idx, bool(params["parallel"]), op.dtype)
