@@ -687,7 +687,10 @@ def test_nothing_slower_than_the_default_is_stored(db):
     nothing is stored, the result says why, and build() falls back."""
     op = make_op(graph(), "spmm", 16)
     dflt = _default_cfg(op)
-    runner = Confirming(50.0, only=lambda cfg: cfg != dflt)
+    # the default is the slowest config of the search (so never among those confirmed), every
+    # other is 50x slower the second time
+    runner = Confirming(50.0, only=lambda cfg: cfg != dflt,
+                        kernel=lambda cfg: 20e-3 if cfg == dflt else FakeRunner.kernel_s(runner, cfg))
     res = Tuner(op, "cpu", storage=db, runner=runner, seed=0).run(trials=10)
     assert res.best_config != dflt
     assert res.stored is False and "slower than the default config" in res.store_note
@@ -844,3 +847,35 @@ def test_early_pruning_limits():
         runner._time(None, None, 1, 1e-3, None)
         runner._time(None, None, 1, None, None)
         assert seen == [pytest.approx(factor * 1e-3), None]
+
+
+def test_best_seeds_are_measured_again_behind_the_other_pipelines(db):
+    """Once the enqueued seeds are measured, each template's two fastest are enqueued again behind
+    every other pipeline of that template (same parameters), once per study."""
+    op = make_op(graph(), "spmm", 16)
+    tu = Tuner(op, "cpu", storage=db, runner=FakeRunner(), seed=0)
+    tname = next(iter(tu.space))
+    assert len(tu.space[tname]) > 1, tu.space[tname]     # the template has pipelines to try
+    tu._enqueue_seeds()
+    n_seeds = len(tu.study.get_trials(deepcopy=False))
+    tu.run(trials=n_seeds + 12)
+    trials = tu.study.get_trials(deepcopy=False)
+    again = [t for t in trials if str(t.user_attrs.get("seed", "")).startswith("reorder:")]
+    assert again, "no seed was tried behind another pipeline"
+    assert min(t.number for t in again) >= n_seeds       # after every enqueued seed
+    assert tu.study.user_attrs.get("reseeded") is True
+    seeds = [t for t in trials[:n_seeds] if "config" in t.user_attrs]
+    for t in again:
+        c = t.user_attrs["config"]
+        same = [s.user_attrs["config"] for s in seeds if s.user_attrs["config"]["params"] == c["params"]
+                and s.user_attrs["config"]["template"] == c["template"]]
+        assert same and all(x["pipeline"] != c["pipeline"] for x in same)
+    per_template = {}
+    for t in again:
+        per_template.setdefault(t.user_attrs["config"]["template"], set()).add(
+            json.dumps(t.user_attrs["config"]["params"], sort_keys=True))
+    assert all(len(v) <= Tuner.REORDER_TOP for v in per_template.values())
+    # a later run of the study does not enqueue them again
+    Tuner(op, "cpu", storage=db, runner=FakeRunner(), seed=0).run(more=3)
+    again2 = [t for t in tu.study.get_trials(deepcopy=False) if str(t.user_attrs.get("seed", "")).startswith("reorder:")]
+    assert len(again2) == len(again)

@@ -5,7 +5,8 @@ be built on this machine), then ``<template>:pipeline`` (categorical over that t
 pipelines, optionally behind a generic reordering), then ``<template>:<param>`` for each entry of
 the template's ``space()``.  The study is seeded (``enqueue_trial``) with every template's
 default, the papers' heuristics (``Template.seed_params``) and the best configs of the most
-similar matrices already in the database.
+similar matrices already in the database; once those are measured, each template's two fastest
+are enqueued again behind every other pipeline of that template (the seeds run on its first).
 
 Each trial is measured by a :mod:`~spcompile.autotune.measure` (correctness first, then timing).  Failures
 (compile error, launch error, timeout, wrong result) are told as ``FAIL`` with their reason and
@@ -492,6 +493,57 @@ class Tuner:
             self.study.enqueue_trial(params, user_attrs=attrs, skip_if_exists=True)
         self.study.set_user_attr("seeded", True)
 
+    #: seeds measured again behind each other pipeline of their template: the fastest N per template
+    REORDER_TOP = 2
+
+    def _reseed_reorders(self) -> None:
+        """Once the enqueued seeds are all measured: the ``REORDER_TOP`` fastest measured configs
+        of each template again behind each of its other pipelines (the same parameters on another
+        row order: a kernel's best shape is often the same, its input order decides; the seeds
+        themselves run on each template's first pipeline).  Once per study."""
+        from optuna.trial import TrialState
+
+        from ..core.config import Config
+        from ..passes import Pipeline
+
+        if getattr(self, "_reseeded", False):
+            return
+        if self.study.user_attrs.get("reseeded"):
+            self._reseeded = True
+            return
+        trials = self.study.get_trials(deepcopy=False, states=(TrialState.WAITING, TrialState.COMPLETE))
+        if any(t.state == TrialState.WAITING for t in trials):
+            return
+        best: dict = {}
+        for t in trials:
+            if t.value is None or not math.isfinite(t.value) or "config" not in t.user_attrs:
+                continue
+            cfg = Config.from_dict(t.user_attrs["config"])
+            if cfg.template in self.space:
+                best.setdefault(cfg.template, []).append((t.value, cfg))
+        seen = []
+        for tname, found in best.items():
+            found.sort(key=lambda x: x[0])
+            tops, digests = [], set()
+            for _, cfg in found:
+                if config_digest(cfg) not in digests:
+                    digests.add(config_digest(cfg))
+                    tops.append(cfg)
+                if len(tops) == self.REORDER_TOP:
+                    break
+            for cfg in tops:
+                spec = Pipeline(cfg.pipeline).spec()
+                for label, other in self.space[tname].items():
+                    if other == spec:
+                        continue
+                    params = self.params_from_config(dataclasses.replace(cfg, pipeline=tuple(other)))
+                    if params is None or params in seen:
+                        continue
+                    seen.append(params)
+                    self.study.enqueue_trial(params, user_attrs={"seed": f"reorder:{label}"}, skip_if_exists=True)
+        self.study.set_user_attr("reseeded", True)
+        self._reseeded = True
+
     # -- the loop ------------------------------------------------------------------------------
     def _baseline(self) -> tuple[float | None, str | None]:
         """The baseline (vendor library, or the default config where there is none), measured
@@ -586,6 +638,7 @@ class Tuner:
                     continue
                 if reason:
                     break
+                self._reseed_reorders()
                 asked = self._ask()
                 if asked is not None:
                     self._evaluate(*asked, rule, loop)
