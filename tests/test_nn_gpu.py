@@ -94,23 +94,29 @@ def test_spmm_grads_on_gpu(dtype, reduce):
     assert torch.allclose(v.grad.double().cpu(), vd.grad, atol=tol * 30, rtol=tol * 10)
 
 
-def test_layers_and_inductor_on_gpu():
+def _gcn_gat(N, E, F, hidden, classes):
+    """Two twin GCN -> GAT models (same parameters) on a random graph of N nodes and E edges, with
+    CUDA inputs x (N x F) and labels y."""
     torch.manual_seed(0)
-    N = 500
-    ei = torch.randint(0, N, (2, 4000))
-    x, y = torch.randn(N, 32).cuda(), torch.randint(0, 5, (N,)).cuda()
+    ei = torch.randint(0, N, (2, E))
+    x, y = torch.randn(N, F).cuda(), torch.randint(0, classes, (N,)).cuda()
     g1, g2 = snn.gcn_norm(ei, N).to("cuda"), snn.gat_graph(ei, N).to("cuda")
 
     class Net(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.a, self.b = snn.GCNConv(32, 64), snn.GATConv(64, 5, heads=2, concat=False)
+            self.a, self.b = snn.GCNConv(F, hidden), snn.GATConv(hidden, classes, heads=2, concat=False)
 
         def forward(self, x):
             return self.b(torch.relu(self.a(x, g1)), g2)
 
-    eager, comp = Net().cuda(), Net().cuda()
-    comp.load_state_dict(eager.state_dict())
+    one, two = Net().cuda(), Net().cuda()
+    two.load_state_dict(one.state_dict())
+    return one, two, x, y
+
+
+def test_layers_and_inductor_on_gpu():
+    eager, comp, x, y = _gcn_gat(500, 4000, 32, 64, 5)
     compiled = torch.compile(comp, fullgraph=True)
     for m in (eager, compiled):
         torch.nn.functional.cross_entropy(m(x), y).backward()
@@ -122,27 +128,11 @@ def test_layers_and_inductor_on_gpu():
     assert all(torch.isfinite(p.grad).all() for p in eager.parameters())
 
 
-
 def test_whole_training_step_in_a_cuda_graph():
     """The ops under CUDA-graph capture (PyTorch's whole-network recipe): a GCN + GAT training step
     (forward, loss, backward, capturable Adam) captured once and replayed computes what the same
     steps compute eagerly, with new values written into the same buffers each replay."""
-    torch.manual_seed(0)
-    N = 400
-    ei = torch.randint(0, N, (2, 3000))
-    x, y = torch.randn(N, 16).cuda(), torch.randint(0, 4, (N,)).cuda()
-    g1, g2 = snn.gcn_norm(ei, N).to("cuda"), snn.gat_graph(ei, N).to("cuda")
-
-    class Net(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.a, self.b = snn.GCNConv(16, 32), snn.GATConv(32, 4, heads=2, concat=False)
-
-        def forward(self, x):
-            return self.b(torch.relu(self.a(x, g1)), g2)
-
-    eager, graphed = Net().cuda(), Net().cuda()
-    graphed.load_state_dict(eager.state_dict())
+    eager, graphed, x, y = _gcn_gat(400, 3000, 16, 32, 4)
     opts = [torch.optim.Adam(m.parameters(), lr=0.01, capturable=True) for m in (eager, graphed)]
 
     def step(m, opt):
