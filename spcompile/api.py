@@ -13,12 +13,11 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from .autotune.policy import decide
 from .autotune.tuner import tune
-from .compile import build_from_config, check_dtype, default_config, make_op
+from .compile import build_from_config, check_dtype, default_config, make_op, workload_target
 from .core.numerics import allowed_precisions
 from .kernels import get_template
 from .module import CompiledModule, load
 from .passes import PassContext, Pipeline
-from .runtime import resolve_target
 
 __all__ = ["build", "load", "tune"]
 
@@ -31,7 +30,8 @@ def build(A, op: str = "spmm", K: int | None = None, reduce: str | None = None, 
           **tune_options) -> CompiledModule:
     """Compile ``A`` for ``op`` ("spmm" with reduce sum/max/min/mean, or "sddmm") at width ``K``.
 
-    ``target``: "auto" (cuda when a GPU is usable, else cpu), "cpu" or "cuda".
+    ``target``: "auto" (cuda when a GPU is usable and a CUDA template computes ``dtype``, else
+    cpu: float64 modules are CPU modules), "cpu" or "cuda".
     ``template`` / ``params`` / ``pipeline``: force a decision (skips the database and tuner).
     ``storage``: Optuna storage URL of the tuning database (default: the embedded SQLite file).
     ``tune`` / ``trials`` / ``timeout``: tune on a database miss instead of using heuristics.
@@ -57,11 +57,8 @@ def build(A, op: str = "spmm", K: int | None = None, reduce: str | None = None, 
         raise TypeError(f"pipeline must be a list of passes (e.g. ['reorder.rcm']), got {type(pipeline).__name__} "
                         f"{str(pipeline)[:60]!r}")
     sop = make_op(A, op, K, reduce, dtype)
-    if target in ("cpu", "cuda"):   # a dtype the target does not compute: said before looking for a GPU
-        check_dtype(sop, target, template)
-    target = resolve_target(target)
+    target = workload_target(sop, target, template)
     allowed_precisions(precision, sop.dtype)  # a clear error for a bad policy, whatever path is taken
-    check_dtype(sop, target, template)
     if template is not None or params is not None or pipeline is not None:
         if template is None:
             template = default_config(sop, target).template

@@ -54,6 +54,25 @@ def check_dtype(sop: SparseOp, target: str, template: str | None) -> None:
                              f"inputs for op={sop.op!r} reduce={sop.reduce!r}: {here}")
 
 
+def workload_target(sop: SparseOp, target: str, template: str | None = None) -> str:
+    """``target`` resolved for this workload: "auto" is cuda when a GPU is usable and a CUDA
+    template computes the workload's dtype, else cpu (float64 is computed on the CPU only); an
+    explicit target whose templates do not compute the dtype is a clear error, said before any
+    GPU is looked for."""
+    from .runtime import resolve_target
+
+    if target in ("cpu", "cuda"):
+        check_dtype(sop, target, template)
+    elif target == "auto":
+        try:
+            check_dtype(sop, "cuda", template)
+        except ValueError:
+            target = "cpu"
+    target = resolve_target(target)
+    check_dtype(sop, target, template)
+    return target
+
+
 #: what each target's kernels compute in, for the errors of :func:`check_dtype`
 _DTYPE_NOTES = {"cpu": "float32 computed in float32, float64 in float64",
                 "cuda": "computed in float32 or tensor-core precisions, 16-bit inputs with fp32 accumulation"}

@@ -15,6 +15,8 @@ import scipy.sparse as sp
 
 import spcompile
 from spcompile.compile import make_op
+from spcompile.core import reference
+from spcompile.core.formats import as_csr
 from spcompile.core.numerics import dtype_name
 from spcompile.core.ir import DTYPES, SparseModule
 from spcompile.runtime import cuda as rt
@@ -63,6 +65,20 @@ def test_cuda_target_refuses_float64(op):
     cuda = list_templates("cuda", op=op, reduce="sum" if op == "spmm" else None)
     assert cuda and not any(t.supports(mod) for t in cuda)
     assert all(t.supports(mod) for t in list_templates("cpu", op=op, reduce="sum" if op == "spmm" else None))
+
+
+def test_auto_target_builds_float64_on_the_cpu(monkeypatch):
+    """target='auto' on a machine with a GPU: float64, which no CUDA template computes, is built
+    for the CPU (a float32 build there would go to the GPU)."""
+    import spcompile.runtime.target as rtarget
+
+    monkeypatch.setattr(rtarget, "cuda_available", lambda: True)
+    mod = spcompile.build(A_SMALL, "spmm", K=8, dtype="float64", select_budget=0)
+    assert mod.target == "cpu" and mod.key.dtype == "float64"
+    X = np.random.default_rng(0).standard_normal((A_SMALL.shape[1], 8))
+    ref = reference.run("spmm", "sum", as_csr(A_SMALL), X)
+    assert np.abs(mod(X) - ref).max() <= 1e-12 * np.abs(ref).max()
+    assert rtarget.resolve_target("auto") == "cuda"      # the stand-in GPU: float32 would go there
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])

@@ -879,3 +879,36 @@ def test_best_seeds_are_measured_again_behind_the_other_pipelines(db):
     Tuner(op, "cpu", storage=db, runner=FakeRunner(), seed=0).run(more=3)
     again2 = [t for t in tu.study.get_trials(deepcopy=False) if str(t.user_attrs.get("seed", "")).startswith("reorder:")]
     assert len(again2) == len(again)
+
+
+def test_cli_tune_dtype(tmp_path, capsys, monkeypatch):
+    """`spcompile tune --dtype`: the workloads' dtype reaches the study and the record; 'auto'
+    tunes float64 on the CPU (no CUDA template computes it), even with a GPU; a dtype the target
+    does not compute is one error line."""
+    import spcompile.autotune.tuner as tuner_mod
+    import spcompile.runtime.target as rtarget
+
+    real = tuner_mod.Tuner
+    seen = []
+
+    def spy(op, target, **k):
+        seen.append((op.dtype, target))
+        return real(op, target, **{**k, "runner": FakeRunner()})
+
+    monkeypatch.setattr(tuner_mod, "Tuner", spy)
+    monkeypatch.setattr(rtarget, "cuda_available", lambda: True)   # a GPU machine
+    g = tmp_path / "g.npz"
+    sp.save_npz(g, graph(100, seed=4))
+    dbp = str(tmp_path / "dt.db")
+    p = _cli(tmp_path)
+    args = p.parse_args(["tune", str(g), "-K", "8", "--trials", "3", "--storage", dbp, "--dtype", "float64",
+                         "--no-progress"])
+    assert args.func(args) == 0
+    assert seen == [("float64", "cpu")]
+    rec = open_database(dbp).records()[0]
+    assert rec.workload["dtype"] == "float64" and rec.config.precision == "fp64"
+    args = p.parse_args(["tune", str(g), "-K", "8", "--trials", "3", "--storage", dbp, "--dtype", "float16",
+                         "--target", "cpu", "--no-progress"])
+    assert args.func(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: unsupported dtype 'float16' on target 'cpu'") and err.count("\n") == 1

@@ -938,15 +938,13 @@ def tune(A, op: str = "spmm", K: int | Sequence[int] | None = None, reduce: str 
     seed, similar, trial_timeout, callbacks, ...).  Returns a :class:`TuneResult` (a list for
     several K); a KeyboardInterrupt stops after the current workload with ``interrupted=True``.
     ``more``: add this many trials to each study instead of a total ``trials`` budget."""
-    from ..compile import make_op
-    from ..runtime import resolve_target
+    from ..compile import make_op, workload_target
 
-    target = resolve_target(target)
     Ks = list(K) if isinstance(K, (list, tuple)) else [K]
     results = []
     for k in Ks:
         sop = make_op(A, op, k, reduce, dtype)
-        res = Tuner(sop, target, storage=storage, **options).run(trials, timeout, more=more)
+        res = Tuner(sop, workload_target(sop, target), storage=storage, **options).run(trials, timeout, more=more)
         results.append(res)
         if res.interrupted:
             break

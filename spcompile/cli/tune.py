@@ -34,6 +34,9 @@ def add_commands(subparsers) -> None:
     t.add_argument("-K", "--K", dest="K", type=int, nargs="+", default=[64], help="feature widths (default 64)")
     t.add_argument("--reduce", nargs="+", default=None, help="reductions for spmm (sum max min mean)")
     t.add_argument("--target", default="auto", choices=["auto", "cpu", "cuda"])
+    t.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16", "float64"],
+                   help="X / Y dtype of the workloads (default float32; float16 / bfloat16 on CUDA, float64 on "
+                        "the CPU; 'auto' targets follow the dtype)")
     t.add_argument("--trials", type=int, default=None, help="trials per (graph, K) study (default 24 "
                    "when --timeout is not given)")
     t.add_argument("--more", type=int, default=None, metavar="N",
@@ -123,7 +126,8 @@ def _run_jobs(jobs, opts: dict, progress: bool, worker: int = 0) -> list[dict]:
         label = f"{os.path.basename(g)} K={K}" + (f" {reduce}" if reduce and reduce != "sum" else "")
         bar = _Progress(label, progress)
         try:
-            res = tune(A, op=opts["op"], K=K, reduce=reduce, target=opts["target"], trials=opts["trials"],
+            res = tune(A, op=opts["op"], K=K, reduce=reduce, target=opts["target"], dtype=opts["dtype"],
+                       trials=opts["trials"],
                        timeout=opts["timeout"], storage=opts["storage"], objective=opts["objective"],
                        expected_calls=opts["expected_calls"], seed=opts["seed"],
                        trial_timeout=opts["trial_timeout"], callbacks=[bar], precision=opts.get("precision", "fp32"),
@@ -194,7 +198,10 @@ def summary_table(rows: list[dict]) -> str:
 
 def cmd_tune(args) -> int:
     from ..autotune.database import normalize_url
-    from ..runtime import resolve_target
+    import numpy as np
+    import scipy.sparse as sp
+
+    from ..compile import make_op, workload_target
 
     for g in args.graphs:
         if not os.path.isfile(g):
@@ -206,9 +213,17 @@ def cmd_tune(args) -> int:
     if args.objective == "amortized" and not args.expected_calls:
         print("error: --objective amortized needs --expected-calls N", file=sys.stderr)
         return 2
-    target = resolve_target(args.target)
+    # the target for the workloads' dtype ("auto": float64 goes to the CPU), or one clear line
+    probe = make_op(sp.csr_matrix(np.ones((1, 1), np.float32)), args.op, 1,
+                    None if args.op == "sddmm" else (args.reduce or ["sum"])[0], args.dtype)
+    try:
+        target = workload_target(probe, args.target)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     storage = normalize_url(args.storage)
-    opts = {"op": args.op, "target": target, "trials": args.trials, "timeout": args.timeout, "storage": storage,
+    opts = {"op": args.op, "target": target, "dtype": args.dtype, "trials": args.trials, "timeout": args.timeout,
+            "storage": storage,
             "objective": args.objective, "expected_calls": args.expected_calls, "seed": args.seed,
             "trial_timeout": args.trial_timeout, "precision": args.precision, "more": args.more}
     from ..autotune.database import open_database
@@ -298,7 +313,8 @@ def _reread(jobs, opts, rows):
         if old is None:
             continue
         try:
-            tn = Tuner(make_op(load_matrix(g), opts["op"], K, reduce), opts["target"], storage=opts["storage"],
+            tn = Tuner(make_op(load_matrix(g), opts["op"], K, reduce, opts["dtype"]), opts["target"],
+                       storage=opts["storage"],
                        objective=opts["objective"], expected_calls=opts["expected_calls"], runner=object(),
                        precision=opts.get("precision", "fp32"))
             d = tn.result(old.get("stop_reason", ""), old.get("interrupted", False)).to_dict()
