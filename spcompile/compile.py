@@ -65,7 +65,7 @@ def workload_target(sop: SparseOp, target: str, template: str | None = None) -> 
         check_dtype(sop, target, template)
     elif target == "auto":
         try:
-            check_dtype(sop, "cuda", template)
+            check_dtype(sop, "cuda", None)   # does any CUDA template compute the dtype?
         except ValueError:
             target = "cpu"
     target = resolve_target(target)
