@@ -549,6 +549,17 @@ def manifest_digest(man: dict) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
+def inflated_library(members: dict, size: int) -> dict:
+    """``members`` with ``kernel.so`` replaced by ``size`` zero bytes (deflated, almost nothing), its
+    hash in the manifest and the manifest resealed: the manifest's sizes still declare the real
+    library's size."""
+    man = json.loads(members["manifest.json"])
+    bomb = b"\0" * size
+    man["files"]["kernel.so"] = hashlib.sha256(bomb).hexdigest()
+    man["manifest_sha256"] = manifest_digest(man)
+    return {**members, "kernel.so": bomb, "manifest.json": json.dumps(man).encode()}
+
+
 def npz_bytes(arrays: dict) -> bytes:
     import numpy as np
 
@@ -941,15 +952,9 @@ def _artifact_cases() -> None:
 
         import spcompile
 
-        members = members_of(ctx.artifact("zip"))
-        man = json.loads(members["manifest.json"])
-        bomb = b"\0" * (256 << 20)
-        members["kernel.so"] = bomb
-        man["files"]["kernel.so"] = hashlib.sha256(bomb).hexdigest()
-        man["manifest_sha256"] = manifest_digest(man)   # sizes still declare the real library's size
-        members["manifest.json"] = json.dumps(man).encode()
+        members = inflated_library(members_of(ctx.artifact("zip")), 256 << 20)
         path = write_members(os.path.join(ctx.tmp, "bomb.spc"), members, compress=zipfile.ZIP_DEFLATED)
-        del bomb, members
+        del members
         if os.path.getsize(path) > (2 << 20):
             raise RuntimeError("bomb not compact")
         tracemalloc.start()
@@ -2002,6 +2007,18 @@ def _database_cases() -> None:
 
     from_err = lambda: __import__("spcompile.autotune.database", fromlist=["DatabaseError"]).DatabaseError  # noqa: E731
 
+    def refused(path, via, match):
+        """A storage at ``path`` opened through the API ("api"), ``build()`` ("build") or
+        ``spcompile best`` (else): a clear error matching ``match``."""
+        from spcompile.autotune.database import Database
+
+        if via == "api":
+            return expect_error(lambda: Database(path), from_err(), match)
+        if via == "build":
+            return expect_error(lambda: _build(_graph(), "spmm", 8, "sum", storage=path, pipeline=None), from_err(),
+                                match)
+        return expect_cli_error(["best", "--storage", path], match)
+
     # newer schema: an extra required column -- reads work, writes are a clear error, nothing lost
     def newer(ctx, via="api"):
         import sqlite3
@@ -2055,7 +2072,7 @@ def _database_cases() -> None:
     def older(ctx, via="api"):
         import sqlite3
 
-        from spcompile.autotune.database import TABLE, Database
+        from spcompile.autotune.database import TABLE
 
         path = os.path.join(ctx.tmp, "older.db")
         con = sqlite3.connect(path)
@@ -2064,13 +2081,7 @@ def _database_cases() -> None:
         con.commit()
         con.close()
         before = _rows(path)
-        if via == "api":
-            r = expect_error(lambda: Database(path), from_err(), "another|version|layout")
-        elif via == "build":
-            r = expect_error(lambda: _build(_graph(), "spmm", 8, "sum", storage=path, pipeline=None), from_err(),
-                             "another|version|layout")
-        else:
-            r = expect_cli_error(["best", "--storage", path], "another|version|layout")
+        r = refused(path, via, "another|version|layout")
         if _rows(path) != before:
             raise Lost("the older database's rows changed")
         return r
@@ -2125,19 +2136,11 @@ def _database_cases() -> None:
     reg("read-only:file-and-folder", lambda ctx: read_only(ctx, "chmod"), timeout=120, quick=True)
 
     def not_sqlite(ctx, content, via):
-        from spcompile.autotune.database import Database
-
         path = os.path.join(ctx.tmp, "junk.db")
         with open(path, "wb") as f:
             f.write(content)
         before = _file_digest(path)
-        if via == "api":
-            r = expect_error(lambda: Database(path), from_err(), "SQLite|database")
-        elif via == "build":
-            r = expect_error(lambda: _build(_graph(), "spmm", 8, "sum", storage=path, pipeline=None), from_err(),
-                             "SQLite|database")
-        else:
-            r = expect_cli_error(["best", "--storage", path], "SQLite|database")
+        r = refused(path, via, "SQLite|database")
         if _file_digest(path) != before:
             raise Lost("the file was modified")
         return r
@@ -2178,16 +2181,9 @@ def _database_cases() -> None:
     reg("truncated-sqlite:cli-best", lambda ctx: truncated(ctx, "cli"), timeout=90)
 
     def folder(ctx, via):
-        from spcompile.autotune.database import Database
-
         d = os.path.join(ctx.tmp, "dbdir")
         os.mkdir(d)
-        if via == "api":
-            return expect_error(lambda: Database(d), from_err(), "folder|directory")
-        if via == "build":
-            return expect_error(lambda: _build(_graph(), "spmm", 8, "sum", storage=d, pipeline=None), from_err(),
-                                "folder|directory")
-        return expect_cli_error(["best", "--storage", d], "folder|directory")
+        return refused(d, via, "folder|directory")
 
     reg("folder-as-storage:api", lambda ctx: folder(ctx, "api"))
     reg("folder-as-storage:build", lambda ctx: folder(ctx, "build"))

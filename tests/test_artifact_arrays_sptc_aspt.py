@@ -293,19 +293,33 @@ SPTC_CASES = {
     "array missing": (lambda c: c.a.pop("win_ptr"), "takes arrays"),
     "array extra": (lambda c: c.a.__setitem__("S", np.zeros(4, np.float32)), "takes arrays"),
 }
-for _name in SPTC_ARRAYS:
-    SPTC_CASES[f"{_name} truncated"] = (lambda c, nm=_name: c.trunc(nm), f"'{_name}'")
-    SPTC_CASES[f"{_name} wrong dtype"] = (lambda c, nm=_name: c.retype(nm), f"'{_name}'")
+
+
+def _array_cases(names, *lead) -> dict:
+    """Every array of ``names`` truncated by one element, and in a wrong dtype: refused, naming the
+    array (``lead``: what comes before the edit in a case's tuple)."""
+    out = {}
+    for nm in names:
+        out[f"{nm} truncated"] = (*lead, lambda c, nm=nm: c.trunc(nm), f"'{nm}'")
+        out[f"{nm} wrong dtype"] = (*lead, lambda c, nm=nm: c.retype(nm), f"'{nm}'")
+    return out
+
+
+def _refused_after(fixture, edit, match):
+    """The genuine copy of ``fixture`` passes its checks; after ``edit`` it is refused."""
+    c = Ctx(fixture)
+    c.run()
+    edit(c)
+    with pytest.raises(ValueError, match=match):
+        c.run()
+
+
+SPTC_CASES.update(_array_cases(SPTC_ARRAYS))
 
 
 @pytest.mark.parametrize("case", sorted(SPTC_CASES))
 def test_sptc_tampered_is_refused(case):
-    c = Ctx("sptc")
-    c.run()                                    # the genuine copy passes
-    edit, match = SPTC_CASES[case]
-    edit(c)
-    with pytest.raises(ValueError, match=match):
-        c.run()
+    _refused_after("sptc", *SPTC_CASES[case])
 
 
 def test_sptc_fixture_has_every_array_and_both_item_kinds():
@@ -397,19 +411,12 @@ TASK_CASES = {
     "param scheme": (lambda c: c.params.__setitem__("scheme", "panel"), "takes arrays"),
     "array extra": (lambda c: c.a.__setitem__("part", np.zeros(4, np.float32)), "takes arrays"),
 }
-for _name in TASK_ARRAYS:
-    TASK_CASES[f"{_name} truncated"] = (lambda c, nm=_name: c.trunc(nm), f"'{_name}'")
-    TASK_CASES[f"{_name} wrong dtype"] = (lambda c, nm=_name: c.retype(nm), f"'{_name}'")
+TASK_CASES.update(_array_cases(TASK_ARRAYS))
 
 
 @pytest.mark.parametrize("case", sorted(TASK_CASES))
 def test_aspt_tasks_tampered_is_refused(case):
-    c = Ctx("tasks")
-    c.run()
-    edit, match = TASK_CASES[case]
-    edit(c)
-    with pytest.raises(ValueError, match=match):
-        c.run()
+    _refused_after("tasks", *TASK_CASES[case])
 
 
 # --- aspt.tiled, scheme "panel" --------------------------------------------------------------
@@ -560,19 +567,12 @@ PANEL_CASES = {
     "param scheme": ("panel", lambda c: c.params.__setitem__("scheme", "tasks"), "takes arrays"),
     "array missing": ("panel", lambda c: c.a.pop("grp_n"), "takes arrays"),
 }
-for _name in PANEL_ARRAYS:
-    PANEL_CASES[f"{_name} truncated"] = ("panel", lambda c, nm=_name: c.trunc(nm), f"'{_name}'")
-    PANEL_CASES[f"{_name} wrong dtype"] = ("panel", lambda c, nm=_name: c.retype(nm), f"'{_name}'")
+PANEL_CASES.update(_array_cases(PANEL_ARRAYS, "panel"))
 
 
 @pytest.mark.parametrize("case", sorted(PANEL_CASES))
 def test_aspt_panel_tampered_is_refused(case):
-    fixture, edit, match = PANEL_CASES[case]
-    c = Ctx(fixture)
-    c.run()
-    edit(c)
-    with pytest.raises(ValueError, match=match):
-        c.run()
+    _refused_after(*PANEL_CASES[case])
 
 
 def test_aspt_fixtures_have_every_array():

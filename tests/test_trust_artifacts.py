@@ -9,6 +9,7 @@ import io
 import json
 import os
 import stat
+import sys
 import tracemalloc
 import zipfile
 
@@ -22,7 +23,10 @@ from spcompile import artifact as art
 from spcompile.artifact import _manifest_digest
 from spcompile.cli.main import main as cli_main
 
-from conftest import inputs_for, random_matrix
+from conftest import REPO, inputs_for, random_matrix
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+from trust_probe import inflated_library  # noqa: E402  (the probe's deflated-library bomb)
 
 KEY = b"k" * 32
 
@@ -306,13 +310,7 @@ def test_inflating_member_is_not_expanded(mod, tmp_path, no_env_key):
     """A deflated member whose content is far larger than the manifest declares: refused after
     reading at most the declared size (+1 byte)."""
     path = mod.save(str(tmp_path / "o.spc"))
-    members = members_of(path)
-    man = json.loads(members["manifest.json"])
-    bomb = b"\0" * (64 << 20)
-    members["kernel.so"] = bomb
-    man["files"]["kernel.so"] = hashlib.sha256(bomb).hexdigest()
-    man["manifest_sha256"] = _manifest_digest(man)  # sizes still declare the real library's size
-    members["manifest.json"] = json.dumps(man).encode()
+    members = inflated_library(members_of(path), 64 << 20)
     bad = str(tmp_path / "bomb.spc")
     write_zip(bad, members, zipfile.ZIP_DEFLATED)
     assert os.path.getsize(bad) < (1 << 20)

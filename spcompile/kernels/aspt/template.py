@@ -76,6 +76,20 @@ def _index(arrays, name: str, lo: int, hi: int, size: int | None = None, of: str
     return index_array(arrays, name, lo, hi, size)
 
 
+def _staging(arrays, prefix: str, units: str, chunk: int, ndense: int):
+    """``ent_val`` and the units (tasks, steps) that stage X rows for it: ``<prefix>_eptr`` from 0
+    to the entries, per unit ``<prefix>_x0`` and ``0 <= <prefix>_nc <= chunk`` staged rows of
+    ``dense_xrow`` (inside its ``ndense``).  Returns (ent_val, eptr, x0, nc)."""
+    ent_val = _typed(arrays, "ent_val", np.float32)
+    eptr = _pointer(arrays, f"{prefix}_eptr", ent_val.size, last_of="the entries of 'ent_val'")
+    of = f"the {units} of '{prefix}_eptr'"
+    x0 = _index(arrays, f"{prefix}_x0", 0, ndense + 1, eptr.size - 1, of)
+    nc = _index(arrays, f"{prefix}_nc", 0, chunk + 1, eptr.size - 1, of)
+    if np.any(x0 + nc > ndense):
+        raise ValueError(f"arrays '{prefix}_x0' / '{prefix}_nc' stage columns past the end of 'dense_xrow'")
+    return ent_val, eptr, x0, nc
+
+
 def _pointer(arrays, name: str, last: int, size: int | None = None, of: str = "", last_of: str = "") -> np.ndarray:
     """A pointer array (``size`` entries) rising from 0 to ``last`` (``last_of``: what it counts)."""
     _typed(arrays, name, np.int32, size, of)
@@ -405,14 +419,8 @@ class AsptTiled(NvccTemplate):
         if not np.array_equal(tail_out, row_ids[trow]):
             raise ValueError("array 'tail_out' must be the output row of each tail segment's row")
         # dense tasks
-        ent_val = _typed(arrays, "ent_val", np.float32)
-        nent = ent_val.size
-        task_eptr = _pointer(arrays, "task_eptr", nent, last_of="the entries of 'ent_val'")
-        ntask = task_eptr.size - 1
-        task_x0 = _index(arrays, "task_x0", 0, ndense + 1, ntask, "the tasks of 'task_eptr'")
-        task_nc = _index(arrays, "task_nc", 0, chunk + 1, ntask, "the tasks of 'task_eptr'")
-        if np.any(task_x0 + task_nc > ndense):
-            raise ValueError("arrays 'task_x0' / 'task_nc' stage columns past the end of 'dense_xrow'")
+        ent_val, task_eptr, task_x0, task_nc = _staging(arrays, "task", "tasks", chunk, ndense)
+        nent, ntask = ent_val.size, task_eptr.size - 1
         ent_out = _index(arrays, "ent_out", 0, m, nent, "the entries of 'ent_val'")
         ent_slot = _index(arrays, "ent_slot", 0, chunk, nent, "the entries of 'ent_val'")
         etask = np.repeat(np.arange(ntask, dtype=np.int64), np.diff(task_eptr))
@@ -438,14 +446,8 @@ class AsptTiled(NvccTemplate):
         dx = np.asarray(arrays["dense_xrow"], np.int64)
         row_ids = np.asarray(arrays["row_ids"], np.int64)
         # steps and entries
-        ent_val = _typed(arrays, "ent_val", np.float32)
-        nent = ent_val.size
-        st_eptr = _pointer(arrays, "st_eptr", nent, last_of="the entries of 'ent_val'")
-        S = st_eptr.size - 1
-        st_nc = _index(arrays, "st_nc", 0, chunk + 1, S, "the steps of 'st_eptr'")
-        st_x0 = _index(arrays, "st_x0", 0, ndense + 1, S, "the steps of 'st_eptr'")
-        if np.any(st_x0 + st_nc > ndense):
-            raise ValueError("arrays 'st_x0' / 'st_nc' stage columns past the end of 'dense_xrow'")
+        ent_val, st_eptr, st_x0, st_nc = _staging(arrays, "st", "steps", chunk, ndense)
+        nent, S = ent_val.size, st_eptr.size - 1
         # blocks
         blk_s0 = _index(arrays, "blk_s0", 0, S + 1)
         B = blk_s0.size
