@@ -560,6 +560,23 @@ def inflated_library(members: dict, size: int) -> dict:
     return {**members, "kernel.so": bomb, "manifest.json": json.dumps(man).encode()}
 
 
+def huge_npy_npz(npz: bytes) -> bytes:
+    """``arrays.npz`` bytes with ``data.npy`` replaced by a header declaring 2**40 float32 elements
+    (and 64 bytes of them)."""
+    import numpy as np
+
+    with zipfile.ZipFile(io.BytesIO(npz)) as z:
+        inner = {n: z.read(n) for n in z.namelist()}
+    hdr = io.BytesIO()
+    np.lib.format.write_array_header_1_0(hdr, {"descr": "<f4", "fortran_order": False, "shape": (1 << 40,)})
+    inner["data.npy"] = hdr.getvalue() + b"\0" * 64
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        for n, b in inner.items():
+            z.writestr(n, b)
+    return buf.getvalue()
+
+
 def npz_bytes(arrays: dict) -> bytes:
     import numpy as np
 
@@ -652,6 +669,13 @@ def run_cli(args: list[str], timeout: float = 120.0, env_extra: dict | None = No
 def expect_cli_error(args: list[str], match: str | None = None, **kw) -> str:
     """The CLI fails with a non-zero exit and one line on stderr, no traceback."""
     return judge_cli_error(*run_cli(args, **kw), match)
+
+
+def best_lists_one_record(path: str, what: str) -> None:
+    """``spcompile best`` on the storage at ``path`` exits 0, without a traceback, listing 1 record."""
+    rc, out, err = run_cli(["best", "--storage", path])
+    if rc != 0 or "Traceback" in err or "1 record" not in out:
+        raise Unclear(f"best {what}: rc={rc}, {err.strip()[-200:]!r} {out.strip()[-100:]!r}")
 
 
 def judge_cli_error(rc: int, out: str, err: str, match: str | None = None) -> str:
@@ -971,16 +995,7 @@ def _artifact_cases() -> None:
 
     def npy_header_bomb(ctx):
         members = members_of(ctx.artifact("zip"))
-        with zipfile.ZipFile(io.BytesIO(members["arrays.npz"])) as z:
-            inner = {n: z.read(n) for n in z.namelist()}
-        hdr = io.BytesIO()
-        np.lib.format.write_array_header_1_0(hdr, {"descr": "<f4", "fortran_order": False, "shape": (1 << 40,)})
-        inner["data.npy"] = hdr.getvalue() + b"\0" * 64
-        buf = io.BytesIO()
-        with zipfile.ZipFile(buf, "w") as z:
-            for n, b in inner.items():
-                z.writestr(n, b)
-        members["arrays.npz"] = buf.getvalue()
+        members["arrays.npz"] = huge_npy_npz(members["arrays.npz"])
 
         def change(m):
             m["arrays"]["data"]["shape"] = [1 << 40]
@@ -2050,9 +2065,7 @@ def _database_cases() -> None:
             # judged on this run: running it again would find the study's trials done (nothing to do)
             return judge_cli_error(rc, out, err, "store|newer|cannot")
         if via == "cli-best":
-            rc, out, err = run_cli(["best", "--storage", path])
-            if rc != 0 or "Traceback" in err or "1 record" not in out:
-                raise Unclear(f"best on a newer table: rc={rc}, {err.strip()[:200]!r} {out.strip()[-100:]!r}")
+            best_lists_one_record(path, "on a newer table")
             return "best lists the record (rc=0)"
         db = Database(path)
         if db.lookup(op.key(), "cpu") is None:
@@ -2368,9 +2381,7 @@ def _database_cases() -> None:
         for r in bad:
             _insert(path, r)
         if via == "cli":
-            rc, out, err = run_cli(["best", "--storage", path])
-            if rc != 0 or "Traceback" in err or "1 record" not in out:
-                raise Unclear(f"best with damaged rows: rc={rc} {err.strip()[-200:]!r}")
+            best_lists_one_record(path, "with damaged rows")
             return "best: rc=0, lists the intact record"
         db = Database(path)
         hit = db.lookup(op.key(), "cpu")

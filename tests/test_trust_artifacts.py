@@ -26,7 +26,7 @@ from spcompile.cli.main import main as cli_main
 from conftest import REPO, inputs_for, random_matrix
 
 sys.path.insert(0, str(REPO / "benchmarks"))
-from trust_probe import inflated_library  # noqa: E402  (the probe's deflated-library bomb)
+from trust_probe import huge_npy_npz, inflated_library  # noqa: E402  (the probe's bombs)
 
 KEY = b"k" * 32
 
@@ -336,14 +336,7 @@ def test_npy_header_declaring_huge_array(mod, tmp_path, no_env_key):
     """An .npy header declaring 2**40 elements: refused from the header, nothing allocated."""
     path = mod.save(str(tmp_path / "o.spc"))
     members = members_of(path)
-    with zipfile.ZipFile(io.BytesIO(members["arrays.npz"])) as z:
-        inner = {n: z.read(n) for n in z.namelist()}
-    hdr = io.BytesIO()
-    np.lib.format.write_array_header_1_0(hdr, {"descr": "<f4", "fortran_order": False, "shape": (1 << 40,)})
-    inner["data.npy"] = hdr.getvalue() + b"\0" * 64
-    buf = io.BytesIO()
-    write_zip(buf, inner)
-    members["arrays.npz"] = buf.getvalue()
+    members["arrays.npz"] = huge_npy_npz(members["arrays.npz"])
     man = json.loads(members["manifest.json"])
     man["arrays"]["data"]["shape"] = [1 << 40]
     bad = str(tmp_path / "h.spc")
