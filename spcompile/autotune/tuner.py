@@ -154,6 +154,7 @@ class _Scan:
 
     done: int = 0
     running: int = 0
+    waiting: int = 0                               # enqueued, not yet asked for
     measured: dict = field(default_factory=dict)   # config digest -> (trial number, value)
     pruned: dict = field(default_factory=dict)     # config digest -> trial number
     best_kernel: float = math.inf                  # ms
@@ -303,6 +304,7 @@ class Tuner:
         self.timing_mode = mode if isinstance(mode, str) else None
         self.precision = precision = precision_name(precision)
         self.allowed = allowed_precisions(precision, op.dtype)
+        self._reseeded = False   # the best seeds were enqueued behind the other pipelines (_reseed_reorders)
         self.objective = objective_name(objective, expected_calls)
         # the study's records carry the precision policy and the timing mode as fields of their own:
         # a record is only ever compared with records of the same policy and timing rule
@@ -496,24 +498,23 @@ class Tuner:
     #: seeds measured again behind each other pipeline of their template: the fastest N per template
     REORDER_TOP = 2
 
-    def _reseed_reorders(self) -> None:
+    def _reseed_reorders(self, scan: "_Scan") -> None:
         """Once the enqueued seeds are all measured: the ``REORDER_TOP`` fastest measured configs
         of each template again behind each of its other pipelines (the same parameters on another
         row order: a kernel's best shape is often the same, its input order decides; the seeds
-        themselves run on each template's first pipeline).  Once per study."""
+        themselves run on each template's first pipeline).  Once per study; ``scan``: the loop's
+        view of the study now (nothing is read while seeds still wait)."""
         from optuna.trial import TrialState
 
         from ..core.config import Config
         from ..passes import Pipeline
 
-        if getattr(self, "_reseeded", False):
+        if self._reseeded or scan.waiting:
             return
         if self.study.user_attrs.get("reseeded"):
             self._reseeded = True
             return
-        trials = self.study.get_trials(deepcopy=False, states=(TrialState.WAITING, TrialState.COMPLETE))
-        if any(t.state == TrialState.WAITING for t in trials):
-            return
+        trials = self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
         best: dict = {}
         for t in trials:
             if t.value is None or not math.isfinite(t.value) or "config" not in t.user_attrs:
@@ -575,7 +576,8 @@ class Tuner:
 
         trials = self.study.get_trials(deepcopy=False)
         scan = _Scan(done=sum(1 for t in trials if self._counted(t)),
-                     running=sum(1 for t in trials if t.state == TrialState.RUNNING))
+                     running=sum(1 for t in trials if t.state == TrialState.RUNNING),
+                     waiting=sum(1 for t in trials if t.state == TrialState.WAITING))
         for t in trials:
             if t.state == TrialState.COMPLETE and "config_digest" in t.user_attrs:
                 scan.measured.setdefault(t.user_attrs["config_digest"], (t.number, t.value))
@@ -638,7 +640,7 @@ class Tuner:
                     continue
                 if reason:
                     break
-                self._reseed_reorders()
+                self._reseed_reorders(loop.scan)
                 asked = self._ask()
                 if asked is not None:
                     self._evaluate(*asked, rule, loop)
