@@ -178,7 +178,9 @@ def run_impl(model, graph_arg, x, y, steps, warmup, precision, device, lr, graph
         times = [a.elapsed_time(b) for a, b in times]
     else:
         times = [t * 1e3 for t in times]
-    timed = times[max(0, warmup - 1 - (steps - 1 - len(times))):] or times
+    # the first ``warmup`` steps are not counted; the untimed ones (the first, the side-stream
+    # warm-up of a graphed run) are among them
+    timed = times[max(0, warmup - (steps - len(times))):] or times
     return {"ms_per_step": statistics.median(timed) if timed else float("nan"),
             "ms_mean": statistics.fmean(timed) if timed else float("nan"),
             "steps_timed": len(timed), "first_step_s": first,
