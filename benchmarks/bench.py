@@ -775,29 +775,52 @@ def cold_start(a, tmp) -> dict:
             if r.stdout.strip().startswith("{"):
                 phases.append(json.loads(r.stdout.strip().splitlines()[-1]))
         out = {"median_s": statistics.median(ts), "samples_s": ts}
-        for k in (phases[0] if phases else {}):
-            out[k + "_s"] = statistics.median(p[k] for p in phases)
+        for k, v in (phases[0] if phases else {}).items():
+            if isinstance(v, (int, float)):
+                out[k + "_s"] = statistics.median(p[k] for p in phases)
+            else:      # a fact of the run (the same in every run), not a time
+                out[k] = v
         return out
 
-    res = {"python -c pass": runs("pass"), "import spcompile": runs("import spcompile"), "targets": {}}
+    res = {"python -c pass": runs("pass"), "import numpy": runs("import numpy"),
+           "import spcompile": runs("import spcompile"), "targets": {}}
+    if "cuda" in targets:
+        # what any CUDA program on this machine pays before running a kernel: the interpreter,
+        # numpy, cuInit and the primary context (ctypes, no spcompile)
+        res["floor: numpy + CUDA context"] = runs(
+            "import time; t0 = time.perf_counter(); import json, ctypes, numpy; t1 = time.perf_counter(); "
+            "l = ctypes.CDLL('libcuda.so.1'); assert l.cuInit(0) == 0; d = ctypes.c_int(); c = ctypes.c_void_p(); "
+            "assert l.cuDeviceGet(ctypes.byref(d), 0) == 0; "
+            "assert l.cuDevicePrimaryCtxRetain(ctypes.byref(c), d) == 0; t2 = time.perf_counter(); "
+            "print(json.dumps({'import': t1 - t0, 'context': t2 - t1}))")
     for t in targets:
-        rec = {}
         try:
             mod = spcompile.build(A, "spmm", 32, "sum", target=t,
                                   storage="sqlite:///" + os.path.join(tmp, f"cold-{t}-empty.db"))
             p = mod.save(os.path.join(tmp, f"cold-{t}.spc"))
-            rec["config"] = mod.config.to_dict()
-            code = ("import time; t0 = time.perf_counter(); import json, numpy as np, spcompile; "
-                    f"t1 = time.perf_counter(); m = spcompile.load({p!r}); t2 = time.perf_counter(); "
-                    f"y = np.asarray(m(np.load({xp!r}))); t3 = time.perf_counter(); np.save({yp!r}, y); "
-                    "print(json.dumps({'import': t1 - t0, 'load': t2 - t1, 'first_call': t3 - t2}))")
-            rec.update(runs(code))
-            err = reference.rel_error(np.load(yp), ref)
-            rec.update(rel_err=err, status="ok" if err <= numerics.tolerance("float32") else "wrong_result")
         except Exception as e:
-            rec.update(status="error", error=_err(e))
-        res["targets"][t] = rec
+            res["targets"][t] = {"status": "error", "error": _err(e)}
+            continue
+        for label, warm in ((t, False),) + (((f"{t}, load(warm_up=True)", True),) if t == "cuda" else ()):
+            rec = {"config": mod.config.to_dict()}
+            try:
+                code = ("import time; t0 = time.perf_counter(); import json, numpy as np, spcompile; "
+                        f"t1 = time.perf_counter(); m = spcompile.load({p!r}, warm_up={warm}); "
+                        f"t2 = time.perf_counter(); y = np.asarray(m(np.load({xp!r}))); t3 = time.perf_counter(); "
+                        f"np.save({yp!r}, y); print(json.dumps({{'import': t1 - t0, 'load': t2 - t1, "
+                        "'first_call': t3 - t2, 'gpu_framework_imported': "
+                        "[k for k in ('cupy', 'torch') if k in sys.modules]}))")
+                rec.update(runs("import sys; " + code))
+                err = reference.rel_error(np.load(yp), ref)
+                rec.update(rel_err=err, status="ok" if err <= numerics.tolerance("float32") else "wrong_result")
+            except Exception as e:
+                rec.update(status="error", error=_err(e))
+            res["targets"][label] = rec
     return res
+
+
+def _f3(v) -> str:
+    return "-" if v is None else f"{v:.3f}"
 
 
 def mode_markdown(doc) -> str:
@@ -817,7 +840,12 @@ def mode_markdown(doc) -> str:
               "artifact saved first), median of runs, s; import / load / first call: the process's own "
               "split of that time (the rest is the interpreter's start and exit).", ""]
         ph = ("import_s", "load_s", "first_call_s")
-        rows = [[k, "-", f"{res[k]['median_s']:.2f}", "-", "-", "-", "-"] for k in ("python -c pass", "import spcompile")]
+        scale = [k for k in ("python -c pass", "import numpy", "import spcompile") if k in res]
+        rows = [[k, "-", f"{res[k]['median_s']:.2f}", "-", "-", "-", "-"] for k in scale]
+        fl = res.get("floor: numpy + CUDA context")
+        if fl:
+            rows.append(["floor: numpy + CUDA context (ctypes, no spcompile)", "-", f"{fl['median_s']:.2f}",
+                         _f3(fl.get("import_s")), "-", f"context {_f3(fl.get('context_s'))}", "-"])
         rows += [[f"import + load + call, target {t}", _cfg(r), f"{r['median_s']:.2f}" if "median_s" in r else "-",
                   *[f"{r[k]:.3f}" if k in r else "-" for k in ph], r.get("status")] for t, r in res["targets"].items()]
         L += common.md_table(["what", "config", "median s", "import s", "load s", "first call s", "result"], rows)

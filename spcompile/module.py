@@ -240,13 +240,15 @@ class CompiledModule:
                 return
             cupy = sys.modules["cupy"]
             v = values.astype(self._value_dtype, copy=False)
-            dev[...] = v if src is None else cupy.take(v, cupy.asarray(src))
+            with cupy.cuda.Device(kernel.device_id):
+                view = cupy.asarray(dev)      # the kernel's device copy, viewed (no copy)
+                view[...] = v if src is None else cupy.take(v, cupy.asarray(src))
             return
         torch = sys.modules["torch"]
         if values.device.type != "cuda" or values.device.index != kernel.device_id:
             raise ValueError(f"values must be on cuda:{kernel.device_id} (the module's device), got {values.device}")
         if st.get("torch_buf") is None:
-            st["torch_buf"] = torch.from_dlpack(dev)
+            st["torch_buf"] = torch.as_tensor(dev, device=values.device)   # a view of the device copy
             st["torch_src"] = None if src is None else torch.from_numpy(np.asarray(src, np.int64)).to(values.device)
             st["torch_baked"] = torch.from_numpy(self.kernel.arrays[name]).to(values.device)
         v = values.detach().to(getattr(torch, self._value_dtype))
@@ -297,8 +299,9 @@ class CompiledModule:
                               sign_key=sign_key)
 
     @classmethod
-    def load(cls, path: str, A=None, *, require_signature: bool | None = None, key=None) -> "CompiledModule":
-        return load(path, A, require_signature=require_signature, key=key)
+    def load(cls, path: str, A=None, *, require_signature: bool | None = None, key=None,
+             warm_up: bool | int = False) -> "CompiledModule":
+        return load(path, A, require_signature=require_signature, key=key, warm_up=warm_up)
 
 
 class _Plan:
@@ -415,9 +418,16 @@ def describe(path: str, *, require_signature: bool | None = None, key=None) -> d
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def load(path: str, A=None, *, require_signature: bool | None = None, key=None) -> CompiledModule:
+def load(path: str, A=None, *, require_signature: bool | None = None, key=None,
+         warm_up: bool | int = False) -> CompiledModule:
     """Load a saved module.  With ``A`` (any supported sparse input) the artifact must have been
     built for exactly that matrix (pattern and values), else :class:`ArtifactError`.
+
+    ``warm_up`` (a CUDA module; True for device 0, or a device index): start creating the CUDA
+    context in a background thread while the artifact is read and checked, so that the first
+    call does not wait for all of it (the context costs about 0.4 s on an H100).  Off by
+    default: a process that loads modules and then forks workers must not hold a CUDA context
+    when it forks.
 
     Artifacts are code: load only artifacts from trusted sources.  ``key`` (default
     ``$SPCOMPILE_ARTIFACT_KEY``) verifies the artifact's signature when it has one;
@@ -425,6 +435,12 @@ def load(path: str, A=None, *, require_signature: bool | None = None, key=None) 
     artifact that is not signed with that key.  Every malformed artifact -- corrupt, resealed
     with arrays that do not fit its manifest, over the size limits, naming unknown kernels --
     raises :class:`ArtifactError` before any kernel code runs on its data."""
+    if warm_up is not False:
+        if not (warm_up is True or (type(warm_up) is int and warm_up >= 0)):
+            raise TypeError(f"warm_up must be a bool or a CUDA device index, got {warm_up!r}")
+        from .runtime import driver
+
+        driver.warm_up(0 if warm_up is True else warm_up)
     workdir = tempfile.mkdtemp(prefix="spcompile-load-")
     try:
         manifest, wkey, config, tpl, arrays, paths, meta = _verified(os.fspath(path), workdir, A,

@@ -20,7 +20,7 @@ from spcompile.core.formats import as_csr
 from spcompile.module import CompiledModule
 from spcompile.runtime import arrays
 from spcompile.runtime import cuda as rt
-from spcompile.runtime.arrays import CUPY, NUMPY, TORCH, adapter_for
+from spcompile.runtime.arrays import CUPY, DEVICE, NUMPY, TORCH, adapter_for
 
 from conftest import random_matrix
 
@@ -44,7 +44,8 @@ def test_adapter_for_recognises_frameworks_by_type():
     assert ("cupy" in sys.modules) == had_cupy            # recognised without importing CuPy
     for other in ([1.0], 3.0, None, "x", np.float32(1)):
         assert adapter_for(other) is None
-    assert NUMPY.device_adapter is CUPY and TORCH.device_adapter is TORCH and CUPY.device_adapter is CUPY
+    # numpy arrays go through the driver's device arrays: no GPU framework imported for them
+    assert NUMPY.device_adapter is DEVICE and TORCH.device_adapter is TORCH and CUPY.device_adapter is CUPY
 
 
 def test_torch_adapter(torch):

@@ -5,6 +5,7 @@ import numpy as np
 
 from ..core.ir import SparseModule
 from ..runtime import cuda as rt
+from ..runtime import driver
 from ..runtime.arrays import TORCH
 from .base import Template, register_template
 
@@ -40,12 +41,15 @@ class CusparseKernel(rt.CUDAKernel):
         if adapter is TORCH:
             self._run(inputs, out)
             return
-        # CuPy callers: order against CuPy's stream by synchronising around the library call
-        # (the vendor baseline only; our own kernels launch on the caller's stream directly)
+        # CuPy callers and numpy inputs' device copies: order against their stream by
+        # synchronising around the library call (the vendor baseline only; our own kernels launch
+        # on the caller's stream directly); their arrays are viewed through
+        # __cuda_array_interface__
         torch = self._torch
-        rt._stream(stream).synchronize()
-        self._run([torch.from_dlpack(x) for x in inputs], torch.from_dlpack(out))
-        torch.cuda.current_stream().synchronize()
+        driver.stream_synchronize(stream, self.device_id)
+        dev = torch.device("cuda", self.device_id)
+        self._run([torch.as_tensor(x, device=dev) for x in inputs], torch.as_tensor(out, device=dev))
+        torch.cuda.current_stream(dev).synchronize()
 
     def _run(self, inputs, out):
         torch = self._torch

@@ -28,6 +28,7 @@ import numpy as np
 from ..core.ir import SparseModule
 from ..core.numerics import DTYPES
 from ..runtime import cuda as rt
+from ..runtime.driver import DeviceArray
 from .base import Template, source_hash_of
 
 __all__ = ["NvccTemplate", "NvccKernel", "LaunchSpec", "LaunchSequence", "AtLeast", "_NvccTemplate", "_NvccKernel"]
@@ -282,28 +283,22 @@ class NvccKernel(rt.CUDAKernel):
         return path
 
     def _load_module(self):
-        import cupy
-
-        self.device_id = cupy.cuda.runtime.getDevice()
-        return rt.load_module(self._binary(self.device_id))
+        self.device_id = rt.current_device()
+        return rt.load_module(self._binary(self.device_id), self.device_id)
 
     def _upload(self, names):
-        import cupy
-
         # keep every uploaded array referenced by the kernel: the launch passes raw pointers
         dev = self.__dict__.setdefault("_dev", {})
         for k in names:
-            dev[k] = cupy.asarray(self.arrays[k])
-        return tuple(int(dev[k].data.ptr) for k in names)
+            dev[k] = DeviceArray.from_host(self.arrays[k], self.device_id)
+        return tuple(dev[k].ptr for k in names)
 
     def _device_arguments(self) -> dict[str, int]:
         """Every array uploaded and every workspace allocated once: name -> device pointer."""
-        import cupy
-
         ptrs = dict(zip(self.arrays, self._upload(tuple(self.arrays))))
         for k, (n, dt) in self.workspaces().items():
-            self._dev[k] = cupy.zeros(max(1, int(n)), dtype=dt)
-            ptrs[k] = int(self._dev[k].data.ptr)
+            self._dev[k] = DeviceArray.zeros(max(1, int(n)), dt, self.device_id)
+            ptrs[k] = self._dev[k].ptr
         return ptrs
 
     def make_plans(self, functions, device: Mapping[str, int]) -> list:

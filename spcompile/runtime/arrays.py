@@ -13,7 +13,8 @@ An adapter is what the call path needs to know of a framework, so that nothing a
 * ``allocator(shape, dtype, device)`` and ``stream(device)``: prepared zero-argument callables
   for the hot path (a new output; the raw handle of the framework's current stream there).
 * ``to_device(x, device)`` / ``to_host(d)``: host arrays through a CUDA device and back;
-  ``device_adapter`` is the framework of the device copy (CuPy for numpy arrays).
+  ``device_adapter`` is the framework of the device copy (the driver's ``DeviceArray`` for
+  numpy arrays: no GPU framework is imported for them).
 * ``matcher(in_shapes, out_shape, dtype, device)``: the cheap signature check a module keeps
   after a first checked call: ``same(inputs, out)`` is True when every array is exactly of this
   framework, dtype, shape and device and C-contiguous, and (torch) does not require grad
@@ -164,7 +165,7 @@ class _Numpy(ArrayAdapter):
 
     @property
     def device_adapter(self):
-        return CUPY
+        return DEVICE
 
     def device(self, x):
         return None
@@ -191,13 +192,12 @@ class _Numpy(ArrayAdapter):
         return functools.partial(np.empty, tuple(shape), np.dtype(dtype))
 
     def to_device(self, x, device):
-        import cupy
+        from .driver import DeviceArray
 
-        with cupy.cuda.Device(device):
-            return cupy.asarray(np.ascontiguousarray(x))
+        return DeviceArray.from_host(x, device)
 
     def to_host(self, d):
-        return sys.modules["cupy"].asnumpy(d)
+        return d.get()
 
     def exact(self, dtype, device):
         # read-only arrays take the checked path, which passes the kernels a zero-copy alias
@@ -327,7 +327,30 @@ class _Cupy(ArrayAdapter):
                              and x.flags.c_contiguous)
 
 
-NUMPY, TORCH, CUPY = _Numpy(), _Torch(), _Cupy()
+class _Device(ArrayAdapter):
+    """Device copies of host arrays (:class:`spcompile.runtime.driver.DeviceArray`): what the
+    kernels see of numpy inputs, on the legacy default stream.  Internal: users pass numpy, torch
+    or CuPy arrays."""
+
+    name = "device"
+    ptr = operator.attrgetter("ptr")
+
+    def device(self, x):
+        return x.device
+
+    def contiguous(self, x):
+        return x
+
+    def allocator(self, shape, dtype, device):
+        from .driver import DeviceArray
+
+        return functools.partial(DeviceArray, tuple(shape), np.dtype(dtype), device)
+
+    def stream(self, device):
+        return lambda: 0
+
+
+NUMPY, TORCH, CUPY, DEVICE = _Numpy(), _Torch(), _Cupy(), _Device()
 ADAPTERS = (NUMPY, TORCH, CUPY)
 _BY_MODULE = {"torch": TORCH, "cupy": CUPY}
 

@@ -1,23 +1,26 @@
 """CUDA runtime: compiling CUDA C++ to device binaries, loading them, launching, DLPack-free calls.
 
-Choice of runtime (why CuPy + nvcc):
+Choice of runtime (why nvcc + the driver API):
 
 * **Compilation with nvcc, offline** — templates are compiled once to a fatbin holding SASS for
   the device's arch (``sm_90`` on the H100) plus PTX of the same arch (forward compatibility).
   nvcc is installed on the CPU/CI machines, so every template is compiled (and checked) there;
-  NVRTC would need a GPU-capable CuPy at build time and gives no CI check.  Binaries are cached
-  on disk (``$SPCOMPILE_KERNEL_CACHE`` or ``~/.cache/spcompile/kernels``) keyed by
+  NVRTC would need a GPU at build time and gives no CI check.  Binaries are cached on disk
+  (``$SPCOMPILE_KERNEL_CACHE`` or ``~/.cache/spcompile/kernels``) keyed by
   ``sha256(source, options, arch, nvcc version)`` and are stored inside saved artifacts, so
   :func:`spcompile.load` on an inference server compiles nothing.
-* **Loading and launching with CuPy** — ``cupy.RawModule(path=...)`` is ``cuModuleLoad`` (cubin,
-  fatbin or PTX); its kernel objects launch from Cython with little per-call overhead and take raw
-  device pointers (Python ints) as arguments, so torch tensors need no conversion at all: we pass
-  ``tensor.data_ptr()`` and launch on torch's *current stream* (raw handle), CuPy arrays likewise
-  on CuPy's current stream.  No host synchronisation, no allocation but the output (none when
-  ``out=`` is given), no format conversion on the call path.  cuda-python would work too but its
-  Python-level ``cuLaunchKernel`` argument packing is slower per call, and CuPy is the declared
-  GPU dependency of the package (``spcompile[cuda]``).
-* numpy inputs are copied to the device and the result back (synchronous).
+* **Loading and launching through the CUDA driver API** (:mod:`spcompile.runtime.driver`,
+  ctypes): ``cuModuleLoadData`` of the fatbin in the device's primary context (the one torch and
+  CuPy use), device copies of the module's arrays by ``cuMemAlloc``, and one prepared
+  ``cuLaunchKernel`` per call with raw device pointers, so torch tensors need no conversion at
+  all: we pass ``tensor.data_ptr()`` and launch on torch's *current stream* (raw handle), CuPy
+  arrays likewise on CuPy's current stream.  No host synchronisation, no allocation but the
+  output (none when ``out=`` is given), no format conversion on the call path.  No GPU framework
+  is imported to load and run a module: a serving process calling it on numpy arrays pays for
+  neither CuPy's import nor torch's (CuPy stays the declared GPU dependency for building and
+  tuning, ``spcompile[cuda]``).
+* numpy inputs are copied to the device (:class:`driver.DeviceArray`) and the result back
+  (synchronous).
 
 Kernel protocol (used by every CUDA template, including TVM-generated ones): a
 :class:`CUDAKernel` implements :meth:`CUDAKernel.launch` (raw pointers + stream handle) or, for
@@ -32,6 +35,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 from dataclasses import dataclass
@@ -39,6 +43,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from . import driver
 from .arrays import ArrayAdapter, adapter_for
 from .files import write_atomically
 from .kernel import Kernel
@@ -107,10 +112,8 @@ def device_arch(device: int | None = None) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _device_arch(device: int) -> int:
-    import cupy
-
-    dev = cupy.cuda.Device() if device < 0 else cupy.cuda.Device(device)
-    return int(dev.compute_capability)
+    major, minor = driver.compute_capability(current_device() if device < 0 else device)
+    return 10 * major + minor
 
 
 _COMPILE_LOCK = threading.Lock()
@@ -157,14 +160,14 @@ def compile_cuda(source: str, *, arch: int | None = None, options: Sequence[str]
 _MODULES: dict = {}
 
 
-def load_module(path: str):
-    """``cupy.RawModule`` of a cubin / fatbin / PTX file on the current device (cached)."""
-    import cupy
-
-    key = (os.path.realpath(path), cupy.cuda.runtime.getDevice())
+def load_module(path: str, device: int | None = None) -> "driver.Module":
+    """The cubin / fatbin / PTX file ``path`` loaded on ``device`` (default:
+    :func:`current_device`), cached per file and device."""
+    device = current_device() if device is None else int(device)
+    key = (os.path.realpath(path), device)
     mod = _MODULES.get(key)
     if mod is None:
-        mod = _MODULES[key] = cupy.RawModule(path=path)
+        mod = _MODULES[key] = driver.load_module(path, device)
     return mod
 
 
@@ -214,71 +217,28 @@ def ensure_dynamic_smem(fn, nbytes: int) -> None:
 
 
 
-# -- the driver API through ctypes (the one binding layer) ----------------------------------
-class _Driver:
-    """The CUDA driver functions the launch path uses, from ``libcuda`` through ctypes, with their
-    argument types set once."""
-
-    def __init__(self, lib):
-        c_int, c_uint, c_void_p = ctypes.c_int, ctypes.c_uint, ctypes.c_void_p
-        self.launch_kernel = self._fn(lib, "cuLaunchKernel", [c_void_p] + [c_uint] * 7 + [c_void_p] * 3)
-        self.device_get = self._fn(lib, "cuDeviceGet", [ctypes.POINTER(c_int), c_int])
-        self.primary_ctx_retain = self._fn(lib, "cuDevicePrimaryCtxRetain", [ctypes.POINTER(c_void_p), c_int])
-        self.ctx_set_current = self._fn(lib, "cuCtxSetCurrent", [c_void_p])
-
-    @staticmethod
-    def _fn(lib, name, argtypes):
-        f = getattr(lib, name)
-        f.restype = ctypes.c_int
-        f.argtypes = argtypes
-        return f
-
-
-@functools.lru_cache(maxsize=None)
-def _driver() -> _Driver | None:
-    """The driver binding, or None (no ``libcuda``, or a library without these symbols)."""
-    try:
-        return _Driver(ctypes.CDLL("libcuda.so.1"))
-    except (OSError, AttributeError):
-        return None
-
-
+# -- the driver API (spcompile.runtime.driver) --------------------------------------------
 def _driver_launch():
-    """``cuLaunchKernel`` through ctypes, or None: launches then go through CuPy (also when
-    ``SPCOMPILE_CUPY_LAUNCH`` is set)."""
-    if os.environ.get("SPCOMPILE_CUPY_LAUNCH"):
-        return None
-    drv = _driver()
-    return drv.launch_kernel if drv is not None else None
+    """``cuLaunchKernel`` through ctypes, or None (no ``libcuda``): launches then go through the
+    function object itself (CuPy's kernel objects)."""
+    return driver.raw_launch() if driver.init() else None
 
 
-_CTX_SET = threading.local()
-
-
-def _make_context_current() -> bool:
-    """Make the current device's primary context current for this thread in the *driver* API.
-
-    The CUDA runtime (used by torch and CuPy) keeps its primary context without necessarily making
-    it the thread's current driver context, which ``cuLaunchKernel`` needs.  Tried once per thread;
-    returns False when it cannot be done (the CuPy launch path is used instead)."""
-    if getattr(_CTX_SET, "done", False):
-        return False
-    _CTX_SET.done = True
-    drv = _driver()
-    if drv is None:
-        return False
-    try:
-        import cupy
-
-        dev = ctypes.c_int()
-        if drv.device_get(ctypes.byref(dev), cupy.cuda.runtime.getDevice()) != 0:
-            return False
-        ctx = ctypes.c_void_p()
-        if drv.primary_ctx_retain(ctypes.byref(ctx), dev.value) != 0:
-            return False
-        return drv.ctx_set_current(ctx) == 0
-    except Exception:
-        return False
+def current_device() -> int:
+    """The device a module prepared now runs on: torch's current device once torch has used
+    CUDA, else CuPy's when CuPy is imported, else the device of this thread's driver context
+    (0 when there is none)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return int(torch.cuda.current_device())
+    cupy = sys.modules.get("cupy")
+    if cupy is not None:
+        try:
+            return int(cupy.cuda.runtime.getDevice())
+        except Exception:
+            pass
+    d = driver.current_device()
+    return 0 if d is None else d
 
 
 # -- kernel signatures ----------------------------------------------------------------------
@@ -449,12 +409,7 @@ class LaunchPlan:
         self._slots = tuple(vals[i] for i in self._slot_idx)
         self._cupy_args = cupy_args
         self._params = (ctypes.c_void_p * max(1, len(vals)))(*[ctypes.addressof(v) for v in vals])
-        handle = getattr(fn, "ptr", None)      # cupy Function
-        if handle is None and fn is not None:  # cupy RawKernel (what RawModule.get_function returns)
-            try:
-                handle = getattr(fn.kernel, "ptr", None)
-            except Exception:
-                handle = None
+        handle = getattr(fn, "ptr", None)      # driver.Function (or a CuPy function)
         self._handle = int(handle) if handle else None
         self._launch = _driver_launch() if self._handle else None
 
@@ -473,13 +428,14 @@ class LaunchPlan:
             for v, p in zip(self._slots, ptrs):
                 v.value = p
             g, b = self.grid, self.block
+            g, b = self.grid, self.block
             rc = launch(self._handle, g[0], g[1], g[2], b[0], b[1], b[2], self.smem, stream, self._params, None)
-            if rc == 201 and _make_context_current():  # CUDA_ERROR_INVALID_CONTEXT: none current here yet
+            if rc == driver.INVALID_CONTEXT and driver.make_current(getattr(self.fn, "device", 0)):
+                # no current context on this thread yet (a fresh thread, e.g. autograd's)
                 rc = launch(self._handle, g[0], g[1], g[2], b[0], b[1], b[2], self.smem, stream, self._params, None)
             if rc == 0:
                 return
-            if rc != 201:
-                raise RuntimeError(f"cuLaunchKernel({self.signature.name}) failed with CUresult {rc}")
+            raise RuntimeError(f"cuLaunchKernel({self.signature.name}) failed with CUresult {rc}")
         args = list(self._cupy_args)
         for i, p in zip(self._slot_idx, ptrs):
             args[i] = p

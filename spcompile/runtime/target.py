@@ -13,13 +13,17 @@ class TargetUnavailableError(RuntimeError):
 
 @functools.lru_cache(maxsize=None)
 def cuda_available() -> bool:
-    """True when a CUDA GPU is usable through CuPy (the GPU runtime of spcompile)."""
+    """True when a CUDA GPU is visible to the driver and CuPy (which building and tuning for
+    it use) is installed; neither imports CuPy nor creates a CUDA context.  (Loading and calling
+    a saved CUDA module needs the driver only.)"""
     if os.environ.get("SPCOMPILE_DISABLE_CUDA"):
         return False
-    try:
-        import cupy
+    import importlib.util
 
-        return cupy.cuda.runtime.getDeviceCount() > 0
+    from . import driver
+
+    try:
+        return driver.device_count() > 0 and importlib.util.find_spec("cupy") is not None
     except Exception:
         return False
 

@@ -4,8 +4,9 @@ The kernels are written in TVMScript with explicit thread bindings, lowered by T
 codegen to CUDA C++ *here* (``tvm.compile(..., target={"kind": "cuda", ...})``), and that source
 is compiled by nvcc to a cubin at build time.  The artifact carries the cubin plus the launch
 description (kernel name, parameter order, block shape); the GPU machine loads it through the
-project's CUDA runtime (CuPy ``RawModule``) like any CUDA template: neither TVM nor a CUDA
-compiler (nvcc / NVRTC) is needed where the module runs.  See ``docs/tvm_cuda.md``.
+project's CUDA runtime (the driver API, :mod:`spcompile.runtime.driver`) like any CUDA
+template: neither TVM nor a CUDA compiler (nvcc / NVRTC) is needed where the module runs.  See
+``docs/tvm_cuda.md``.
 
 Thread layout (both ops): ``blockIdx.x`` over groups of ``rows_per_block`` rows,
 ``threadIdx.y`` over the rows of a group, ``threadIdx.x`` over ``threads_k`` lanes that split K;
@@ -34,6 +35,7 @@ from ..._version import tvm_version
 from ...core.formats import INT32_MAX
 from ...core.ir import SparseModule
 from ...runtime import cuda as rt
+from ...runtime.driver import DeviceArray
 from ...runtime.files import write_atomically
 from ..base import Kernel, Template, csr_kernel_arrays, register_template
 
@@ -281,9 +283,7 @@ class _TVMCudaKernel(rt.CUDAKernel):
     variant used when an input or the output is not aligned for vector loads)."""
 
     def _binary(self) -> str:
-        import cupy
-
-        self.device_id = cupy.cuda.runtime.getDevice()
+        self.device_id = rt.current_device()
 
         def rebuild(arch):   # an artifact for another GPU generation: the saved CUDA source, no TVM
             with open(self.files["kernel.cu"]) as f:
@@ -298,11 +298,9 @@ class _TVMCudaKernel(rt.CUDAKernel):
         return path
 
     def prepare(self):
-        import cupy
-
-        mod = rt.load_module(self._binary())
+        mod = rt.load_module(self._binary(), self.device_id)
         meta = self.meta
-        self._dev = {k: cupy.asarray(self.arrays[k]) for k in meta["array_order"]}
+        self._dev = {k: DeviceArray.from_host(self.arrays[k], self.device_id) for k in meta["array_order"]}
         scalars = meta["scalars"]
         self._variants = []
         for kern in meta["kernels"]:
@@ -312,7 +310,7 @@ class _TVMCudaKernel(rt.CUDAKernel):
                 if p in scalars:
                     slots.append(("a", np.int32(scalars[p])))
                 elif base in self._dev:
-                    slots.append(("a", int(self._dev[base].data.ptr)))
+                    slots.append(("a", self._dev[base].ptr))
                 elif base in meta["inputs"]:
                     slots.append(("i", meta["inputs"].index(base)))
                 elif base == meta["output"]:
