@@ -6,7 +6,7 @@ SpMM-like reductions) on GPUs and CPUs.
     mod.save("a.spc"); mod = spcompile.load("a.spc")
 """
 from ._version import __version__
-from .api import build, load, tune
+from .api import build, load
 from .artifact import ArtifactError
 from .core.config import Config
 from .core.formats import CSR, as_csr
@@ -21,3 +21,12 @@ __all__ = ["__version__", "build", "load", "tune", "CompiledModule", "Config", "
            "SparseModule", "WorkloadKey", "CSR", "as_csr", "Pass", "PassContext", "Pipeline", "TimingInstrument",
            "register_pass", "Template", "register_template", "get_template", "list_templates",
            "TargetUnavailableError", "passes"]
+
+
+def __getattr__(name):
+    # the autotuner's entry point, imported on first use (see spcompile.api)
+    if name == "tune":
+        from .autotune.tuner import tune
+
+        return tune
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

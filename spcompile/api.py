@@ -11,8 +11,6 @@ from __future__ import annotations
 import warnings
 from typing import Any, Iterable, Mapping, Sequence
 
-from .autotune.policy import decide
-from .autotune.tuner import tune
 from .compile import build_from_config, check_dtype, default_config, make_op, workload_target
 from .core.numerics import allowed_precisions
 from .kernels import get_template
@@ -66,6 +64,8 @@ def build(A, op: str = "spmm", K: int | None = None, reduce: str | None = None, 
         tpl = get_template(template)
         cfg = tpl.make_config(dict(params or {}), Pipeline(pipeline or ()).spec(), target, sop.dtype)
         return build_from_config(sop, cfg, ctx, {"source": "explicit"})
+    from .autotune.policy import decide   # the autotuner's stack: imported by building only
+
     skipped: list[int] = []
     while True:
         cfg, info, mod = decide(sop, target, storage=storage, tune=tune, trials=trials, timeout=timeout,
@@ -92,3 +92,13 @@ def build(A, op: str = "spmm", K: int | None = None, reduce: str | None = None, 
             skipped.append(rid)
             tune = False
             trials = timeout = None
+
+
+def __getattr__(name):
+    # ``tune`` (the autotuner) is imported on first use: loading and running saved modules never
+    # pays for the tuner's imports
+    if name == "tune":
+        from .autotune.tuner import tune
+
+        return tune
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -15,7 +15,7 @@ import scipy.sparse as sp
 import spcompile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-HEAVY = ("tvm", "torch", "optuna", "scipy", "cupy", "sqlalchemy")
+HEAVY = ("tvm", "torch", "optuna", "scipy", "cupy", "sqlalchemy", "spcompile.autotune")
 
 
 def _run(code: str, tmp_path) -> dict:
@@ -33,6 +33,15 @@ def _loaded():
 def test_import_spcompile_is_light(tmp_path):
     out = _run(f"import sys, json, spcompile; print(json.dumps({_loaded()}))", tmp_path)
     assert out == []
+
+
+def test_the_tuner_is_imported_when_used(tmp_path):
+    out = _run("import sys, json, spcompile; from spcompile import tune; import spcompile.api as api; "
+               "print(json.dumps([tune.__module__, spcompile.tune is tune, api.tune is tune, "
+               "'spcompile.autotune.tuner' in sys.modules]))", tmp_path)
+    assert out == ["spcompile.autotune.tuner", True, True, True]
+    with pytest.raises(AttributeError, match="no attribute 'tunes'"):
+        spcompile.tunes
 
 
 @pytest.fixture
