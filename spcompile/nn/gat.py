@@ -32,7 +32,9 @@ Two implementations of the same formulas:
   launch plans per (device, dtype, H, C, slope, vector width).  ``a_src`` / ``a_dst`` are read
   in float32 (converted when given in 16 bits); ``h``, ``out``, ``dh`` in ``h``'s dtype; every
   sum in float32.
-* **Composite** (everything else: CPU tensors, float64, graphs whose entries do not fit int32):
+* **Composite** (everything else: CPU tensors, float64, graphs whose entries do not fit int32,
+  an empty graph, a machine where CuPy cannot load the kernels, ``FORCE_COMPOSITE`` /
+  ``SPCOMPILE_GAT_COMPOSITE=1``):
   torch ops (``index_select`` / ``index_add`` / ``scatter_reduce``), in float64 for float64
   ``h`` (``torch.autograd.gradcheck`` holds) and in float32 otherwise.
 
@@ -203,7 +205,7 @@ class _Plans:
 
     def __init__(self, g: SparseGraph, device, dtype, H: int, C: int, slope: float, vec_max: int):
         tn, _ = DTYPES[dtype]
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         vec, G, CH = config(C, itemsize, vec_max)
         self.vec = vec
         A = g.cached(("gat.arrays", str(device), segment_length(G)),
@@ -252,7 +254,7 @@ def _aligned(nbytes: int, *ts: torch.Tensor) -> bool:
 
 def _vec_max(C: int, dtype, *ts: torch.Tensor) -> int:
     """16 when the tensors' pointers allow the vector width :func:`config` picks, else 1."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     vec = config(C, itemsize)[0]
     return 16 if _aligned(vec * itemsize, *ts) else 1
 
