@@ -133,3 +133,65 @@ def test_parsed_signatures_match_the_compiled_entries(tmp_path, name, instances)
     names = {n for n, _ in inst}
     assert checked >= len(names) and all(any(e.startswith(n) for e in entries) for n in names)
     assert set(getattr(t, "entry_points", ())) <= set(entries)      # helper kernels launched by name
+
+
+def _gat_instances():
+    """The (TN, VEC, G, CH) of the GAT kernels (spcompile/nn/gat.cu) for every element type: the
+    configurations the launcher picks for C = 1, 5, 16, 32, 33, 64, 600 and the unaligned
+    fallback (VEC = 1) of C = 600 (16 chunks per lane, two column tiles)."""
+    torch = pytest.importorskip("torch")
+    from spcompile.nn import gat
+
+    inst = set()
+    for dtype, (tn, _) in gat.DTYPES.items():
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        for C in (1, 5, 16, 32, 33, 64, 600):
+            inst.add((tn, *gat.config(C, itemsize)))
+        inst.add((tn, *gat.config(600, itemsize, 1)))
+    return gat, sorted(inst)
+
+
+@pytest.mark.parametrize("arch", [90, 80])
+def test_gat_kernels_compile(tmp_path, arch):
+    gat, inst = _gat_instances()
+    assert {i[0] for i in inst} == {0, 1, 2}
+    src = tmp_path / "gat.cu"
+    src.write_text(gat.render(inst))
+    out = tmp_path / "gat.cubin"
+    r = subprocess.run([rt.nvcc_path(), "-cubin", "-O3", "-std=c++17", f"-arch=sm_{arch}", "-o", str(out), str(src)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert "warning" not in r.stderr, r.stderr[-4000:]
+    data = out.read_bytes()
+    names = ["gat_row_sum"] + [f"gat_{k}_merge_{s}" for k in ("fwd", "sum") for s in ("f32", "f16", "bf16")]
+    names += [f"gat_{k}_{gat.instance_suffix(*i)}" for i in inst for k in ("fwd", "dot", "bwd_col")]
+    for name in names:
+        assert name.encode() in data, name
+
+
+def test_gat_parsed_signatures_match_the_compiled_entries(tmp_path):
+    """The parameter lists LaunchPlan reads from the rendered GAT source have the order and sizes
+    of the PTX entries nvcc compiles."""
+    gat, inst = _gat_instances()
+    inst = [i for i in inst if i[1:] in ((4, 8, 1), (8, 32, 2), (1, 1, 1))]
+    source = gat.render(inst)
+    src = tmp_path / "gat.cu"
+    src.write_text(source)
+    out = tmp_path / "gat.ptx"
+    r = subprocess.run([rt.nvcc_path(), "-ptx", "-std=c++17", "-arch=sm_90", "-o", str(out), str(src)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-4000:]
+    entries = _ptx_entries(out.read_text())
+    assert len(entries) == 1 + 2 * len({i[0] for i in inst}) + 3 * len(inst)
+    for entry, bits in entries.items():
+        sig = rt.kernel_signature(source, entry)
+        assert [_PTX_BITS[ty] for _, ty in sig.params] == bits, entry
+
+
+def test_gat_compiles_through_the_runtime_cache(tmp_path, monkeypatch):
+    """compile_cuda on one rendered instance (what the first CUDA call does): cached on disk."""
+    gat, _ = _gat_instances()
+    monkeypatch.setenv("SPCOMPILE_KERNEL_CACHE", str(tmp_path / "cache"))
+    src = gat.render([(0, 4, 8, 1)])
+    path = rt.compile_cuda(src, arch=90, name="gat_f32_v4_g8_c1")
+    assert os.path.isfile(path) and rt.compile_cuda(src, arch=90, name="gat_f32_v4_g8_c1") == path

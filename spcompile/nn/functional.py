@@ -71,7 +71,8 @@ def sddmm(A, X: torch.Tensor, Y: torch.Tensor, values: torch.Tensor | None = Non
 
 def edge_softmax(logits: torch.Tensor, graph: SparseGraph) -> torch.Tensor:
     """Softmax of per-entry ``logits`` (nnz or nnz x heads) over each row of ``graph`` (a target
-    node's incoming edges); computed in float32 (float64 logits: in float64)."""
+    node's incoming edges); computed in float32 (float64 logits: in float64).  The gathers are
+    ``index_select`` calls (their backward is an ``index_add``, cheaper than advanced indexing's)."""
     rows = graph.rows
     e = logits.to(ops._compute(logits))
     shape = (graph.shape[0],) + tuple(e.shape[1:])
@@ -79,9 +80,9 @@ def edge_softmax(logits: torch.Tensor, graph: SparseGraph) -> torch.Tensor:
     with torch.no_grad():   # the shift cancels in the softmax: no gradient through it
         mx = torch.full(shape, float("-inf"), dtype=e.dtype, device=e.device).scatter_reduce(
             0, idx, e, "amax", include_self=True)
-    ex = (e - mx[rows]).exp()
+    ex = (e - mx.index_select(0, rows)).exp()
     den = torch.zeros(shape, dtype=e.dtype, device=e.device).index_add(0, rows, ex)
-    return ex / den[rows]
+    return ex / den.index_select(0, rows)
 
 
 # -- graphs from edge lists -------------------------------------------------------------------

@@ -68,6 +68,7 @@ class SparseGraph:
         self._user: dict[tuple, CompiledModule] = {}   # modules given by the caller (their own values)
         self._transpose: SparseGraph | None = None
         self._tperm_np: np.ndarray | None = None
+        self._aux: dict = {}     # other modules' per-graph caches (:meth:`cached`)
         self._lock = threading.RLock()
         with _LOCK:
             self.id = next(_IDS)
@@ -119,6 +120,7 @@ class SparseGraph:
         #: per stored entry, the length of its row (at least 1): mean's divisor
         self.row_len = torch.from_numpy(lens).to(device)[self.rows]
         self._typed = {}
+        self._aux = {}           # their device tensors were on the old device
         self.device = device
         if self._transpose is not None:
             self._transpose.to(device)
@@ -137,6 +139,18 @@ class SparseGraph:
             src = self._values64 if name == "values" and dtype == _torch().float64 else None
             got = t.to(dtype) if src is None else _torch().from_numpy(np.array(src)).to(self.device)
             self._typed[(name, dtype)] = got
+        return got
+
+    def cached(self, key, make):
+        """``make()``, made once per ``key`` and kept while the graph lives on its device (:meth:`to`
+        drops these caches): the place of per-graph state other modules derive, e.g. the device
+        arrays and launch plans of :mod:`spcompile.nn.gat`."""
+        got = self._aux.get(key)
+        if got is None:
+            with self._lock:
+                got = self._aux.get(key)
+                if got is None:
+                    got = self._aux[key] = make()
         return got
 
     # -- transpose ------------------------------------------------------------------------

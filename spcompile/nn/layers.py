@@ -16,7 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .functional import edge_softmax, gat_graph, gcn_norm, spmm
+from .functional import gat_graph, gcn_norm, spmm
+from .gat import gat_aggregate
 from .graph import SparseGraph
 
 __all__ = ["GCNConv", "GATConv"]
@@ -107,8 +108,9 @@ class GATConv(nn.Module):
     """PyG's ``GATConv`` (Velickovic et al.): ``h = x W^T`` split into ``heads`` x
     ``out_channels``; per edge ``j -> i`` and head, ``e = LeakyReLU(<h_j, a_src> + <h_i, a_dst>)``;
     ``alpha`` = softmax of e over each target's in-edges (self loops included); ``out_i =
-    sum_j alpha_ij h_j`` (one SpMM per head with ``alpha`` as call-time values); heads
-    concatenated (or averaged, ``concat=False``); plus the bias.  No attention dropout."""
+    sum_j alpha_ij h_j``, all heads in one fused op (:func:`~spcompile.nn.gat.gat_aggregate`:
+    logits, softmax and aggregation in one pass, CUDA kernels on a GPU); heads concatenated (or
+    averaged, ``concat=False``); plus the bias.  No attention dropout."""
 
     def __init__(self, in_channels: int, out_channels: int, heads: int = 1, concat: bool = True,
                  negative_slope: float = 0.2, add_self_loops: bool = True, bias: bool = True,
@@ -144,9 +146,7 @@ class GATConv(nn.Module):
         h = self.lin(x).view(N, H, C)
         a_src = (h * self.att_src).sum(-1)          # N x H
         a_dst = (h * self.att_dst).sum(-1)
-        logits = nn.functional.leaky_relu(a_src[graph.cols] + a_dst[graph.rows], self.negative_slope)
-        alpha = edge_softmax(logits, graph)         # nnz x H, float32 (float64 for float64 x)
-        out = torch.stack([spmm(graph, h[:, k], values=alpha[:, k]) for k in range(H)], dim=1)
+        out = gat_aggregate(graph, h, a_src, a_dst, self.negative_slope)   # N x H x C, h's dtype
         out = out.reshape(N, H * C) if self.concat else out.mean(dim=1)
         if self.bias is not None:
             out = out + self.bias
