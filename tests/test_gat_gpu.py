@@ -65,7 +65,7 @@ def _check_against_cpu(A, H, C, dtype, s_dtype=torch.float32, slope=0.2):
     s, d = s.to(s_dtype), d.to(s_dtype)
     hc = h.cuda().requires_grad_(True)
     sc, dc = s.cuda().requires_grad_(True), d.cuda().requires_grad_(True)
-    assert gat.uses_cuda(g, hc), "the CUDA kernels must run here (CuPy with a GPU, nvcc or a cached binary)"
+    assert gat.uses_cuda(g, hc), "the CUDA kernels must run here (a GPU, and nvcc or a cached binary)"
     out = snn.gat_aggregate(g, hc, sc, dc, slope)
     assert out.dtype == dtype and out.shape == (n, H, C) and out.is_cuda
     hd, sd, dd = (t.detach().double().cpu().requires_grad_(True) for t in (hc, sc, dc))

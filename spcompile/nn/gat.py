@@ -33,7 +33,7 @@ Two implementations of the same formulas:
   in float32 (converted when given in 16 bits); ``h``, ``out``, ``dh`` in ``h``'s dtype; every
   sum in float32.
 * **Composite** (everything else: CPU tensors, float64, graphs whose entries do not fit int32,
-  an empty graph, a machine where CuPy cannot load the kernels, ``FORCE_COMPOSITE`` /
+  an empty graph, a machine without a usable CUDA driver, ``FORCE_COMPOSITE`` /
   ``SPCOMPILE_GAT_COMPOSITE=1``):
   torch ops (``index_select`` / ``index_add`` / ``scatter_reduce``), in float64 for float64
   ``h`` (``torch.autograd.gradcheck`` holds) and in float32 otherwise.
@@ -131,18 +131,15 @@ def _kernels(tn: int, vec: int, G: int, CH: int, device_index: int) -> dict:
     with _KERNELS_LOCK:
         got = _KERNELS.get(key)
         if got is None:
-            import cupy
-
             sfx = instance_suffix(tn, vec, G, CH)
             short = sfx.split("_")[0]
             src = render([(tn, vec, G, CH)])
             names = {"fwd": f"gat_fwd_{sfx}", "dot": f"gat_dot_{sfx}", "bwd_col": f"gat_bwd_col_{sfx}",
                      "fwd_merge": f"gat_fwd_merge_{short}", "sum_merge": f"gat_sum_merge_{short}",
                      "row_sum": "gat_row_sum"}
-            with cupy.cuda.Device(device_index):
-                path = rt.compile_cuda(src, arch=rt.device_arch(device_index), name=f"gat_{sfx}")
-                mod = rt.load_module(path)
-                got = {k: (mod.get_function(n), rt.kernel_signature(src, n)) for k, n in names.items()}
+            path = rt.compile_cuda(src, arch=rt.device_arch(device_index), name=f"gat_{sfx}")
+            mod = rt.load_module(path, device_index)
+            got = {k: (mod.get_function(n), rt.kernel_signature(src, n)) for k, n in names.items()}
             _KERNELS[key] = got
     return got
 
@@ -263,11 +260,11 @@ _CUDA_RUNTIME: list = []
 
 
 def _cuda_runtime() -> bool:
-    """Whether the kernels can be loaded here (CuPy with a GPU); checked once."""
+    """Whether the kernels can be loaded here (the CUDA driver with a GPU); checked once."""
     if not _CUDA_RUNTIME:
-        from ..runtime import cuda_available
+        from ..runtime import driver
 
-        _CUDA_RUNTIME.append(cuda_available())
+        _CUDA_RUNTIME.append(driver.device_count() > 0)
     return _CUDA_RUNTIME[0]
 
 
