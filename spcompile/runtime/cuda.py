@@ -427,11 +427,12 @@ class LaunchPlan:
         if launch is not None:
             for v, p in zip(self._slots, ptrs):
                 v.value = p
-            g, b = self.grid, self.block
+            if not _THREAD.__dict__:
+                _bind_thread(self.fn)
             g, b = self.grid, self.block
             rc = launch(self._handle, g[0], g[1], g[2], b[0], b[1], b[2], self.smem, stream, self._params, None)
             if rc == driver.INVALID_CONTEXT and driver.make_current(getattr(self.fn, "device", 0)):
-                # no current context on this thread yet (a fresh thread, e.g. autograd's)
+                # the thread's context was taken away since (someone popped it)
                 rc = launch(self._handle, g[0], g[1], g[2], b[0], b[1], b[2], self.smem, stream, self._params, None)
             if rc == 0:
                 return
@@ -440,6 +441,25 @@ class LaunchPlan:
         for i, p in zip(self._slot_idx, ptrs):
             args[i] = p
         self.fn(self.grid, self.block, tuple(args), shared_mem=self.smem, stream=_stream(stream))
+
+
+_THREAD = threading.local()
+
+
+def _bind_thread(fn) -> None:
+    """Once per thread, before its first launch: when the thread has no current driver context
+    (a fresh thread, e.g. autograd's backward thread), make the kernel's device's primary context
+    current, so that the launch does not fail with CUDA_ERROR_INVALID_CONTEXT first (which
+    compute-sanitizer reports as an error even though the launch is retried)."""
+    if not _has_context():
+        driver.make_current(getattr(fn, "device", 0))
+    _THREAD.bound = True
+
+
+def _has_context() -> bool:
+    """Whether this thread has a current driver context."""
+    api, h = driver._api(), ctypes.c_void_p()
+    return api is not None and api.cuCtxGetCurrent(ctypes.byref(h)) == 0 and bool(h.value)
 
 
 class LaunchSequence:
