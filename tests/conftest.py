@@ -210,3 +210,37 @@ def no_tuning_db(monkeypatch, tmp_path_factory):
     """build() without a tuning database: decisions come from the default heuristics, never from
     records that happen to be in tuning_logs/ (and nothing is written there)."""
     monkeypatch.setenv("SPCOMPILE_TUNING_DB", str(tmp_path_factory.getbasetemp() / "absent" / "none.db"))
+
+
+def captured_steps_match_eager(eager, graphed, x, y) -> None:
+    """PyTorch's whole-network CUDA-graph recipe on two copies of a model: ``graphed``'s training
+    step (forward, cross-entropy loss, backward, capturable Adam) captured once -- after one eager
+    step (kernels compiled, launch plans built) and two on a side stream -- and replayed five
+    times gives the losses of the same eight steps run eagerly on ``eager``, and every replay
+    trains (the loss moves)."""
+    import torch
+
+    opts = [torch.optim.Adam(m.parameters(), lr=0.01, capturable=True) for m in (eager, graphed)]
+
+    def step(m, opt):
+        opt.zero_grad(set_to_none=False)
+        loss = torch.nn.functional.cross_entropy(m(x), y)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    ref = [step(eager, opts[0]).item() for _ in range(8)]
+    got = [step(graphed, opts[1]).item()]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        got += [step(graphed, opts[1]).item() for _ in range(2)]
+    torch.cuda.current_stream().wait_stream(side)
+    cg = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(cg):
+        static = step(graphed, opts[1])
+    for _ in range(5):
+        cg.replay()
+        got.append(static.item())
+    assert np.allclose(got, ref, rtol=1e-4, atol=1e-5), (got, ref)
+    assert len(set(got[3:])) == 5

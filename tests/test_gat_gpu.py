@@ -19,6 +19,7 @@ torch = pytest.importorskip("torch")
 
 from spcompile import nn as snn  # noqa: E402
 from spcompile.nn import gat  # noqa: E402
+from conftest import captured_steps_match_eager  # noqa: E402
 
 #: relative error (in norm) allowed for the output and the gradients per dtype of h
 TOL_OUT = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
@@ -217,29 +218,6 @@ def test_inductor_fullgraph():
 def test_gat_training_step_in_a_cuda_graph():
     """A 2-layer GAT (4 heads x 32, then 1 head) training step -- forward, loss, backward,
     capturable Adam -- captured once and replayed gives the losses of the same steps run eagerly
-    (the recipe of test_nn_gpu.test_whole_training_step_in_a_cuda_graph)."""
+    (conftest.captured_steps_match_eager)."""
     eager, graphed, x, y, _ = _gat2(3000, 40000, 64, 32, 4, 8, seed=3)
-    opts = [torch.optim.Adam(m.parameters(), lr=0.01, capturable=True) for m in (eager, graphed)]
-
-    def step(m, opt):
-        opt.zero_grad(set_to_none=False)
-        loss = torch.nn.functional.cross_entropy(m(x), y)
-        loss.backward()
-        opt.step()
-        return loss.detach()
-
-    ref = [step(eager, opts[0]).item() for _ in range(8)]
-    got = [step(graphed, opts[1]).item()]             # eager first step: compiles, builds the plans
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        got += [step(graphed, opts[1]).item() for _ in range(2)]
-    torch.cuda.current_stream().wait_stream(side)
-    cg = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(cg):
-        static = step(graphed, opts[1])
-    for _ in range(5):
-        cg.replay()
-        got.append(static.item())
-    assert np.allclose(got, ref, rtol=1e-4, atol=1e-5), (got, ref)
-    assert len(set(got[3:])) == 5                     # every replay trained: the loss moved
+    captured_steps_match_eager(eager, graphed, x, y)

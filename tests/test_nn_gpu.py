@@ -20,7 +20,7 @@ from spcompile.core import reference  # noqa: E402
 from spcompile.core.formats import as_csr  # noqa: E402
 from spcompile.kernels import base as kbase  # noqa: E402
 
-from conftest import random_matrix  # noqa: E402
+from conftest import captured_steps_match_eager, random_matrix  # noqa: E402
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-2, torch.bfloat16: 8e-2}
 
@@ -133,30 +133,7 @@ def test_whole_training_step_in_a_cuda_graph():
     (forward, loss, backward, capturable Adam) captured once and replayed computes what the same
     steps compute eagerly, with new values written into the same buffers each replay."""
     eager, graphed, x, y = _gcn_gat(400, 3000, 16, 32, 4)
-    opts = [torch.optim.Adam(m.parameters(), lr=0.01, capturable=True) for m in (eager, graphed)]
-
-    def step(m, opt):
-        opt.zero_grad(set_to_none=False)
-        loss = torch.nn.functional.cross_entropy(m(x), y)
-        loss.backward()
-        opt.step()
-        return loss.detach()
-
-    ref = [step(eager, opts[0]).item() for _ in range(8)]
-    got = [step(graphed, opts[1]).item()]             # eager first step: builds the modules
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        got += [step(graphed, opts[1]).item() for _ in range(2)]
-    torch.cuda.current_stream().wait_stream(side)
-    cg = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(cg):
-        static = step(graphed, opts[1])
-    for _ in range(5):
-        cg.replay()
-        got.append(static.item())
-    assert np.allclose(got, ref, rtol=1e-4, atol=1e-5), (got, ref)
-    assert len(set(got[3:])) == 5                     # every replay trained: the loss moved
+    captured_steps_match_eager(eager, graphed, x, y)
 
 
 def test_spmm_of_a_built_cuda_module():
