@@ -226,6 +226,9 @@ def main(argv=None) -> int:
     p.add_argument("--cuda-graph", action="store_true",
                    help="also time every implementation with its whole training step captured in a CUDA graph "
                         "(<impl>_graphed; PyTorch's whole-network capture)")
+    p.add_argument("--pyg-rerun", action="store_true",
+                   help="also train every PyG model a second time from the same initial parameters (<impl>_rerun): "
+                        "the loss difference between PyG's two runs is the fp32-noise reference for spcompile's")
     p.add_argument("--build-options", default="{}", help="JSON keyword arguments of spcompile.build for the graphs' "
                                                         "modules, e.g. '{\"tune\": true, \"timeout\": 60}'")
     p.add_argument("--resume", action="store_true", help="keep the rows of an earlier run's train_gnn.json under "
@@ -278,14 +281,16 @@ def main(argv=None) -> int:
                     continue
                 torch.manual_seed(1)
                 ms = make_models(kind, a.features, hidden, a.classes, a.heads, pyg_nn, impls)
+                if a.pyg_rerun:      # PyG again from the same parameters: its run-to-run noise
+                    ms.update({f"{k}_rerun": copy.deepcopy(m) for k, m in list(ms.items()) if k.startswith("pyg")})
                 if a.cuda_graph:     # twins from the same initial parameters, trained on their own
                     ms.update({f"{k}_graphed": copy.deepcopy(m) for k, m in list(ms.items())
-                               if k != "spcompile_compiled"})
+                               if k != "spcompile_compiled" and not k.endswith("_rerun")})
                 row = {"graph": name, "rows": n, "nnz": int(A.nnz), "model": kind, "precision": prec,
                        "device": str(device), "impls": {}}
                 for impl, model in ms.items():
                     try:
-                        base_impl = impl.removesuffix("_graphed")
+                        base_impl = impl.removesuffix("_graphed").removesuffix("_rerun")
                         gkey = (kind, "spcompile" if impl.startswith("spcompile") else base_impl)
                         if gkey not in prepared:   # one graph per model kind and input form (its modules
                             prepared[gkey] = graph_inputs(A, device, kind, base_impl, build_options)  # per dtype)
@@ -313,8 +318,16 @@ def summarize_row(row) -> None:
     eager one; with CUDA-graph runs, ``speedup_graphed`` = the fastest PyG time in any mode (eager
     or graphed) / spcompile's graphed one.  ``max_loss_diff``: the largest difference between
     spcompile's loss curve and any baseline's, ``loss_diff_20``: the same over the first 20 steps
-    (later steps of two fp32 runs drift apart as rounding differences grow)."""
-    ok = {k: v for k, v in row["impls"].items() if "error" not in v}
+    (later steps of two fp32 runs drift apart as rounding differences grow).  With ``--pyg-rerun``:
+    ``pyg_rerun_max_loss_diff`` / ``pyg_rerun_loss_diff_20``, the same between PyG's two runs of
+    one implementation (its own run-to-run noise, the reference for spcompile's differences)."""
+    everything = {k: v for k, v in row["impls"].items() if "error" not in v}
+    ok = {k: v for k, v in everything.items() if not k.endswith("_rerun")}
+    reruns = [[abs(p - q) for p, q in zip(everything[k.removesuffix("_rerun")]["losses"], v["losses"])]
+              for k, v in everything.items() if k.endswith("_rerun") and k.removesuffix("_rerun") in everything]
+    if reruns:
+        row["pyg_rerun_max_loss_diff"] = max(max(d) for d in reruns)
+        row["pyg_rerun_loss_diff_20"] = max(max(d[:20]) for d in reruns)
     ours = ok.get("spcompile")
     eager = {k: v for k, v in ok.items() if k.startswith("pyg") and not k.endswith("_graphed")}
     anymode = {k: v for k, v in ok.items() if k.startswith("pyg")}
@@ -336,9 +349,10 @@ def summarize_row(row) -> None:
 def markdown(results, device) -> str:
     impls = sorted({k for r in results for k in r["impls"]}, key=lambda k: (not k.startswith("spcompile"), k))
     graphed = any("speedup_graphed" in r for r in results)
+    rerun = any("pyg_rerun_max_loss_diff" in r for r in results)
     header = ["graph", "rows", "nnz", "model", "precision"] + [f"{k} ms/step" for k in impls] + \
         ["speedup vs best PyG"] + (["graphed speedup vs best PyG (any mode)"] if graphed else []) + \
-        ["loss diff (20 steps)", "max loss diff"]
+        ["loss diff (20 steps)", "max loss diff"] + (["PyG vs PyG rerun: loss diff (20 steps)", "max"] if rerun else [])
     rows = []
     for r in results:
         cells = [r["graph"], r["rows"], r["nnz"], r["model"], r["precision"]]
@@ -350,6 +364,8 @@ def markdown(results, device) -> str:
             cells.append(f"{r['speedup_graphed']:.2f}x" if "speedup_graphed" in r else "-")
         cells.append(f"{r['loss_diff_20']:.2e}" if "loss_diff_20" in r else "-")
         cells.append(f"{r['max_loss_diff']:.2e}" if "max_loss_diff" in r else "-")
+        if rerun:
+            cells += [f"{r[k]:.2e}" if k in r else "-" for k in ("pyg_rerun_loss_diff_20", "pyg_rerun_max_loss_diff")]
         rows.append(cells)
     lines = [f"# GNN training steps ({device})", ""] + common.md_table(header, rows)
     geo = {}
