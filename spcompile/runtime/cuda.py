@@ -374,8 +374,8 @@ class LaunchPlan:
     names the pointer parameters each call passes, in the order a call gives them.  Every
     parameter must be named exactly once; the ctypes type of each comes from its C type.  The
     argument buffer is built here, so a call only writes the new pointers and calls
-    ``cuLaunchKernel`` (about a microsecond from Python); CuPy's launch is the fallback (no
-    libcuda, a thread whose driver context cannot be made current, ``SPCOMPILE_CUPY_LAUNCH=1``)."""
+    ``cuLaunchKernel`` (about a microsecond from Python).  A function object without a driver
+    handle (a CuPy kernel) launches itself with the same arguments, typed."""
 
     __slots__ = ("fn", "signature", "grid", "block", "smem", "per_call", "_vals", "_slots", "_slot_idx",
                  "_cupy_args", "_params", "_handle", "_launch")
