@@ -17,7 +17,7 @@ from .kernels import get_template
 from .module import CompiledModule, load
 from .passes import PassContext, Pipeline
 
-__all__ = ["build", "load", "tune"]
+__all__ = ["build", "load"]   # and `tune`, resolved on first use (__getattr__ below)
 
 
 def build(A, op: str = "spmm", K: int | None = None, reduce: str | None = None, *, target: str = "auto",
