@@ -447,19 +447,11 @@ _THREAD = threading.local()
 
 
 def _bind_thread(fn) -> None:
-    """Once per thread, before its first launch: when the thread has no current driver context
-    (a fresh thread, e.g. autograd's backward thread), make the kernel's device's primary context
-    current, so that the launch does not fail with CUDA_ERROR_INVALID_CONTEXT first (which
-    compute-sanitizer reports as an error even though the launch is retried)."""
-    if not _has_context():
-        driver.make_current(getattr(fn, "device", 0))
+    """Once per thread, before its first launch (:func:`driver.ensure_current`), so that a launch
+    from a thread without a current context does not fail with CUDA_ERROR_INVALID_CONTEXT first
+    (which compute-sanitizer reports as an error even though the launch is retried)."""
+    driver.ensure_current(getattr(fn, "device", 0))
     _THREAD.bound = True
-
-
-def _has_context() -> bool:
-    """Whether this thread has a current driver context."""
-    api, h = driver._api(), ctypes.c_void_p()
-    return api is not None and api.cuCtxGetCurrent(ctypes.byref(h)) == 0 and bool(h.value)
 
 
 class LaunchSequence:

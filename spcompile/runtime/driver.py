@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 __all__ = ["CudaError", "init", "device_count", "compute_capability", "primary_context", "context",
-           "make_current", "load_module", "Module", "Function", "DeviceArray", "stream_synchronize",
+           "make_current", "ensure_current", "load_module", "Module", "Function", "DeviceArray", "stream_synchronize",
            "warm_up", "raw_launch", "current_device", "INVALID_CONTEXT"]
 
 _c_int, _c_uint, _c_size, _c_void_p, _c_u64 = ctypes.c_int, ctypes.c_uint, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_uint64
@@ -173,15 +173,28 @@ def make_current(device: int) -> bool:
         return False
 
 
+def _current_context() -> int:
+    """This thread's current driver context (0: none, or no usable driver)."""
+    if not init():
+        return 0
+    h = _c_void_p()
+    return int(h.value or 0) if _api().cuCtxGetCurrent(ctypes.byref(h)) == 0 else 0
+
+
+def ensure_current(device: int) -> None:
+    """Make ``device``'s primary context current on a thread that has no current context (a
+    fresh thread, e.g. autograd's backward thread); a thread's own context is left alone."""
+    if not _current_context():
+        make_current(device)
+
+
 def current_device() -> int | None:
     """The device of this thread's current driver context, or None when there is none."""
-    if not init():
+    ctx = _current_context()
+    if not ctx:
         return None
-    api, h = _api(), _c_void_p()
-    if api.cuCtxGetCurrent(ctypes.byref(h)) != 0 or not h.value:
-        return None
-    for dev, ctx in list(_PRIMARY.items()):
-        if ctx == h.value:
+    for dev, primary in list(_PRIMARY.items()):
+        if primary == ctx:
             return dev
     return None
 
