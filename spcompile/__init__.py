@@ -24,9 +24,9 @@ __all__ = ["__version__", "build", "load", "tune", "CompiledModule", "Config", "
 
 
 def __getattr__(name):
-    # the autotuner's entry point, imported on first use (see spcompile.api)
+    # the autotuner's entry point, imported on first use by spcompile.api
     if name == "tune":
-        from .autotune.tuner import tune
+        from .api import tune
 
         return tune
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
