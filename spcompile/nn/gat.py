@@ -51,6 +51,7 @@ import torch
 
 from ..runtime import cuda as rt
 from .graph import SparseGraph, graph_by_id
+from .ops import _check_graph_device, _compute
 
 __all__ = ["gat_aggregate", "gat_aggregate_op", "gat_aggregate_backward_op", "GatAggregateFunction", "config",
            "segment_length", "render", "instance_suffix", "source_text", "uses_cuda", "partition"]
@@ -278,12 +279,16 @@ def _ptr(t) -> int:
     return 0 if t is None else t.data_ptr()
 
 
-def _cuda_forward(g, h, a_src, a_dst, slope):
-    dev = h.device
+def _on_device(launch, dev, *args):
+    """``launch(*args, stream)`` with ``dev`` the current device and its current stream."""
     if dev.index != torch.cuda.current_device():
         with torch.cuda.device(dev):
-            return _cuda_forward(g, h, a_src, a_dst, slope)
-    return _launch_forward(g, h, a_src, a_dst, slope, torch.cuda.current_stream(dev).cuda_stream)
+            return launch(*args, torch.cuda.current_stream(dev).cuda_stream)
+    return launch(*args, torch.cuda.current_stream(dev).cuda_stream)
+
+
+def _cuda_forward(g, h, a_src, a_dst, slope):
+    return _on_device(_launch_forward, h.device, g, h, a_src, a_dst, slope)
 
 
 def _launch_forward(g, h, a_src, a_dst, slope, stream):
@@ -307,11 +312,7 @@ def _launch_forward(g, h, a_src, a_dst, slope, stream):
 
 
 def _cuda_backward(g, dout, h, a_src, a_dst, out, lse, slope):
-    dev = h.device
-    if dev.index != torch.cuda.current_device():
-        with torch.cuda.device(dev):
-            return _cuda_backward(g, dout, h, a_src, a_dst, out, lse, slope)
-    return _launch_backward(g, dout, h, a_src, a_dst, out, lse, slope, torch.cuda.current_stream(dev).cuda_stream)
+    return _on_device(_launch_backward, h.device, g, dout, h, a_src, a_dst, out, lse, slope)
 
 
 def _launch_backward(g, dout, h, a_src, a_dst, out, lse, slope, stream):
@@ -344,14 +345,8 @@ def _launch_backward(g, dout, h, a_src, a_dst, out, lse, slope, stream):
 
 
 # -- the composite implementation ---------------------------------------------------------------
-def _compute(h: torch.Tensor) -> torch.dtype:
-    return torch.float64 if h.dtype == torch.float64 else torch.float32
-
-
 def _index(g: SparseGraph, device):
-    if g.device != device:
-        raise ValueError(f"the graph's tensors are on {g.device} but the inputs on {device}: "
-                         f"call graph.to({str(device)!r})")
+    _check_graph_device(g, device)
     return g.rows, g.cols
 
 

@@ -68,11 +68,16 @@ def _compute(X: torch.Tensor) -> torch.dtype:
     return torch.float64 if X.dtype == torch.float64 else torch.float32
 
 
+def _check_graph_device(g: SparseGraph, device) -> None:
+    """ValueError unless the graph's index and value tensors are on ``device`` (the inputs')."""
+    if g.device != device:
+        raise ValueError(f"the graph's tensors are on {g.device} but the inputs on {device}: call graph.to({str(device)!r})")
+
+
 def _values(g: SparseGraph, values: Optional[torch.Tensor], device, dtype=torch.float32) -> torch.Tensor:
     """The values for a call (``dtype``: the arithmetic's, for the graph's own values)."""
     if values is None:
-        if g.device != device:
-            raise ValueError(f"the graph's tensors are on {g.device} but the inputs on {device}: call graph.to({str(device)!r})")
+        _check_graph_device(g, device)
         return g.typed("values", dtype)
     if values.shape != (g.nnz,):
         raise ValueError(f"values has shape {tuple(values.shape)}, expected ({g.nnz},) (one per stored entry)")
