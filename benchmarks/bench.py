@@ -861,6 +861,23 @@ def mode_markdown(doc) -> str:
 # -------------------------------------------------------------------------------------------------
 # --build-only: fill the kernel cache for a CUDA run (no GPU needed)
 # -------------------------------------------------------------------------------------------------
+def _model_candidates(a, A, sop) -> list:
+    """What quick selection in ``build()`` builds for ``sop``: the model's first choices and, for
+    16-bit inputs, the float32 shape (with ``--loo`` the graph's own records left out, as in the
+    default column)."""
+    from spcompile.autotune import knowledge
+    from spcompile.autotune.select import DEFAULT_CANDIDATES
+
+    with (knowledge.excluded(A) if a.loo else contextlib.nullcontext()):
+        try:
+            got = knowledge.ranked_configs(sop, "cuda", a.precision, k=DEFAULT_CANDIDATES)
+            got += knowledge.cross_dtype_configs(sop, "cuda", a.precision)
+        except Exception as e:  # noqa: BLE001
+            print(f"  K={sop.K}: no model candidates: {_err(e)}", flush=True)
+            return []
+    return [(c.template, list(c.pipeline), dict(c.params)) for c, _ in got]
+
+
 def _build_job(job):
     a, name, path, Ks = job
     A = common.load_matrix(path)
@@ -876,7 +893,9 @@ def _build_job(job):
             cands.append((cfg.template, list(cfg.pipeline), dict(cfg.params)))
         except Exception as e:
             print(f"  {name} K={K}: no default config: {_err(e)}", flush=True)
-        cands += seed_candidates(sop, "cuda", pipes, allowed, a.max_seeds)
+        cands += _model_candidates(a, A, sop)
+        if "tuned" in a.columns or "oracle" in a.columns:
+            cands += seed_candidates(sop, "cuda", pipes, allowed, a.max_seeds)
         for tname, spec, params in cands:
             if tname == "extern.cusparse":
                 continue   # a library call: nothing to compile
@@ -958,7 +977,8 @@ def parse_args(argv=None):
                    help="smoke run: 3 smallest graphs, first K, 5 s tuning, 2 seeds per pipeline")
     g = ap.add_argument_group("other modes")
     g.add_argument("--build-only", action="store_true",
-                   help="compile every kernel the run would build first (default configs and every seed) into "
+                   help="compile every kernel the run would build first (default configs, the model's quick-"
+                        "selection candidates, and with the tuned or oracle column every seed) into "
                         "$SPCOMPILE_KERNEL_CACHE for sm_90; no GPU needed")
     g.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="--build-only processes")
     g.add_argument("--call-overhead", action="store_true",

@@ -186,6 +186,64 @@ def test_scipy_template_artifact_roundtrip(tmp_path):
     assert np.array_equal(spcompile.load(p)(X), mod(X))
 
 
+def _with_fp16(doc, cands):
+    """``doc`` plus a float16 class that measured only the first candidate and the vendor (the
+    16-bit portfolios are smaller than the float32 one)."""
+    g16 = [{**g, "times": [g["times"][0], g["times"][2]]} for g in doc["workloads"]["spmm/sum/float32/128"]["graphs"]]
+    doc["workloads"]["spmm/sum/float16/128"] = {"candidates": [cands[0], cands[2]], "graphs": g16}
+    return doc
+
+
+def test_bfloat16_uses_the_float16_measurements():
+    rng = np.random.default_rng(5)
+    mats = [sp.random(2000, 2000, density=d, format="csr", random_state=rng, dtype=np.float32) for d in (0.001, 0.03)]
+    doc, cands = _doc(mats)
+    k = kn.Knowledge(_with_fp16(doc, cands))
+    t16 = k.table_for("spmm", "sum", "float16", 128)
+    assert t16 is not None and t16.candidates == [cands[0], cands[2]]
+    assert k.table_for("spmm", "sum", "bfloat16", 128) is t16
+    assert k.table_for("spmm", "sum", "float64", 128) is None     # no same-width fallback for float64
+
+
+def test_cross_dtype_candidate_is_the_float32_choice_the_16bit_portfolio_lacks(tmp_path, monkeypatch):
+    """A graph whose float32 winner is a shape the float16 portfolio never measured (here the
+    long-row shape 'b') gets that shape offered at float16 too, with no claimed speed-up."""
+    rng = np.random.default_rng(7)
+    train = [sp.random(3000, 3000, density=d, format="csr", random_state=rng, dtype=np.float32)
+             for d in (0.0005, 0.001, 0.02, 0.03, 0.04)]
+    doc, cands = _doc(train)
+    path = tmp_path / "k.json"
+    path.write_text(json.dumps(_with_fp16(doc, cands)))
+    monkeypatch.setenv("SPCOMPILE_KNOWLEDGE", str(path))
+    kn._CACHE.clear()
+    monkeypatch.setattr(kn, "_applies", lambda *a: True)
+    monkeypatch.setattr(kn, "_arch", lambda t: "sm_90")
+    from spcompile.kernels import get_template
+
+    monkeypatch.setattr(type(get_template("csr.crc_cwm")), "available", lambda self: True)
+    monkeypatch.setattr(type(get_template("extern.cusparse")), "available", lambda self: True)
+    new_long = sp.random(2000, 2000, density=0.05, format="csr", random_state=rng, dtype=np.float32)
+    new_short = sp.random(5000, 5000, density=0.0008, format="csr", random_state=rng, dtype=np.float32)
+    for dt in ("float16", "bfloat16"):
+        sop = make_op(new_long, "spmm", 128, "sum", dt)
+        own = [c for c, _ in kn.ranked_configs(sop, "cuda", k=8)]
+        assert all(c.params["max_seg"] == 0 for c in own if c.template == "csr.crc_cwm")   # 'a' only
+        cross = kn.cross_dtype_configs(sop, "cuda")
+        assert len(cross) == 1 and cross[0][1] is None
+        cfg = cross[0][0]
+        want = kn.candidate_config(cands[1], sop, "cuda")     # shape 'b', built for this dtype
+        assert (cfg.template, cfg.params, cfg.pipeline) == (want.template, want.params, want.pipeline)
+        # the shape of 'b' with this dtype's own vector width (16 bytes: 8 elements)
+        assert cfg.params["max_seg"] == 32 and cfg.params["warps_per_block"] == 8 and cfg.params["vec"] == 8
+    # 'a' wins in float32 on short rows and was measured at float16: the next unmeasured one ('b') is offered
+    short16 = kn.cross_dtype_configs(make_op(new_short, "spmm", 128, "sum", "float16"), "cuda")
+    assert [c.params["max_seg"] for c, _ in short16] == [32]
+    assert kn.cross_dtype_configs(make_op(new_long, "spmm", 128, "sum", "float32"), "cuda") == []
+    # the graph's own rows are left out under excluded(), in the float32 class too
+    with kn.excluded(*train):
+        assert kn.cross_dtype_configs(make_op(new_long, "spmm", 128, "sum", "float16"), "cuda") == []
+
+
 # -- quick selection ----------------------------------------------------------------------------
 def test_quick_selection_on_cpu_picks_the_fastest_correct(no_tuning_db):
     A = random_matrix(400, 400, density=0.02, seed=4)
@@ -260,6 +318,56 @@ def test_quick_selection_rejects_a_wrong_candidate(monkeypatch):
     assert mod.config.template == "extern.scipy"
     bad = [r for r in info["candidates"] if r["template"] == "cpu.csr_spmm"][0]
     assert "differs from the reference" in bad["error"]
+
+
+def test_quick_selection_times_the_extra_candidates_under_their_own_label():
+    A = random_matrix(300, 300, density=0.03, seed=9)
+    sop = make_op(A, "spmm", 16, "sum", "float32")
+    from spcompile.compile import default_config
+
+    dflt = default_config(sop, "cpu")
+    other = get_template_config(sop, dflt)
+    mod, info = select.quick_select(sop, "cpu", [(dflt, None)], budget_s=2.0, vendor=False,
+                                    extra=[("model (float32 shape)", other, None)])
+    rows = {r["source"]: r for r in info["candidates"]}
+    assert set(rows) == {"model", "model (float32 shape)"}
+    assert rows["model (float32 shape)"]["params"] == dict(other.params) and "kernel_ms" in rows["model (float32 shape)"]
+    fastest = min(info["candidates"], key=lambda r: r["kernel_ms"])
+    assert info["chosen"] == fastest["source"] and dict(mod.config.params) == fastest["params"]
+
+
+def get_template_config(sop, dflt):
+    """A second valid CPU config: the default with its loop parallelism flipped."""
+    from spcompile.kernels import get_template
+
+    tpl = get_template(dflt.template)
+    return tpl.make_config({**dict(dflt.params), "parallel": not dflt.params["parallel"]}, dflt.pipeline, "cpu", sop.dtype)
+
+
+def test_build_offers_the_float32_shape_to_16bit_inputs(monkeypatch, no_tuning_db):
+    """A graph with one row of 1463 entries among rows of about 9 (ss_hangglider_2): its float32
+    winner keeps eight loads in flight ('u8'), a shape the float16 portfolio never measured.
+    Quick selection at float16 (graph held out of the model) must measure it beside the model's
+    own choices, under its own label."""
+    from conftest import load_graph
+
+    A = load_graph("ss_hangglider_2")
+    monkeypatch.setattr(kn, "_arch", lambda t: "sm_90")
+    seen = {}
+
+    def fake_quick(sop, target, ranked, **kw):
+        seen.update(kw, ranked=ranked)
+        return None, {"error": "not measured here"}
+
+    monkeypatch.setattr(select, "quick_select", fake_quick)
+    with kn.excluded(A):
+        cfg, info, mod = decide(make_op(A, "spmm", 128, "sum", "float16"), "cuda")
+    extra = seen["extra"]
+    assert [src for src, _, _ in extra] == ["model (float32 shape)"]
+    c = extra[0][1]
+    assert c.template == "csr.crc_cwm" and c.params["unroll"] == 8
+    assert all(r.params.get("unroll") != 8 for r, _ in seen["ranked"] if r.template == "csr.crc_cwm")
+    assert info["source"] == "model" and info["quick_error"] == "not measured here"
 
 
 def test_decide_reports_where_the_decision_came_from(no_tuning_db):

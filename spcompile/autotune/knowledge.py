@@ -15,7 +15,8 @@ cross-validation (:func:`cross_validate`), so the numbers are those of a graph t
 seen.
 
 :func:`ranked_configs` is what :func:`spcompile.build` (quick selection) and the tuner (seeds)
-call.
+call; for 16-bit inputs :func:`cross_dtype_configs` adds the ``float32`` class's first choice when
+the 16-bit portfolio never measured it.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ import numpy as np
 from ..core.config import Config
 from ..core.ir import SparseOp, pattern_hash
 
-__all__ = ["ranked_configs", "features", "portfolio", "candidate_config", "Knowledge", "load_knowledge",
+__all__ = ["ranked_configs", "cross_dtype_configs", "features", "portfolio", "candidate_config", "Knowledge", "load_knowledge",
            "cross_validate", "excluded", "FEATURES", "KNOWLEDGE_K"]
 
 #: feature names, in the model's order
@@ -212,19 +213,24 @@ class Knowledge:
             B = np.array([np.nan if g.get("baseline_s") is None else float(g["baseline_s"]) for g in gs])
             self.tables[cls] = Table(cands, [g["name"] for g in gs], [g["digest"] for g in gs], X, T, B)
 
+    #: a dtype without measurements of its own uses those of a dtype of the same width
+    SAME_WIDTH = {"bfloat16": "float16"}
+
     def table_for(self, op: str, reduce: str | None, dtype: str, K: int) -> Table | None:
         """The class measured at the nearest K (log scale); SpMM max/min/mean fall back to the
-        sum's measurements (same kernels and shapes) when they have none of their own."""
-        for red in ([reduce, "sum"] if op == "spmm" and reduce != "sum" else [reduce]):
-            best = None
-            for cls in self.tables:
-                o, r, d, k = cls.split("/")
-                if o == op and (r if r != "-" else None) == red and d == dtype:
-                    dist = abs(math.log2(int(k)) - math.log2(max(1, K)))
-                    if best is None or dist < best[0]:
-                        best = (dist, cls)
-            if best is not None:
-                return self.tables[best[1]]
+        sum's measurements (same kernels and shapes) when they have none of their own, and
+        ``bfloat16`` to ``float16``'s (same element width, same kernels)."""
+        for dt in [dtype] + ([self.SAME_WIDTH[dtype]] if dtype in self.SAME_WIDTH else []):
+            for red in ([reduce, "sum"] if op == "spmm" and reduce != "sum" else [reduce]):
+                best = None
+                for cls in self.tables:
+                    o, r, d, k = cls.split("/")
+                    if o == op and (r if r != "-" else None) == red and d == dt:
+                        dist = abs(math.log2(int(k)) - math.log2(max(1, K)))
+                        if best is None or dist < best[0]:
+                            best = (dist, cls)
+                if best is not None:
+                    return self.tables[best[1]]
         return None
 
     @staticmethod
@@ -345,6 +351,48 @@ def ranked_configs(op: SparseOp, target: str, precision: str = "fp32", k: int = 
         if not tpl.available():
             continue
         out.append((cfg, sp))
+        if len(out) >= k:
+            break
+    return out
+
+
+def cross_dtype_configs(op: SparseOp, target: str, precision: str = "fp32", k: int = 1) -> list[tuple[Config, None]]:
+    """For 16-bit inputs: the ``float32`` class's first choices (same op, nearest K) that the
+    ``op.dtype`` portfolio never measured, as configs for ``op.dtype``.
+
+    The 16-bit portfolios are smaller than the ``float32`` one (fewer CUDA-core shapes, room for
+    the tensor-core templates), so a shape that wins in ``float32`` on matrices like this one
+    (say, eight loads in flight for a graph with one very long row) would otherwise never be
+    tried; the kernels and their load balance are the same at both widths.  No expected speed-up
+    is claimed (none was measured at this dtype).  Empty for ``float32`` or without knowledge."""
+    from ..core.numerics import allowed_precisions
+    from ..kernels import get_template
+
+    if op.dtype == "float32":
+        return []
+    kn = load_knowledge(target, _arch(target))
+    if kn is None:
+        return []
+    t32 = kn.table_for(op.op, op.reduce, "float32", op.K)
+    if t32 is None:
+        return []
+    own = kn.table_for(op.op, op.reduce, op.dtype, op.K)
+    measured = set(own.candidates) if own is not None else set()
+    x = _vector(features(op.A))
+    exclude = [i for i, dg in enumerate(t32.digests) if dg in _EXCLUDED]
+    allowed_prec = set(allowed_precisions(precision, op.dtype))
+    out: list[tuple[Config, None]] = []
+    for cid, _score, _sp in Knowledge.rank(t32, x, exclude):
+        tname = cid.split("|")[0]
+        if cid in measured or tname.startswith("extern.") or not _applies(tname, op, target):
+            continue
+        try:
+            cfg = candidate_config(cid, op, target)
+        except Exception:
+            continue
+        if cfg.precision not in allowed_prec or not get_template(tname).available():
+            continue
+        out.append((cfg, None))
         if len(out) >= k:
             break
     return out

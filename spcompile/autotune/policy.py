@@ -96,12 +96,17 @@ def decide(sop: SparseOp, target: str, storage: str | None = None, tune: bool = 
         extra["tune_study"] = res.study_name
     if db is None and "db_error" in locals():
         extra["db_error"] = db_error[-300:]
-    ranked, model_error = [], None
+    ranked, cross, model_error = [], [], None
     if obj == "kernel_time":
         try:
             from .knowledge import ranked_configs
 
             ranked = [r for r in ranked_configs(sop, target, precision, k=8) if takes_values(r[0])]
+            if ranked:
+                from .knowledge import cross_dtype_configs
+
+                cross = [("model (float32 shape)", c, sp) for c, sp in cross_dtype_configs(sop, target, precision)
+                         if takes_values(c)]
         except Exception as e:  # noqa: BLE001 - knowledge is an optimisation: never a reason to fail
             model_error = f"{type(e).__name__}: {e}"[:300]
     if model_error:
@@ -118,7 +123,8 @@ def decide(sop: SparseOp, target: str, storage: str | None = None, tune: bool = 
             ranked = [(dflt, None)] + [(tpl.make_config(p, dflt.pipeline, target, sop.dtype), None)
                                        for p in tpl.quick_alternatives(dict(dflt.params))]
         try:
-            mod, qinfo = quick_select(sop, target, ranked, budget_s=budget, ctx=ctx, label=label, vendor=vendor_ok)
+            mod, qinfo = quick_select(sop, target, ranked, budget_s=budget, ctx=ctx, label=label, vendor=vendor_ok,
+                                      extra=cross)
         except Exception as e:  # noqa: BLE001
             mod, qinfo = None, {"error": f"{type(e).__name__}: {e}"[:300]}
         if mod is not None:

@@ -104,11 +104,13 @@ def _host_reference(op: SparseOp, host):
 
 def quick_select(op: SparseOp, target: str, ranked: list[tuple[Config, float | None]], *,
                  budget_s: float = DEFAULT_BUDGET_S, n: int = DEFAULT_CANDIDATES, ctx=None, label: str = "model",
-                 vendor: bool = True):
-    """Build and time the first ``n`` of ``ranked`` and the vendor library; returns
-    ``(module, info)`` of the fastest correct one, or ``(None, info)`` when none worked."""
+                 vendor: bool = True, extra: list[tuple[str, Config, float | None]] = ()):
+    """Build and time the first ``n`` of ``ranked``, the ``extra`` candidates (``(label, config,
+    expected speed-up)``) and the vendor library; returns ``(module, info)`` of the fastest
+    correct one, or ``(None, info)`` when none worked."""
     t0 = time.perf_counter()
     cands: list[tuple[str, Config, float | None]] = [(label, c, sp) for c, sp in ranked[:max(1, n)]]
+    cands += [(str(src), c, sp) for src, c, sp in extra]
     vcfg = vendor_config(op, target) if vendor else None
     if vcfg is not None:
         cands.append(("vendor", vcfg, 1.0))

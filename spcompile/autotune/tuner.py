@@ -473,6 +473,14 @@ class Tuner:
             if len(out) < self.model_seeds or cfg.template not in templates:
                 out.append((f"model:{i}", cfg, sp))
                 templates.add(cfg.template)
+        try:   # 16-bit inputs: the float32 class's first choice when this dtype never measured it
+            from .knowledge import cross_dtype_configs
+
+            for j, (cfg, sp) in enumerate(cross_dtype_configs(self.op, self.target, self.precision)):
+                if cfg.template in self.space and cfg.precision in self.allowed:
+                    out.append((f"model-fp32:{j}", cfg, sp))
+        except Exception:  # noqa: BLE001
+            pass
         self._model_seed_cache = out
         return list(out)
 
