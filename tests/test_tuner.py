@@ -850,8 +850,8 @@ def test_early_pruning_limits():
 
 
 def test_best_seeds_are_measured_again_behind_the_other_pipelines(db):
-    """Once the enqueued seeds are measured, each template's two fastest are enqueued again behind
-    every other pipeline of that template (same parameters), once per study."""
+    """Once the enqueued seeds are measured, each template's fastest few (``reorder_top``) are
+    enqueued again behind every other pipeline of that template (same parameters), once per study."""
     op = make_op(graph(), "spmm", 16)
     tu = Tuner(op, "cpu", storage=db, runner=FakeRunner(), seed=0)
     tname = next(iter(tu.space))
@@ -874,7 +874,7 @@ def test_best_seeds_are_measured_again_behind_the_other_pipelines(db):
     for t in again:
         per_template.setdefault(t.user_attrs["config"]["template"], set()).add(
             json.dumps(t.user_attrs["config"]["params"], sort_keys=True))
-    assert all(len(v) <= Tuner.REORDER_TOP for v in per_template.values())
+    assert all(len(v) <= tu.reorder_top() for v in per_template.values())
     # a later run of the study does not enqueue them again
     Tuner(op, "cpu", storage=db, runner=FakeRunner(), seed=0).run(more=3)
     again2 = [t for t in tu.study.get_trials(deepcopy=False) if str(t.user_attrs.get("seed", "")).startswith("reorder:")]
@@ -912,3 +912,18 @@ def test_cli_tune_dtype(tmp_path, capsys, monkeypatch):
     assert args.func(args) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: unsupported dtype 'float16' on target 'cpu'") and err.count("\n") == 1
+
+
+def test_reorder_top_is_wider_on_small_matrices():
+    """Small matrices (cheap trials) re-measure more seeds behind the other row orders than large
+    ones, whose 30 s budget buys few trials."""
+    import types
+
+    small = Tuner(make_op(graph(), "spmm", 16), "cpu", storage="sqlite:///:memory:", runner=FakeRunner(), seed=0)
+    assert small.op.A.nnz <= Tuner.SMALL_NNZ and small.reorder_top() == Tuner.REORDER_TOP_SMALL
+    n = Tuner.SMALL_NNZ + 5_000                       # a diagonal-band matrix just over the line
+    big = sp.diags([np.ones(n, dtype=np.float32)], [0], format="csr")
+    stand_in = types.SimpleNamespace(op=make_op(big, "spmm", 16), REORDER_TOP=Tuner.REORDER_TOP,
+                                     REORDER_TOP_SMALL=Tuner.REORDER_TOP_SMALL, SMALL_NNZ=Tuner.SMALL_NNZ)
+    assert stand_in.op.A.nnz > Tuner.SMALL_NNZ
+    assert Tuner.reorder_top(stand_in) == Tuner.REORDER_TOP < Tuner.REORDER_TOP_SMALL

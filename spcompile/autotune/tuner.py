@@ -505,9 +505,19 @@ class Tuner:
 
     #: seeds measured again behind each other pipeline of their template: the fastest N per template
     REORDER_TOP = 2
+    #: the same on matrices of at most ``SMALL_NNZ`` entries, whose trials take milliseconds: a
+    #: 30 s study measures 100-200 configs there, and a seed that ranked 5th on the first pipeline
+    #: can be the best one behind RCM (measured on the H100: ss_nnc1374, K=128, 0.81 of the sweep
+    #: oracle with the top 2)
+    REORDER_TOP_SMALL = 8
+    SMALL_NNZ = 200_000
+
+    def reorder_top(self) -> int:
+        """How many of each template's fastest seeds are measured again behind its other pipelines."""
+        return self.REORDER_TOP_SMALL if self.op.A.nnz <= self.SMALL_NNZ else self.REORDER_TOP
 
     def _reseed_reorders(self, scan: "_Scan") -> None:
-        """Once the enqueued seeds are all measured: the ``REORDER_TOP`` fastest measured configs
+        """Once the enqueued seeds are all measured: the :meth:`reorder_top` fastest measured configs
         of each template again behind each of its other pipelines (the same parameters on another
         row order: a kernel's best shape is often the same, its input order decides; the seeds
         themselves run on each template's first pipeline).  Once per study; ``scan``: the loop's
@@ -531,6 +541,7 @@ class Tuner:
             if cfg.template in self.space:
                 best.setdefault(cfg.template, []).append((t.value, cfg))
         seen = []
+        top = self.reorder_top()
         for tname, found in best.items():
             found.sort(key=lambda x: x[0])
             tops, digests = [], set()
@@ -538,7 +549,7 @@ class Tuner:
                 if config_digest(cfg) not in digests:
                     digests.add(config_digest(cfg))
                     tops.append(cfg)
-                if len(tops) == self.REORDER_TOP:
+                if len(tops) == top:
                     break
             for cfg in tops:
                 spec = Pipeline(cfg.pipeline).spec()
