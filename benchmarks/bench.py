@@ -862,16 +862,18 @@ def mode_markdown(doc) -> str:
 # --build-only: fill the kernel cache for a CUDA run (no GPU needed)
 # -------------------------------------------------------------------------------------------------
 def _model_candidates(a, A, sop) -> list:
-    """What quick selection in ``build()`` builds for ``sop``: the model's first choices and, for
-    16-bit inputs, the float32 shape (with ``--loo`` the graph's own records left out, as in the
+    """What quick selection in ``build()`` builds for ``sop``: the model's first choices, their
+    unranked variants and, for 16-bit inputs, the float32 shape (with ``--loo`` the graph's own records left out, as in the
     default column)."""
     from spcompile.autotune import knowledge
+    from spcompile.autotune.policy import unranked_variants
     from spcompile.autotune.select import DEFAULT_CANDIDATES
 
     with (knowledge.excluded(A) if a.loo else contextlib.nullcontext()):
         try:
             got = knowledge.ranked_configs(sop, "cuda", a.precision, k=DEFAULT_CANDIDATES)
             got += knowledge.cross_dtype_configs(sop, "cuda", a.precision)
+            got += [(c, None) for c in unranked_variants(got, "cuda", sop.dtype)]
         except Exception as e:  # noqa: BLE001
             print(f"  K={sop.K}: no model candidates: {_err(e)}", flush=True)
             return []

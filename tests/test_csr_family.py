@@ -79,20 +79,113 @@ def test_spmm_emulation_matches_reference(reduce, pipe):
     assert n_split > 0   # split rows were exercised
 
 
+@pytest.mark.parametrize("flat", [0, 1])
 @pytest.mark.parametrize("pipe", sorted(PIPES))
-def test_sddmm_emulation_matches_reference(pipe):
+def test_sddmm_emulation_matches_reference(pipe, flat):
     t = get_template("csr.sddmm")
     rng = np.random.default_rng(8)
-    for (name, A), K in itertools.product(_matrices().items(), (1, 3, 6, 33, 64, 130)):
+    # + short rows (mean ~6) around one 3000-long row: flat segments span rows and cut the long one
+    mats = {**_matrices(), "long": random_matrix(60, 3000, density=0.002, seed=9)}
+    for (name, A), K in itertools.product(mats.items(), (1, 3, 6, 33, 64, 130)):
         mod = _mod(A, "sddmm", K, None, pipe)
         X = rng.standard_normal((A.shape[0], K)).astype(np.float32)
         Y = rng.standard_normal((A.shape[1], K)).astype(np.float32)
         ref = reference.sddmm(as_csr(A), X, Y)
         for npw, (group, vec, xc) in itertools.product((1, 8, 256), ((32, 4, 1), (8, 2, 2), (4, 4, 8), (16, 1, 4))):
             k = t.build(mod, {**t.default_params(mod), "nnz_per_warp": npw, "group": group, "vec": vec,
-                              "k_chunks": xc}, compile=False)
+                              "k_chunks": xc, "flat": flat}, compile=False)
+            a = k.arrays
+            assert all(int(i[1][-1]) == flat for i in k.meta["instances"])
+            assert (a["nnz_row"].size, a["seg_xrow"].size == 0) == ((A.nnz, True) if flat else (0, A.nnz == 0))
+            if flat:   # plain runs of npw stored entries, whatever the rows
+                assert np.array_equal(a["seg_ptr"], np.append(np.arange(0, A.nnz, npw), A.nnz) if A.nnz else [0])
             for fallback in (False, True):
                 _close(em.emulate_kernel(k, X, Y, fallback=fallback), ref)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_16bit_sddmm_emulation_within_dtype_tolerance(dtype):
+    A = random_matrix(200, 150, density=0.04, seed=2)
+    rng = np.random.default_rng(3)
+    K = 40
+    X = numerics.round_to(rng.standard_normal((200, K)), dtype)
+    Y = numerics.round_to(rng.standard_normal((150, K)), dtype)
+    ref = reference.sddmm(as_csr(A), X, Y)
+    t = get_template("csr.sddmm")
+    mod = _mod(A, "sddmm", K, dtype=dtype)
+    short = numerics.DTYPES[dtype].short
+    for flat in (0, 1):
+        k = t.build(mod, {**t.default_params(mod), "flat": flat}, compile=False)
+        assert k.meta["vec"] == 8 and k.meta["instances"][0][0].startswith(f"sddmm_csr_{short}")
+        assert k.meta["instances"][0][0].endswith("_flat") == bool(flat)
+        assert reference.rel_error(em.emulate_kernel(k, X, Y), ref) < numerics.DTYPES[dtype].tolerance
+
+
+def test_sddmm_flat_partition_and_old_params():
+    from spcompile.kernels.csr.packer import sddmm_partition
+
+    indptr = np.array([0, 0, 3000, 3003, 3003, 3010])
+    part = sddmm_partition(indptr, np.array([4, 0, 1, 2, 3]), 128, flat=True)
+    assert part["seg_ptr"].dtype == np.int32 and part["seg_xrow"].size == 0
+    assert part["seg_ptr"].tolist() == list(range(0, 3010, 128)) + [3010]
+    assert part["nnz_row"].tolist() == [0] * 3000 + [1] * 3 + [3] * 7
+    assert sddmm_partition(np.zeros(4, np.int64), np.arange(3), 32, flat=True)["seg_ptr"].tolist() == [0]
+    assert sddmm_partition(indptr, np.arange(5), 128)["nnz_row"].size == 0
+    # a parameter set saved before "flat" existed builds the one-row-segment kernel it did then
+    A = random_matrix(40, 30, density=0.1, seed=3)
+    t = get_template("csr.sddmm")
+    mod = _mod(A, "sddmm", 16)
+    old = {"group": 16, "vec": 4, "k_chunks": 1, "nnz_per_warp": 32, "warps_per_block": 4}
+    k = t.build(mod, old, compile=False)
+    assert k.params["flat"] == 0 and k.meta["instances"][0] == ["sddmm_csr_f32_g16_v4_xc1", [0, 16, 4, 1, 0]]
+    t.check_arrays(make_op(A, "sddmm", 16).key(), old, k.arrays, k.meta)
+    assert t.make_config(old).params == old
+    f = t.build(mod, {**old, "flat": 1}, compile=False)
+    assert f.meta["instances"][0][0] == "sddmm_csr_f32_g16_v4_xc1_flat"
+    assert f.launch_spec(4).args["nseg"] == -(-A.nnz // 32) and not f.empty()
+    with pytest.raises(ValueError, match=r"flat=2 \(must be one of \[0, 1\]\)"):
+        t.build(mod, {**old, "flat": 2}, compile=False)
+    # every seed is a valid parameter set; flat seeds for the default and the 8- / 16-lane shapes
+    seeds = t.seed_params(mod)
+    flat_seeds = [p for p in seeds if p.get("flat")]
+    assert {(p["group"], p["nnz_per_warp"]) for p in flat_seeds} == {(g, n) for g in (4, 8, 16) for n in (32, 128)}
+    for p in seeds:
+        t.build(mod, p, compile=False)
+
+
+def test_sddmm_check_arrays_both_layouts():
+    """The saved arrays of either segment layout pass; mixing them up, a too long flat segment or
+    an X row out of range are refused (a ValueError: the artifact is not loaded)."""
+    A = random_matrix(70, 90, density=0.05, seed=5)
+    t = get_template("csr.sddmm")
+    key = make_op(A, "sddmm", 16).key()
+    from spcompile.core.ir import values_hash
+
+    vh = values_hash(as_csr(A))
+    mod = _mod(A, "sddmm", 16, pipe="degree")
+    p0 = {**t.default_params(mod), "nnz_per_warp": 8}
+    k0, k1 = (t.build(mod, {**p0, "flat": f}, compile=False) for f in (0, 1))
+    for k in (k0, k1):
+        t.check_arrays(key, k.params, k.arrays, k.meta, vh)
+
+    def refused(k, message, params=None, meta=None, **arrays):
+        a = {**{n: np.array(v, copy=True) for n, v in k.arrays.items()}, **arrays}
+        with pytest.raises(ValueError, match=message):
+            t.check_arrays(key, params or k.params, a, {**k.meta, **(meta or {})}, vh)
+
+    a1 = k1.arrays
+    refused(k1, "nnz_row", nnz_row=np.append(a1["nnz_row"][:-1], 70).astype(np.int32))      # X row past m
+    refused(k1, "nnz_row", nnz_row=a1["nnz_row"][:-1])                                      # truncated
+    refused(k1, "pattern hash|order", nnz_row=np.roll(a1["nnz_row"], 1))                     # another row
+    refused(k1, "nnz_per_warp", seg_ptr=np.delete(a1["seg_ptr"], 1))                        # segment too long
+    refused(k1, "seg_ptr", seg_ptr=np.append(a1["seg_ptr"][:-1], a1["seg_ptr"][-1] + 1))    # overruns
+    refused(k1, "seg_xrow", seg_xrow=np.zeros(1, np.int32))                                 # not empty
+    refused(k1, "instances", params={**k1.params, "flat": 0}, seg_xrow=k0.arrays["seg_xrow"],
+            seg_ptr=k0.arrays["seg_ptr"], nnz_row=k0.arrays["nnz_row"])   # FLAT=1 binary, one-row arrays
+    refused(k0, "instances", meta={"instances": k1.meta["instances"]})
+    refused(k0, "nnz_row", nnz_row=a1["nnz_row"])                                           # not empty
+    refused(k0, "'flat'", params={**k0.params, "flat": "yes"})
+    refused(k0, "seg_ptr|seg_xrow", params={**k0.params, "flat": 1}, meta={"instances": k1.meta["instances"]})
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
@@ -285,8 +378,9 @@ RENDER_SHA256 = {
     ("csr.crc_cwm", ("sum", 1, 4, 32, 2, "float32")): "1e93a95a83a986cc281038a6882c1e89c0ba373ec8df5e2907a22f03e023048a",
     ("csr.crc_cwm", ("mean", 4, 8, 4, 8, "bfloat16")): "2306de78a986a54b5939e1e0c986d198511f2a43d25788dea2272e2465a339d7",
     ("csr.crc_cwm", ("max", 2, 1, 8, 4, "float16")): "cf0699cc9300224f9a4e64acd5854b27dc338de04ad9424aa5392805ebc8d709",
-    ("csr.sddmm", (32, 4, 4, "float32")): "eecf94ec0fbbf1c1f99226e9935a8abdd1459621b7f5a45903befc1a280aad50",
-    ("csr.sddmm", (8, 2, 2, "float16")): "3b4b0bfaafc150306b0b6f2c27416d39fc484d6d881aae94f8949df8db3cd34a",
+    ("csr.sddmm", (32, 4, 4, "float32")): "51a4d13079f8fec170194599cae6e7d294e5178dd72e3a27a41d515fc1df0431",
+    ("csr.sddmm", (8, 2, 2, "float16")): "b7ffe729baddfe3fae189b1cfe8b22e89a946dc2016342dbde43ba2f7cc619c1",
+    ("csr.sddmm", (16, 8, 1, "bfloat16", 1)): "2b4f832bd22e7d7165e7c519a50b9c9d583b2553b8b366cdcf4cb79bcdc4da31",
 }
 
 

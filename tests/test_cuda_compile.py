@@ -1,8 +1,9 @@
 """Every CUDA template compiles with nvcc for sm_90 and sm_80 (runs in CI on the CPU machine).
 
 A representative set of instances per template (every reduction x every coarsening factor, every
-vector width, every row-group width; for SDDMM every group x vector width x K chunks) is rendered
-into ONE translation unit per template and arch, so a broken instantiation fails the test."""
+vector width, every row-group width; for SDDMM every group x vector width x K chunks, and its
+nonzero-parallel FLAT = 1 variant for every group, float and 16-bit) is rendered into ONE
+translation unit per template and arch, so a broken instantiation fails the test."""
 import os
 import re
 import subprocess
@@ -35,6 +36,10 @@ def _sddmm_instances():
         for vec in (1, 2, 4):
             for xc in (1, 2, 4, 8):
                 inst.update(t.instances(g, vec, xc))
+        # FLAT = 1 (segments across rows, the X row per nonzero): float and both 16-bit types
+        inst.update(t.instances(g, 4, 2, "float32", 1))
+        inst.update(t.instances(g, 8, 1, "float16", 1))
+        inst.update(t.instances(g, 2, 4, "bfloat16", 1))
     return t, sorted(inst)
 
 
@@ -104,7 +109,7 @@ def _ptx_entries(ptx: str) -> dict[str, list[int]]:
 
 @pytest.mark.parametrize("name,instances", [
     ("csr.crc_cwm", [("sum", 2, 4, 32, 2, "float32"), ("mean", 1, 8, 8, 4, "bfloat16")]),
-    ("csr.sddmm", [(8, 4, 2, "float32"), (16, 8, 1, "float16")]),
+    ("csr.sddmm", [(8, 4, 2, "float32"), (16, 8, 1, "float16"), (32, 1, 4, "bfloat16", 1)]),   # last: FLAT = 1
     ("sptc.vnm", [("fp16", 4, "float32")]),
     ("aspt.tiled", [(4, 2, 1, "sum", "tasks"), (2, 1, 1, "max", "panel", 2)]),
     ("tc.wmma_sgt_sddmm", [("tf32", 8, 2, 4, 0), ("bf16", 16, 1, 8, 1)]),

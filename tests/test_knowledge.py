@@ -391,3 +391,36 @@ def test_call_values_builds_only_templates_that_read_values_per_call(no_tuning_d
     B = A.copy()
     B.data[:] = v
     assert reference.rel_error(mod(X, values=v), B.astype(np.float64) @ X) < 1e-5
+
+
+def test_build_offers_the_flat_sddmm_variant_of_the_models_choice(monkeypatch, no_tuning_db):
+    """The shipped SDDMM portfolio measured one-row segments only; quick selection measures the
+    model's first csr.sddmm choice again with nonzero-parallel (flat) segments, under its own
+    label, beside the model's ranking (which has no flat config)."""
+    from conftest import load_graph
+
+    A = load_graph("cora")
+    monkeypatch.setattr(kn, "_arch", lambda t: "sm_90")
+    seen = {}
+
+    def fake_quick(sop, target, ranked, **kw):
+        seen.update(kw, ranked=ranked)
+        return None, {"error": "not measured here"}
+
+    monkeypatch.setattr(select, "quick_select", fake_quick)
+    with kn.excluded(A):
+        cfg, info, mod = decide(make_op(A, "sddmm", 64), "cuda")
+    variants = [(src, c) for src, c, _ in seen["extra"] if src == "model (variant)"]
+    assert len(variants) == 1
+    first = next(r for r, _ in seen["ranked"] if r.template == "csr.sddmm")
+    v = variants[0][1]
+    assert v.template == "csr.sddmm" and v.params["flat"] == 1 and v.params["nnz_per_warp"] == 32
+    assert v.pipeline == first.pipeline
+    assert {k: x for k, x in v.params.items() if k not in ("flat", "nnz_per_warp")} == \
+        {k: x for k, x in first.params.items() if k not in ("flat", "nnz_per_warp")}
+    assert all(not r.params.get("flat") for r, _ in seen["ranked"] if r.template == "csr.sddmm")
+    # a SpMM decision offers none (csr.crc_cwm has no unranked variant)
+    seen.clear()
+    with kn.excluded(A):
+        decide(make_op(A, "spmm", 64), "cuda")
+    assert not [src for src, _, _ in seen["extra"] if src == "model (variant)"]

@@ -106,6 +106,7 @@ def _last_to(v):
 
 
 SPLIT = lambda k: k.arrays.get("slot_grp") is not None and k.arrays["slot_grp"].size > 0   # noqa: E731
+FLAT = lambda k: k.params.get("flat") == 1   # noqa: E731
 CASES = [
     # (template, kernel filter, what, change arrays, change meta, message)
     ("csr.crc_cwm", SPLIT, "column past n", {"indices": _bump_max}, {}, "'indices'"),
@@ -132,6 +133,18 @@ CASES = [
     ("csr.sddmm", lambda k: True, "segment pointer overruns", {"seg_ptr": lambda a: np.append(a[:-1], a[-1] + 1)}, {},
      "seg_ptr"),
     ("csr.sddmm", lambda k: True, "another column", {"indices": lambda a: (a + 3) % 900}, {}, "pattern hash|order"),
+    ("csr.sddmm", FLAT, "flat: X row past m", {"nnz_row": _last_to(70)}, {}, "nnz_row"),
+    ("csr.sddmm", FLAT, "flat: X rows truncated", {"nnz_row": lambda a: a[:-1]}, {}, "nnz_row"),
+    ("csr.sddmm", FLAT, "flat: another row", {"nnz_row": lambda a: np.roll(a, 1)}, {}, "pattern hash|order"),
+    ("csr.sddmm", FLAT, "flat: segment pointer overruns", {"seg_ptr": lambda a: np.append(a[:-1], a[-1] + 1)}, {},
+     "seg_ptr"),
+    ("csr.sddmm", FLAT, "flat: segment longer than nnz_per_warp", {"seg_ptr": lambda a: np.delete(a, 1)}, {},
+     "nnz_per_warp"),
+    ("csr.sddmm", FLAT, "flat: one-row X rows too", {"seg_xrow": lambda a: np.zeros(3, a.dtype)}, {}, "seg_xrow"),
+    ("csr.sddmm", lambda k: not k.params["flat"], "one-row: per-entry X rows", {"nnz_row": lambda a: np.zeros(5, a.dtype)},
+     {}, "nnz_row"),
+    ("csr.sddmm", lambda k: not k.params["flat"], "one-row: FLAT=1 entry point",
+     {}, {"instances": [["sddmm_csr_f32_g8_v1_xc1_flat", [0, 8, 1, 1, 1]]]}, "instances"),
     ("tc.wmma_sgt", lambda k: k.meta["impl"] == "mma" and k.arrays["slot_grp"].size > 0, "X row past n",
      {"pcols": _bump_max}, {}, "pcols"),
     ("tc.wmma_sgt", lambda k: k.meta["impl"] == "mma", "negative X row", {"pcols": _negate_first}, {}, "pcols"),

@@ -17,6 +17,23 @@ from .tuner import Tuner, objective_name, precision_name
 __all__ = ["choose_config", "decide", "safe_url", "record_info", "describe"]
 
 
+
+def unranked_variants(ranked, target: str, dtype: str) -> list:
+    """Configs quick selection measures beside the model's ranking: for the first-ranked config of
+    each template, the variants of it that its template says the portfolio never measured
+    (``Template.unranked_variants``)."""
+    from ..kernels import get_template
+
+    out, seen = [], set()
+    for cfg, _sp in ranked:
+        if cfg.template in seen:
+            continue
+        seen.add(cfg.template)
+        tpl = get_template(cfg.template)
+        for p in tpl.unranked_variants(dict(cfg.params)):
+            out.append(tpl.make_config(p, cfg.pipeline, target, dtype))
+    return out
+
 def choose_config(sop: SparseOp, target: str, storage: str | None = None, tune: bool = False,
                   trials: int | None = None, timeout: float | None = None, objective: str = "kernel_time",
                   expected_calls: float | None = None, precision: str = "fp32", **options) -> tuple[Config, dict]:
@@ -107,6 +124,8 @@ def decide(sop: SparseOp, target: str, storage: str | None = None, tune: bool = 
 
                 cross = [("model (float32 shape)", c, sp) for c, sp in cross_dtype_configs(sop, target, precision)
                          if takes_values(c)]
+                cross += [("model (variant)", c, None) for c in unranked_variants(ranked, target, sop.dtype)
+                          if takes_values(c)]
         except Exception as e:  # noqa: BLE001 - knowledge is an optimisation: never a reason to fail
             model_error = f"{type(e).__name__}: {e}"[:300]
     if model_error:

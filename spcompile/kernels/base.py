@@ -127,6 +127,11 @@ class Template:
         template's heuristic default to try (none by default)."""
         return []
 
+    def unranked_variants(self, params) -> list:
+        """Parameter sets quick selection measures beside the shipped model's first choice of this
+        template, for variants the model's portfolio never measured (none by default)."""
+        return []
+
     def requires(self, mod: SparseModule) -> tuple[str, ...]:
         """Format data (``mod.formats`` names) this template needs from passes."""
         return ()

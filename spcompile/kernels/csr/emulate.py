@@ -95,9 +95,10 @@ def emulate_spmm(arrays: Mapping[str, np.ndarray], X: np.ndarray, reduce: str, m
 
 
 def emulate_sddmm(arrays: Mapping[str, np.ndarray], X: np.ndarray, Y: np.ndarray, nnz: int,
-                  columns: np.ndarray | None = None, dtype: str = "float32") -> np.ndarray:
+                  columns: np.ndarray | None = None, dtype: str = "float32", flat: bool = False) -> np.ndarray:
     """out (nnz) as ``sddmm_csr`` computes it: for every position p of every segment s,
-    ``out[nnz_ids[p]] = data[p] * dot(X[seg_xrow[s]], Y[indices[p]])`` in fp32, the dot over
+    ``out[nnz_ids[p]] = data[p] * dot(X[row], Y[indices[p]])`` in fp32, ``row`` the segment's
+    ``seg_xrow[s]`` (``flat``: the entry's own ``nnz_row[p]``, the kernel's FLAT = 1), the dot over
     the columns each read ``columns[j]`` times (:func:`sddmm_columns`); positions no segment
     covers stay NaN."""
     X = np.asarray(X, dtype=np.float32)
@@ -107,8 +108,9 @@ def emulate_sddmm(arrays: Mapping[str, np.ndarray], X: np.ndarray, Y: np.ndarray
     lens = np.diff(seg_ptr)
     seg = np.repeat(np.arange(lens.size), lens)
     p = seg_ptr[:-1][seg] + (np.arange(seg.size) - (np.cumsum(lens) - lens)[seg])
+    xrow = a["nnz_row"][p] if flat else a["seg_xrow"][seg]
     w = np.ones(X.shape[1], np.float32) if columns is None else np.asarray(columns, np.float32)
-    dots = np.einsum("ij,ij,j->i", X[a["seg_xrow"][seg]], Y[a["indices"][p]], w, dtype=np.float32)
+    dots = np.einsum("ij,ij,j->i", X[xrow], Y[a["indices"][p]], w, dtype=np.float32)
     out = np.full(nnz, np.nan, dtype=np.float32)
     out[a["nnz_ids"][p]] = a["data"][p].astype(np.float32) * dots
     return round_to(out, dtype) if dtype != "float32" else out
@@ -127,4 +129,5 @@ def emulate_kernel(kernel, *inputs, fallback: bool = False) -> np.ndarray:
         cols = spmm_columns(K, int(p["group"]), vec, int(p["cf"]), tiles)
         return emulate_spmm(kernel.arrays, inputs[0], reduce, int(meta["m"]), cols, dtype)
     cols = sddmm_columns(K, int(p["group"]), vec, int(p["k_chunks"]))
-    return emulate_sddmm(kernel.arrays, *inputs, int(kernel.arrays["data"].size), cols, dtype)
+    flat = bool(int(meta["instances"][0][1][4]))        # the compiled FLAT argument
+    return emulate_sddmm(kernel.arrays, *inputs, int(kernel.arrays["data"].size), cols, dtype, flat)

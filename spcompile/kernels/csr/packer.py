@@ -48,12 +48,24 @@ def spmm_partition(indptr: np.ndarray, row_ids: np.ndarray, max_seg: int) -> dic
             "grp_len": _i32(lens[split_rows])}
 
 
-def sddmm_partition(indptr: np.ndarray, row_ids: np.ndarray, nnz_per_warp: int) -> dict[str, np.ndarray]:
-    """Segments of at most ``nnz_per_warp`` nonzeros of one row (empty rows have none)."""
+def sddmm_partition(indptr: np.ndarray, row_ids: np.ndarray, nnz_per_warp: int,
+                    flat: bool = False) -> dict[str, np.ndarray]:
+    """The segments of ``sddmm_csr.cu``: seg_ptr, seg_xrow, nnz_row.  Default: segments of at
+    most ``nnz_per_warp`` nonzeros of one row (empty rows have none), ``seg_xrow`` the X row
+    (``row_ids`` of the row) of each, ``nnz_row`` empty.  ``flat``: ``[0, nnz)`` cut into runs of
+    ``nnz_per_warp`` stored entries regardless of rows (no segment when nnz == 0), ``seg_xrow``
+    empty and ``nnz_row`` the X row of every stored entry."""
     indptr = np.asarray(indptr, dtype=np.int64)
-    nch = -(-np.diff(indptr) // max(1, int(nnz_per_warp)))
+    npw = max(1, int(nnz_per_warp))
+    if flat:
+        nnz = int(indptr[-1]) if indptr.size else 0
+        seg_ptr = np.append(np.arange(0, nnz, npw, dtype=np.int64), nnz) if nnz else np.zeros(1, np.int64)
+        nnz_row = np.repeat(np.asarray(row_ids), np.diff(indptr))
+        return {"seg_ptr": _i32(seg_ptr), "seg_xrow": np.zeros(0, np.int32), "nnz_row": _i32(nnz_row)}
+    nch = -(-np.diff(indptr) // npw)
     seg_row, seg_ptr = _slices(indptr, nch)
-    return {"seg_ptr": _i32(seg_ptr), "seg_xrow": _i32(np.asarray(row_ids, dtype=np.int64)[seg_row])}
+    return {"seg_ptr": _i32(seg_ptr), "seg_xrow": _i32(np.asarray(row_ids, dtype=np.int64)[seg_row]),
+            "nnz_row": np.zeros(0, np.int32)}
 
 
 def pack_spmm(mod: SparseModule, max_seg: int) -> dict[str, np.ndarray]:
@@ -63,8 +75,9 @@ def pack_spmm(mod: SparseModule, max_seg: int) -> dict[str, np.ndarray]:
             **spmm_partition(ka["indptr"], ka["row_ids"], max_seg)}
 
 
-def pack_sddmm(mod: SparseModule, nnz_per_warp: int) -> dict[str, np.ndarray]:
-    """Arrays of ``csr.sddmm``: the CSR columns / values, output positions and the segments."""
+def pack_sddmm(mod: SparseModule, nnz_per_warp: int, flat: bool = False) -> dict[str, np.ndarray]:
+    """Arrays of ``csr.sddmm``: the CSR columns / values, output positions and the segments
+    (``flat``: runs of stored entries across rows, each entry's X row in ``nnz_row``)."""
     ka = csr_kernel_arrays(mod, np.int32)
     return {"indices": _i32(ka["indices"]), "data": ka["data"], "nnz_ids": _i32(ka["nnz_ids"]),
-            **sddmm_partition(ka["indptr"], ka["row_ids"], nnz_per_warp)}
+            **sddmm_partition(ka["indptr"], ka["row_ids"], nnz_per_warp, flat)}

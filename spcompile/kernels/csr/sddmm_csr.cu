@@ -11,8 +11,15 @@
 // float, products and sums are fp32, out is rounded to T once), G (lanes per nonzero: 4/8/16/32),
 // VEC (elements per load: 1/2/4, and 8 for 16-bit T -- at most 16 bytes; K % VEC == 0 and aligned
 // pointers, the launcher falls back to VEC=1), XC (column chunks per lane = K tile width G*VEC*XC;
-// the unrolled chunks give that many independent loads in flight).
+// the unrolled chunks give that many independent loads in flight), FLAT (the segment layout, below).
 // Run-time: K, warps per block, the segment partition (nonzeros per warp) built in Python.
+//
+// FLAT = 0: a segment is a run of at most nnz_per_warp nonzeros of ONE row (seg_xrow names its X
+// row; nnz_row is unused).  FLAT = 1 (nonzero-parallel, for short rows: with ~5 nonzeros per row
+// most groups of a one-row segment would idle): seg_ptr cuts [0, nnz) into plain runs of
+// nnz_per_warp stored entries that may span rows, and each group reads the X row of ITS nonzero,
+// nnz_row[p] (consecutive nonzeros mostly share a row, so those X loads hit L1); the X row is
+// never held in registers (K is always tiled by G*VEC*XC); seg_xrow is unused.
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
@@ -47,11 +54,11 @@ template <typename T, int VEC> __device__ __forceinline__ void ld(const T* __res
   for (int i = 0; i < VEC; ++i) v[i] = sddmm_detail::to_f(u.e[i]);
 }
 
-template <typename T, int G, int VEC, int XC>
+template <typename T, int G, int VEC, int XC, int FLAT>
 __device__ __forceinline__ void sddmm_csr(
-    const int* __restrict__ seg_ptr, const int* __restrict__ seg_xrow, const int* __restrict__ indices,
-    const float* __restrict__ data, const int* __restrict__ nnz_ids, const T* __restrict__ X,
-    const T* __restrict__ Y, T* __restrict__ out, int nseg, int K) {
+    const int* __restrict__ seg_ptr, const int* __restrict__ seg_xrow, const int* __restrict__ nnz_row,
+    const int* __restrict__ indices, const float* __restrict__ data, const int* __restrict__ nnz_ids,
+    const T* __restrict__ X, const T* __restrict__ Y, T* __restrict__ out, int nseg, int K) {
   const int warp = (int)((blockIdx.x * (long long)blockDim.x + threadIdx.x) / 32);
   if (warp >= nseg) return;
   const int lane = threadIdx.x % G;
@@ -60,8 +67,8 @@ __device__ __forceinline__ void sddmm_csr(
   constexpr int TILE = G * VEC * XC;
   const unsigned gmask = (G == 32) ? 0xffffffffu : (((1u << G) - 1u) << (grp * G));
   const int lo = seg_ptr[warp], hi = seg_ptr[warp + 1];
-  const T* xrow = X + (size_t)seg_xrow[warp] * K;
-  const bool one_tile = K <= TILE;
+  const T* xrow = FLAT ? X : X + (size_t)seg_xrow[warp] * K;   // FLAT: set per nonzero below
+  const bool one_tile = !FLAT && K <= TILE;
 
   float xr[XC][VEC];                               // X row slice kept in registers (one tile)
   if (one_tile) {
@@ -92,6 +99,7 @@ __device__ __forceinline__ void sddmm_csr(
           }
         }
       } else {
+        if (FLAT) xrow = X + (size_t)nnz_row[p] * K;
         for (int t = 0; t < K; t += TILE) {
 #pragma unroll
           for (int c = 0; c < XC; ++c) {
@@ -121,11 +129,11 @@ __device__ __forceinline__ void sddmm_csr(
 #define SPC_SDDMM_ELEM_2 __nv_bfloat16
 #define SPC_SDDMM_ELEM(TN) SPC_SDDMM_ELEM_##TN
 
-#define SPC_SDDMM_INSTANCE(NAME, TN, G, VEC, XC)                                                    \
+#define SPC_SDDMM_INSTANCE(NAME, TN, G, VEC, XC, FLAT)                                              \
   extern "C" __global__ void __launch_bounds__(256) NAME(                                           \
-      const int* seg_ptr, const int* seg_xrow, const int* indices, const float* data,               \
-      const int* nnz_ids, const SPC_SDDMM_ELEM(TN)* X, const SPC_SDDMM_ELEM(TN)* Y,                 \
-      SPC_SDDMM_ELEM(TN)* out, int nseg, int K) {                                                   \
-    spc::sddmm_csr<SPC_SDDMM_ELEM(TN), G, VEC, XC>(seg_ptr, seg_xrow, indices, data, nnz_ids, X, Y, \
-                                                   out, nseg, K);                                   \
+      const int* seg_ptr, const int* seg_xrow, const int* nnz_row, const int* indices,              \
+      const float* data, const int* nnz_ids, const SPC_SDDMM_ELEM(TN)* X,                           \
+      const SPC_SDDMM_ELEM(TN)* Y, SPC_SDDMM_ELEM(TN)* out, int nseg, int K) {                      \
+    spc::sddmm_csr<SPC_SDDMM_ELEM(TN), G, VEC, XC, FLAT>(seg_ptr, seg_xrow, nnz_row, indices, data, \
+                                                         nnz_ids, X, Y, out, nseg, K);              \
   }
