@@ -124,3 +124,35 @@ def test_tune_16bit_workload(tmp_path, dtype):
     ref = A.astype(np.float64) @ X.double().cpu().numpy()
     err = np.linalg.norm(Y.double().cpu().numpy() - ref) / np.linalg.norm(ref)
     assert err < 1e-2, err
+
+
+@pytest.mark.parametrize("dtype, tol", [("float32", 1e-5), ("float16", 2e-2)])
+@pytest.mark.parametrize("K", [1, 33, 128])
+def test_flat_sddmm_spans_rows(dtype, tol, K):
+    """csr.sddmm with nonzero-parallel segments (flat=1) behind a row reordering: segments cross
+    empty rows and a 1999-entry row; every output written (NaN-poisoned), float64 reference."""
+    import scipy.sparse as sp
+    import torch
+
+    from spcompile.compile import make_op
+    from spcompile.core import reference
+
+    rng = np.random.default_rng(K)
+    A = sp.random(3000, 2000, density=0.003, format="lil", random_state=3, dtype=np.float32)
+    A[5, :] = 0
+    A[17, :] = 0
+    A[100, rng.choice(2000, 1999, replace=False)] = 1.5
+    A = A.tocsr()
+    tdt = getattr(torch, dtype)
+    X = torch.randn(3000, K, device="cuda").to(tdt)
+    Y = torch.randn(2000, K, device="cuda").to(tdt)
+    ref = reference.run("sddmm", None, make_op(A, "sddmm", K).A, X.double().cpu().numpy(), Y.double().cpu().numpy())
+    for p in ({"group": 8, "k_chunks": 2, "nnz_per_warp": 32}, {"group": 16, "k_chunks": 1, "nnz_per_warp": 128},
+              {"group": 32, "k_chunks": 1, "nnz_per_warp": 7}):
+        mod = spcompile.build(A, "sddmm", K, target="cuda", dtype=dtype, template="csr.sddmm",
+                              params={"vec": 4, "warps_per_block": 4, "flat": 1, **p}, pipeline=["reorder.degree"])
+        out = torch.full((A.nnz,), float("nan"), device="cuda", dtype=tdt)
+        mod(X, Y, out=out)
+        r = out.double().cpu().numpy()
+        assert np.all(np.isfinite(r)), p
+        assert np.linalg.norm(r - ref) / np.linalg.norm(ref) <= tol, p
