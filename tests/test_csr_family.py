@@ -103,13 +103,18 @@ def test_sddmm_emulation_matches_reference(pipe, flat):
                 _close(em.emulate_kernel(k, X, Y, fallback=fallback), ref)
 
 
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_16bit_sddmm_emulation_within_dtype_tolerance(dtype):
+def _half_case(dtype):
+    """A 200 x 150 matrix, K = 40, and dense inputs exact in ``dtype`` for rows (200) and columns (150)."""
     A = random_matrix(200, 150, density=0.04, seed=2)
     rng = np.random.default_rng(3)
     K = 40
-    X = numerics.round_to(rng.standard_normal((200, K)), dtype)
-    Y = numerics.round_to(rng.standard_normal((150, K)), dtype)
+    return (A, K, numerics.round_to(rng.standard_normal((200, K)), dtype),
+            numerics.round_to(rng.standard_normal((150, K)), dtype))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_16bit_sddmm_emulation_within_dtype_tolerance(dtype):
+    A, K, X, Y = _half_case(dtype)
     ref = reference.sddmm(as_csr(A), X, Y)
     t = get_template("csr.sddmm")
     mod = _mod(A, "sddmm", K, dtype=dtype)
@@ -190,10 +195,7 @@ def test_sddmm_check_arrays_both_layouts():
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_16bit_emulation_within_dtype_tolerance(dtype):
-    A = random_matrix(200, 150, density=0.04, seed=2)
-    rng = np.random.default_rng(3)
-    K = 40
-    X = numerics.round_to(rng.standard_normal((150, K)), dtype)
+    A, K, _, X = _half_case(dtype)
     tol = numerics.DTYPES[dtype].tolerance
     for reduce in REDUCES:
         mod = _mod(A, "spmm", K, reduce, dtype=dtype)

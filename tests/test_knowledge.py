@@ -344,14 +344,14 @@ def get_template_config(sop, dflt):
     return tpl.make_config({**dict(dflt.params), "parallel": not dflt.params["parallel"]}, dflt.pipeline, "cpu", sop.dtype)
 
 
-def test_build_offers_the_float32_shape_to_16bit_inputs(monkeypatch, no_tuning_db):
-    """A graph with one row of 1463 entries among rows of about 9 (ss_hangglider_2): its float32
-    winner keeps eight loads in flight ('u8'), a shape the float16 portfolio never measured.
-    Quick selection at float16 (graph held out of the model) must measure it beside the model's
-    own choices, under its own label."""
+def _recorded_quick_selection(monkeypatch, graph):
+    """A shared graph, the dict that a stand-in ``quick_select`` fills with what ``decide`` handed
+    it (the ranked configs and the keyword arguments, ``extra`` among them; it measures nothing),
+    and ``decide_held_out(op, K, ...)``: ``decide`` on the graph for CUDA with the graph's own
+    records left out of the sm_90 model."""
     from conftest import load_graph
 
-    A = load_graph("ss_hangglider_2")
+    A = load_graph(graph)
     monkeypatch.setattr(kn, "_arch", lambda t: "sm_90")
     seen = {}
 
@@ -360,8 +360,21 @@ def test_build_offers_the_float32_shape_to_16bit_inputs(monkeypatch, no_tuning_d
         return None, {"error": "not measured here"}
 
     monkeypatch.setattr(select, "quick_select", fake_quick)
-    with kn.excluded(A):
-        cfg, info, mod = decide(make_op(A, "spmm", 128, "sum", "float16"), "cuda")
+
+    def decide_held_out(*op_args):
+        with kn.excluded(A):
+            return decide(make_op(A, *op_args), "cuda")
+
+    return A, seen, decide_held_out
+
+
+def test_build_offers_the_float32_shape_to_16bit_inputs(monkeypatch, no_tuning_db):
+    """A graph with one row of 1463 entries among rows of about 9 (ss_hangglider_2): its float32
+    winner keeps eight loads in flight ('u8'), a shape the float16 portfolio never measured.
+    Quick selection at float16 (graph held out of the model) must measure it beside the model's
+    own choices, under its own label."""
+    A, seen, decide_held_out = _recorded_quick_selection(monkeypatch, "ss_hangglider_2")
+    cfg, info, mod = decide_held_out("spmm", 128, "sum", "float16")
     extra = seen["extra"]
     assert [src for src, _, _ in extra] == ["model (float32 shape)"]
     c = extra[0][1]
@@ -397,19 +410,8 @@ def test_build_offers_the_flat_sddmm_variant_of_the_models_choice(monkeypatch, n
     """The shipped SDDMM portfolio measured one-row segments only; quick selection measures the
     model's first csr.sddmm choice again with nonzero-parallel (flat) segments, under its own
     label, beside the model's ranking (which has no flat config)."""
-    from conftest import load_graph
-
-    A = load_graph("cora")
-    monkeypatch.setattr(kn, "_arch", lambda t: "sm_90")
-    seen = {}
-
-    def fake_quick(sop, target, ranked, **kw):
-        seen.update(kw, ranked=ranked)
-        return None, {"error": "not measured here"}
-
-    monkeypatch.setattr(select, "quick_select", fake_quick)
-    with kn.excluded(A):
-        cfg, info, mod = decide(make_op(A, "sddmm", 64), "cuda")
+    A, seen, decide_held_out = _recorded_quick_selection(monkeypatch, "cora")
+    cfg, info, mod = decide_held_out("sddmm", 64)
     variants = [(src, c) for src, c, _ in seen["extra"] if src == "model (variant)"]
     assert len(variants) == 1
     first = next(r for r, _ in seen["ranked"] if r.template == "csr.sddmm")
@@ -421,6 +423,5 @@ def test_build_offers_the_flat_sddmm_variant_of_the_models_choice(monkeypatch, n
     assert all(not r.params.get("flat") for r, _ in seen["ranked"] if r.template == "csr.sddmm")
     # a SpMM decision offers none (csr.crc_cwm has no unranked variant)
     seen.clear()
-    with kn.excluded(A):
-        decide(make_op(A, "spmm", 64), "cuda")
+    decide_held_out("spmm", 64)
     assert not [src for src, _, _ in seen["extra"] if src == "model (variant)"]
