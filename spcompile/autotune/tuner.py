@@ -5,8 +5,9 @@ be built on this machine), then ``<template>:pipeline`` (categorical over that t
 pipelines, optionally behind a generic reordering), then ``<template>:<param>`` for each entry of
 the template's ``space()``.  The study is seeded (``enqueue_trial``) with every template's
 default, the papers' heuristics (``Template.seed_params``) and the best configs of the most
-similar matrices already in the database; once those are measured, each template's two fastest
-are enqueued again behind every other pipeline of that template (the seeds run on its first).
+similar matrices already in the database; once those are measured, each template's fastest few
+(:meth:`Tuner.reorder_top`: 2, or 8 on small matrices) are enqueued again behind every other
+pipeline of that template (the seeds run on its first).
 
 Each trial is measured by a :mod:`~spcompile.autotune.measure` (correctness first, then timing).  Failures
 (compile error, launch error, timeout, wrong result) are told as ``FAIL`` with their reason and
