@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import math
 import os
 import sys
 import time
@@ -45,9 +44,8 @@ def configs(K: int, dtype: str, op: str = "spmm"):
         d = CsrSddmm.heuristic(K, dtype)
         out = []
         for group, npw, wpb in itertools.product((8, 16), (32, 128), (4, 8)):
-            xc = min(4, max(1, -(-K // (group * d["vec"]))))
-            xc = 1 << (xc - 1).bit_length() if xc > 1 else 1
-            out.append({**d, "group": group, "k_chunks": xc, "nnz_per_warp": npw, "warps_per_block": wpb})
+            out.append({**d, "group": group, "k_chunks": CsrSddmm.k_chunks(K, group, d["vec"]), "nnz_per_warp": npw,
+                        "warps_per_block": wpb})
         return out
 
     vec = CrcCwm.heuristic(K, 0, 0.0, dtype)["vec"]
@@ -78,16 +76,12 @@ def main(argv=None) -> int:
     import spcompile
 
     graphs = common.find_graphs(a.graphs, a.data, a.min_nnz, a.max_nnz)
+    if not graphs:
+        ap.error("no graph matches (see --graphs / --data / --min-nnz / --max-nnz)")
     if a.pipelines is None:
         a.pipelines = ["degree", "rcm", "rcm+lsh"] if a.op == "spmm" else ["none", "degree", "rcm"]
     tname = "csr.crc_cwm" if a.op == "spmm" else "csr.sddmm"
     reduce = "sum" if a.op == "spmm" else None
-    os.makedirs(a.out, exist_ok=True)
-    rows = []
-    if not a.build_only:
-        from spcompile.autotune.measure import Timer
-
-        timer = Timer("cuda")
     if a.build_only:   # the kernel binaries depend on the parameters and dtype only: one graph builds them
         A = common.load_matrix(graphs[0][1])
         tpl = bench.get_template(tname)
@@ -97,6 +91,11 @@ def main(argv=None) -> int:
                 bench.build_from_config(sop, tpl.make_config(p, [], "cuda"))
         print(f"built {sum(len(configs(K, a.dtype, a.op)) for K in a.K)} configurations", flush=True)
         return 0
+    from spcompile.autotune.measure import Timer
+
+    timer = Timer("cuda")
+    os.makedirs(a.out, exist_ok=True)
+    rows = []
     for name, path, _ in graphs:
         A = common.load_matrix(path)
         for K in a.K:
@@ -107,8 +106,8 @@ def main(argv=None) -> int:
             res["baseline_us"] = timer.time(base.call, n_sets=w.n_sets).seconds * 1e6 if base.call else None
             default = spcompile.build(A, a.op, K, reduce, target="cuda", dtype=a.dtype, template=tname)
             col = bench._checked(w, "default", default, {})
-            res["crc_default_us"] = timer.time(col.call, n_sets=w.n_sets).seconds * 1e6 if col.call else None
-            res["crc_default"] = default.config.params
+            res["default_us"] = timer.time(col.call, n_sets=w.n_sets).seconds * 1e6 if col.call else None
+            res["default"] = default.config.params
             cells = []
             pipes = bench.PipelineCache()   # each reordering runs once per graph and K
             tpl = bench.get_template(tname)
@@ -134,7 +133,7 @@ def main(argv=None) -> int:
             for c in ok:
                 if c["pipeline"] not in bp or c["us"] < bp[c["pipeline"]]:
                     bp[c["pipeline"]] = c["us"]
-            print(f"{name:26s} K={K:4d} base {b:7.1f} crc-default {res['crc_default_us']:7.1f} "
+            print(f"{name:26s} K={K:4d} base {b:7.1f} default {res['default_us']:7.1f} "
                   + " ".join(f"{k} {v:7.1f}" for k, v in bp.items())
                   + (f" | best x{b / best['us']:.2f} {best['pipeline']} {json.dumps(best['params'])}"
                      if best and b else "")
@@ -143,9 +142,9 @@ def main(argv=None) -> int:
                 json.dump({"command": " ".join(sys.argv), "rows": rows}, f, indent=1)
     if rows:
         xs = [r["baseline_us"] / r["best"]["us"] for r in rows if r["best"] and r["baseline_us"]]
-        xd = [r["baseline_us"] / r["crc_default_us"] for r in rows if r["crc_default_us"] and r["baseline_us"]]
-        g = lambda v: math.exp(sum(map(math.log, v)) / len(v)) if v else float("nan")  # noqa: E731
-        print(f"geomean over cuSPARSE: sweep best {g(xs):.2f}x, crc default {g(xd):.2f}x ({len(xs)} rows)")
+        xd = [r["baseline_us"] / r["default_us"] for r in rows if r["default_us"] and r["baseline_us"]]
+        print(f"geomean over cuSPARSE: sweep best {common.geomean(xs):.2f}x, template default "
+              f"{common.geomean(xd):.2f}x ({len(xs)} rows)")
     return 0
 
 

@@ -17,7 +17,6 @@ from .tuner import Tuner, objective_name, precision_name
 __all__ = ["choose_config", "decide", "safe_url", "record_info", "describe"]
 
 
-
 def unranked_variants(ranked, target: str, dtype: str) -> list:
     """Configs quick selection measures beside the model's ranking: for the first-ranked config of
     each template, the variants of it that its template says the portfolio never measured
@@ -33,6 +32,7 @@ def unranked_variants(ranked, target: str, dtype: str) -> list:
         for p in tpl.unranked_variants(dict(cfg.params)):
             out.append(tpl.make_config(p, cfg.pipeline, target, dtype))
     return out
+
 
 def choose_config(sop: SparseOp, target: str, storage: str | None = None, tune: bool = False,
                   trials: int | None = None, timeout: float | None = None, objective: str = "kernel_time",

@@ -251,13 +251,18 @@ class CsrSddmm(NvccTemplate):
                 "flat": C([0, 1])}
 
     @staticmethod
+    def k_chunks(K: int, group: int, vec: int) -> int:
+        """Column chunks per lane that cover K with ``group`` lanes of ``vec`` elements in one tile,
+        rounded up to a power of two, at most 4."""
+        xc = min(4, max(1, -(-K // (group * vec))))
+        return 1 << (xc - 1).bit_length() if xc > 1 else 1
+
+    @staticmethod
     def heuristic(K: int, dtype: str = "float32") -> dict:
         vec = _largest_vec(K, 16 // DTYPES[dtype].bytes)
         lanes = -(-K // vec)
         group = 32 if lanes >= 32 else next(g for g in (4, 8, 16, 32) if g >= lanes)
-        xc = min(4, max(1, -(-K // (group * vec))))
-        xc = 1 << (xc - 1).bit_length() if xc > 1 else 1
-        return {"group": group, "vec": vec, "k_chunks": xc, "nnz_per_warp": 32, "warps_per_block": 4, "flat": 0}
+        return {"group": group, "vec": vec, "k_chunks": CsrSddmm.k_chunks(K, group, vec), "nnz_per_warp": 32, "warps_per_block": 4, "flat": 0}
 
     def default_params(self, mod):
         return self.heuristic(mod.op.K, mod.op.dtype)
@@ -269,8 +274,7 @@ class CsrSddmm(NvccTemplate):
         seeds = [d, {**d, "nnz_per_warp": 8}, {**d, "nnz_per_warp": 128}]
         shapes = [{}]
         for g in (8, 16):
-            xc = min(4, max(1, -(-K // (g * vec))))
-            xc = 1 << (xc - 1).bit_length() if xc > 1 else 1
+            xc = self.k_chunks(K, g, vec)
             seeds.append({**d, "group": g, "k_chunks": xc})
             seeds.append({**d, "group": g, "k_chunks": xc, "nnz_per_warp": 64})
             shapes.append({"group": g, "k_chunks": xc})
