@@ -17,11 +17,19 @@ from spcompile.cli import report
 
 @pytest.fixture(scope="module")
 def tuned_db(tmp_path_factory):
-    url = "sqlite:///" + str(tmp_path_factory.mktemp("report") / "tuning.db")
+    # On a 7 us CPU kernel the search's best can land within timing noise above the default
+    # config measured in the same run; the tuner then rightly stores nothing ("quick").  The
+    # report needs a stored record, so a run that stored none is repeated in a fresh database.
     A = sp.random(300, 300, density=0.02, format="csr", dtype=np.float32, random_state=0)
-    mod = spcompile.build(A, "spmm", K=16, target="cpu", tune=True, trials=3, storage=url)
-    assert mod.tuning["source"] == "tuned"
-    return url, mod
+    notes = []
+    for attempt in range(5):
+        url = "sqlite:///" + str(tmp_path_factory.mktemp("report") / "tuning.db")
+        mod = spcompile.build(A, "spmm", K=16, target="cpu", tune=True, trials=3, storage=url)
+        if mod.tuning["source"] == "tuned":
+            return url, mod
+        assert mod.tuning["source"] == "quick" and "nothing stored" in mod.tuning["tune_note"], mod.tuning
+        notes.append(mod.tuning["tune_note"])
+    pytest.fail(f"5 tuning runs stored no record: {notes}")
 
 
 def _bench_json(path):
