@@ -110,6 +110,14 @@ FLAT = lambda k: k.params.get("flat") == 1   # noqa: E731
 CASES = [
     # (template, kernel filter, what, change arrays, change meta, message)
     ("csr.crc_cwm", SPLIT, "column past n", {"indices": _bump_max}, {}, "'indices'"),
+    # the kernel reads const int* / const float*: a wider or narrower element type would be read
+    # as other values or past the array's end, even where every value is in range
+    ("csr.crc_cwm", SPLIT, "64-bit columns", {"indices": lambda a: a.astype(np.int64)}, {}, "'indices' must be a 1-D int32"),
+    ("csr.crc_cwm", SPLIT, "64-bit segment pointer", {"seg_ptr": lambda a: a.astype(np.int64)}, {}, "'seg_ptr' must be a 1-D int32"),
+    ("csr.crc_cwm", SPLIT, "16-bit values", {"data": lambda a: a.astype(np.float16)}, {}, "'data' must be a 1-D float32"),
+    ("csr.sddmm", lambda k: True, "64-bit columns", {"indices": lambda a: a.astype(np.int64)}, {}, "'indices' must be a 1-D int32"),
+    ("csr.sddmm", lambda k: True, "64-bit output positions", {"nnz_ids": lambda a: a.astype(np.int64)}, {}, "'nnz_ids' must be a 1-D int32"),
+    ("csr.sddmm", lambda k: True, "double values", {"data": lambda a: a.astype(np.float64)}, {}, "'data' must be a 1-D float32"),
     ("csr.crc_cwm", SPLIT, "negative column", {"indices": _negate_first}, {}, "'indices'"),
     ("csr.crc_cwm", SPLIT, "segment pointer falls", {"seg_ptr": _fall}, {}, "'seg_ptr'"),
     ("csr.crc_cwm", SPLIT, "segment pointer overruns", {"seg_ptr": lambda a: np.append(a[:-1], a[-1] + 5)}, {},

@@ -19,7 +19,7 @@ from ...core.numerics import DTYPES
 import numpy as np
 
 from ..base import (check_entries, float_array, index_array, meta_int, pointer_array, register_template,
-                    unique_params)
+                    typed_array, unique_params)
 from ..nvcc import AtLeast, LaunchSpec, NvccKernel, NvccTemplate
 from .packer import pack_sddmm, pack_spmm, sddmm_partition, spmm_partition  # noqa: F401 (public here too)
 
@@ -164,6 +164,7 @@ class CrcCwm(NvccTemplate):
         m, n, nnz = key.rows, key.cols, key.nnz
         meta_int(meta, "m", m)
         meta_int(meta, "K", key.K)
+        _kernel_types(arrays, ("indices", "seg_ptr", "seg_out", "seg_slot", "grp_ptr", "slot_grp", "grp_out", "grp_len"))
         indices = index_array(arrays, "indices", 0, max(n, 1), nnz)
         data = float_array(arrays, "data", nnz)
         seg_out = index_array(arrays, "seg_out", 0, max(m, 1))
@@ -293,6 +294,7 @@ class CsrSddmm(NvccTemplate):
         entries rebuild the manifest's matrix."""
         m, n, nnz = key.rows, key.cols, key.nnz
         meta_int(meta, "K", key.K)
+        _kernel_types(arrays, ("indices", "nnz_ids", "seg_ptr", "seg_xrow", "nnz_row"))
         indices = index_array(arrays, "indices", 0, max(n, 1), nnz)
         data = float_array(arrays, "data", nnz)
         nnz_ids = index_array(arrays, "nnz_ids", 0, max(nnz, 1), nnz)
@@ -341,6 +343,14 @@ class CsrSddmm(NvccTemplate):
     def instance(self, group: int, vec: int, xc: int, dtype: str = "float32", flat: int = 0):
         TN, FLAT = DTYPES[dtype].code, int(bool(flat))
         return self.instance_name(TN, group, vec, xc, FLAT), (TN, group, vec, xc, FLAT)
+
+
+def _kernel_types(arrays, index_names) -> None:
+    """The arrays have their kernel parameters' element types (``const int*`` indices, ``const
+    float*`` values): another width would be read as other values, or past the array's end."""
+    for name in index_names:
+        typed_array(arrays, name, np.int32)
+    typed_array(arrays, "data", np.float32)
 
 
 def _flat(params) -> bool:
