@@ -125,6 +125,16 @@ def random_matrix(m: int, n: int, *, density: float = 0.05, seed: int = 0, empty
     return A.astype(dtype)
 
 
+def close_scaled(got, ref, tol=1e-5) -> None:
+    """``got`` has ``ref``'s shape, no unwritten (NaN) output, and a max error within ``tol`` of
+    ``max(1, max |ref|)`` (the packers' emulations against the float64 reference)."""
+    assert got.shape == ref.shape
+    assert np.isfinite(got).all(), "unwritten (NaN) outputs"
+    scale = max(1.0, float(np.abs(ref).max(initial=0.0)))
+    err = float(np.abs(got - ref).max(initial=0.0)) / scale
+    assert err <= tol, err
+
+
 def empty_row_ids(A) -> np.ndarray:
     return np.flatnonzero(np.diff(sp.csr_matrix(A).indptr) == 0)
 

@@ -30,7 +30,7 @@ from spcompile.kernels.nvcc import LaunchSpec
 from spcompile.passes import Pipeline
 from spcompile.runtime import cuda as rt
 
-from conftest import random_matrix
+from conftest import close_scaled as _close, random_matrix
 
 REDUCES = ("sum", "max", "min", "mean")
 PIPES = {"none": [], "rcm": ["reorder.rcm"], "degree": ["reorder.degree"]}
@@ -47,14 +47,6 @@ def _matrices():
 
 def _mod(A, op, K, reduce=None, pipe="none", dtype="float32"):
     return Pipeline(list(PIPES[pipe]))(SparseModule.from_op(make_op(A, op, K, reduce, dtype=dtype)))
-
-
-def _close(got, ref, tol=1e-5):
-    assert got.shape == ref.shape
-    assert np.isfinite(got).all(), "unwritten (NaN) outputs"
-    scale = max(1.0, float(np.abs(ref).max(initial=0.0)))
-    err = float(np.abs(got - ref).max(initial=0.0)) / scale
-    assert err <= tol, err
 
 
 # ------------------------------------------------------------------------------------------
