@@ -35,10 +35,24 @@ PIPELINES = {
 }
 
 
-def configs(K: int, dtype: str, op: str = "spmm"):
+def configs(K: int, dtype: str, op: str = "spmm", template: str | None = None):
     """SpMM: narrow column tiles x tall row windows (the default's shape is measured separately).
-    SDDMM: lanes per nonzero x nonzeros per warp x warps per block (consecutive rows per block)."""
-    from spcompile.kernels.csr.template import CrcCwm, CsrSddmm
+    SDDMM: lanes per nonzero x nonzeros per warp x warps per block (consecutive rows per block).
+    ``csr.window``: window heights x lane widths x staging buffers."""
+    from spcompile.kernels.base import unique_params
+    from spcompile.kernels.csr.template import CrcCwm, CsrSddmm, _largest_vec
+
+    if template == "csr.window":
+        from spcompile.kernels.window.template import CsrWindow
+
+        d = CsrWindow.heuristic(K, dtype)
+        out = []
+        for (w, r), v, (chunk, nbuf) in itertools.product(((4, 4), (8, 2), (8, 4), (8, 8), (16, 4)),
+                                                         (d["vec"], _largest_vec(K, max(1, d["vec"] // 2))),
+                                                         ((d["chunk"], 2), (2 * d["chunk"], 1))):
+            c = chunk * d["vec"] // v
+            out.append({**d, "warps": w, "rows_per_warp": r, "vec": v, "chunk": min(256, c), "nbuf": nbuf})
+        return unique_params(out)
 
     if op == "sddmm":
         d = CsrSddmm.heuristic(K, dtype)
@@ -69,6 +83,8 @@ def main(argv=None) -> int:
     ap.add_argument("--op", default="spmm", choices=["spmm", "sddmm"])
     ap.add_argument("--pipelines", nargs="+", default=None, choices=list(PIPELINES),
                     help="default: degree rcm rcm+lsh (spmm), none degree rcm (sddmm)")
+    ap.add_argument("--template", default=None, choices=["csr.crc_cwm", "csr.sddmm", "csr.window"],
+                    help="default: csr.crc_cwm (spmm) / csr.sddmm (sddmm)")
     ap.add_argument("--out", default="reuse_out")
     ap.add_argument("--build-only", action="store_true")
     a = ap.parse_args(argv)
@@ -80,16 +96,18 @@ def main(argv=None) -> int:
         ap.error("no graph matches (see --graphs / --data / --min-nnz / --max-nnz)")
     if a.pipelines is None:
         a.pipelines = ["degree", "rcm", "rcm+lsh"] if a.op == "spmm" else ["none", "degree", "rcm"]
-    tname = "csr.crc_cwm" if a.op == "spmm" else "csr.sddmm"
+    if a.template == "csr.window" and a.op != "spmm":
+        ap.error("csr.window computes spmm")
+    tname = a.template or ("csr.crc_cwm" if a.op == "spmm" else "csr.sddmm")
     reduce = "sum" if a.op == "spmm" else None
     if a.build_only:   # the kernel binaries depend on the parameters and dtype only: one graph builds them
         A = common.load_matrix(graphs[0][1])
         tpl = bench.get_template(tname)
         for K in a.K:
             sop = bench.make_op(A, a.op, K, reduce, a.dtype)
-            for p in configs(K, a.dtype, a.op):
+            for p in configs(K, a.dtype, a.op, tname):
                 bench.build_from_config(sop, tpl.make_config(p, [], "cuda"))
-        print(f"built {sum(len(configs(K, a.dtype, a.op)) for K in a.K)} configurations", flush=True)
+        print(f"built {sum(len(configs(K, a.dtype, a.op, tname)) for K in a.K)} configurations", flush=True)
         return 0
     from spcompile.autotune.measure import Timer
 
@@ -112,7 +130,7 @@ def main(argv=None) -> int:
             pipes = bench.PipelineCache()   # each reordering runs once per graph and K
             tpl = bench.get_template(tname)
             for pname in a.pipelines:
-                for p in configs(K, a.dtype, a.op):
+                for p in configs(K, a.dtype, a.op, tname):
                     try:
                         mod = bench.build_from_config(w.sop, tpl.make_config(p, PIPELINES[pname], "cuda"),
                                                       module=pipes.get(w.sop, PIPELINES[pname]))
@@ -138,7 +156,8 @@ def main(argv=None) -> int:
                   + (f" | best x{b / best['us']:.2f} {best['pipeline']} {json.dumps(best['params'])}"
                      if best and b else "")
                   + f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
-            with open(os.path.join(a.out, f"reuse_sweep_{a.op}.json"), "w") as f:
+            suffix = "_window" if tname == "csr.window" else ""
+            with open(os.path.join(a.out, f"reuse_sweep_{a.op}{suffix}.json"), "w") as f:
                 json.dump({"command": " ".join(sys.argv), "rows": rows}, f, indent=1)
     if rows:
         xs = [r["baseline_us"] / r["best"]["us"] for r in rows if r["best"] and r["baseline_us"]]

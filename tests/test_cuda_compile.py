@@ -43,10 +43,27 @@ def _sddmm_instances():
     return t, sorted(inst)
 
 
+def _window_instances():
+    """csr.window: every reduction x element type (fp32 / fp16 / bf16) at several vector widths,
+    every rows-per-warp with one and two staging buffers (each with its VEC = 1 fallback)."""
+    t = get_template("csr.window")
+    inst = set()
+    vecs = {"float32": (4, 2), "float16": (8, 4), "bfloat16": (8, 2)}
+    rpw_nbuf = [(r, b) for r in (1, 2, 4, 8) for b in (1, 2)]
+    for i, (r, dt) in enumerate((r, dt) for r in ("sum", "max", "min", "mean") for dt in vecs):
+        rpw, nbuf = rpw_nbuf[i % len(rpw_nbuf)]
+        inst.update(t.instances(r, vecs[dt][i % 2], rpw, nbuf, dt))
+    assert {(a[3], a[4]) for _, a in inst} >= set(rpw_nbuf)
+    return t, sorted(inst)
+
+
+_INSTANCES = {"spmm": _spmm_instances, "sddmm": _sddmm_instances, "window": _window_instances}
+
+
 @pytest.mark.parametrize("arch", [90, 80])
-@pytest.mark.parametrize("which", ["spmm", "sddmm"])
+@pytest.mark.parametrize("which", sorted(_INSTANCES))
 def test_templates_compile(tmp_path, arch, which):
-    t, inst = _spmm_instances() if which == "spmm" else _sddmm_instances()
+    t, inst = _INSTANCES[which]()
     src = tmp_path / f"{which}.cu"
     src.write_text(t.render(inst))
     out = tmp_path / f"{which}.cubin"
@@ -88,6 +105,32 @@ def test_compile_cache_and_build_without_gpu(tmp_path, monkeypatch):
     assert lens.sum() == A.nnz
 
 
+def test_window_builds_for_pre_ampere_or_refuses_it(tmp_path, monkeypatch):
+    """csr.window stages with cp.async (sm_80 and newer).  On an older GPU (sm_75) build() either
+    compiles it or refuses it up front with the arch it needs (a ValueError, as templates with a
+    ``min_arch`` do); never an nvcc failure.  csr.crc_cwm compiles for sm_75 here (the toolchain
+    targets it)."""
+    import numpy as np
+    import scipy.sparse as sp
+
+    from spcompile.compile import make_op
+    from spcompile.core.ir import SparseModule
+
+    monkeypatch.setenv("SPCOMPILE_KERNEL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(rt, "device_arch", lambda device=None: 75)
+    A = sp.random(50, 40, density=0.1, format="csr", random_state=0, dtype=np.float32)
+    mod = SparseModule.from_op(make_op(A, "spmm", 32, "sum"))
+    c = get_template("csr.crc_cwm")
+    assert os.path.isfile(c.build(mod, c.default_params(mod)).files["kernel.fatbin"])
+    t = get_template("csr.window")
+    try:
+        k = t.build(mod, t.default_params(mod))
+    except ValueError as e:
+        assert t.min_arch > 75 and f"sm_{t.min_arch}" in str(e)
+    else:
+        assert k.meta["arch"] == 75 and os.path.isfile(k.files["kernel.fatbin"])
+
+
 def test_render_is_one_source():
     """Variants differ only by their instantiation line (no copy-pasted bodies)."""
     t = get_template("csr.crc_cwm")
@@ -111,6 +154,7 @@ def _ptx_entries(ptx: str) -> dict[str, list[int]]:
     ("csr.crc_cwm", [("sum", 2, 4, 32, 2, "float32"), ("mean", 1, 8, 8, 4, "bfloat16")]),
     ("csr.sddmm", [(8, 4, 2, "float32"), (16, 8, 1, "float16"), (32, 1, 4, "bfloat16", 1)]),   # last: FLAT = 1
     ("sptc.vnm", [("fp16", 4, "float32")]),
+    ("csr.window", [("sum", 4, 2, 2, "float32"), ("max", 8, 8, 1, "bfloat16"), ("mean", 2, 1, 2, "float16")]),
     ("aspt.tiled", [(4, 2, 1, "sum", "tasks"), (2, 1, 1, "max", "panel", 2)]),
     ("tc.wmma_sgt_sddmm", [("tf32", 8, 2, 4, 0), ("bf16", 16, 1, 8, 1)]),
     ("tc.wmma_sgt", [("tf32", 16, 2, 0, 4), ("fp16", 16, 1, 1, 8, 1),                       # impl "wmma"

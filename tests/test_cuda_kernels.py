@@ -156,3 +156,98 @@ def test_flat_sddmm_spans_rows(dtype, tol, K):
         r = out.double().cpu().numpy()
         assert np.all(np.isfinite(r)), p
         assert np.linalg.norm(r - ref) / np.linalg.norm(ref) <= tol, p
+
+
+#: csr.window parameter sets on the GPU: the heuristic, and staging chunks of 1, 2 and 16 columns
+#: (every window spans several chunks) with one / two buffers, 1- to 128-row windows
+WINDOW_PARAMS = ({}, {"warps": 4, "rows_per_warp": 8, "chunk": 2, "nbuf": 2},
+                 {"warps": 16, "rows_per_warp": 1, "chunk": 16, "nbuf": 1},
+                 {"warps": 1, "rows_per_warp": 1, "chunk": 1, "nbuf": 1, "vec": 1},
+                 {"warps": 16, "rows_per_warp": 8, "chunk": 16, "nbuf": 2})
+
+
+def _window_matrix():
+    """2000 x 1500: ~6 entries a row, empty rows (first and last too), a row holding every column,
+    and a 48-row band sharing 40 columns (window reuse, rows of more than 32 entries a chunk)."""
+    import scipy.sparse as sp
+
+    rng = np.random.default_rng(0)
+    m, n = 2000, 1500
+    A = sp.random(m, n, density=0.004, format="lil", random_state=2, dtype=np.float32)
+    A[700:748, 300:340] = rng.standard_normal((48, 40)).astype(np.float32)
+    A[1000, :] = rng.standard_normal(n).astype(np.float32)
+    for i in (0, 5, 17, 1001, m - 1):
+        A[i, :] = 0
+    A = A.tocsr()
+    A.eliminate_zeros()
+    return A
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("K", [1, 33, 128, 256])
+def test_window_matches_reference(dtype, K):
+    """csr.window through the public build: every reduction, with and without RCM, NaN-poisoned
+    outputs passed as ``out=``, against the float64 reference of the (rounded) inputs; a copy of X
+    one element off its vector alignment runs the VEC = 1 fallback to the same result."""
+    import torch
+
+    from spcompile.core import numerics, reference
+    from spcompile.core.formats import as_csr
+
+    A = _window_matrix()
+    m, n = A.shape
+    tdt = getattr(torch, dtype)
+    tol = numerics.tolerance(dtype)
+    X = torch.randn(n, K, device="cuda").to(tdt)
+    Xh = X.double().cpu().numpy()
+    flat = torch.empty(n * K + 1, device="cuda", dtype=tdt)
+    Xoff = flat[1:].view(n, K)                      # one element past an aligned allocation
+    Xoff.copy_(X)
+    checked = 0
+    for i, reduce in enumerate(("sum", "max", "min", "mean")):
+        ref = reference.spmm(as_csr(A), Xh, reduce)
+        # every reduction runs the heuristic and two more parameter sets, in turn
+        for p in (WINDOW_PARAMS[0], WINDOW_PARAMS[1 + i % 4], WINDOW_PARAMS[1 + (i + 1) % 4]):
+            pipe = ["reorder.rcm"] if i % 2 else None
+            mod = spcompile.build(A, "spmm", K=K, reduce=reduce, target="cuda", dtype=dtype, template="csr.window",
+                                  params=dict(p), pipeline=pipe)
+            k = mod.kernel
+            assert mod.config.template == "csr.window"
+            if p:
+                assert k.chunk(int(k.meta["vec"])) == p["chunk"]
+                assert np.diff(k.arrays["win_ptr"]).max() > p["chunk"]      # windows span several chunks
+            for x in ((X, Xoff) if int(k.meta["vec"]) > 1 else (X,)):
+                out = torch.full((m, K), float("nan"), device="cuda", dtype=tdt)
+                assert mod(x, out=out) is out
+                torch.cuda.synchronize()
+                got = out.double().cpu().numpy()
+                assert np.all(np.isfinite(got)), (reduce, p)
+                err = reference.rel_error(got, ref)
+                assert err <= tol, (reduce, p, err)
+                checked += 1
+            y = mod(X)                                  # a fresh output of the module's own
+            assert y.dtype == tdt and y.shape == (m, K)
+            assert reference.rel_error(y.double().cpu().numpy(), ref) <= tol
+    assert checked >= 12
+
+
+def test_window_numpy_inputs_and_empty_matrix():
+    """csr.window called with host arrays; an all-empty matrix writes zeros over a NaN output."""
+    import scipy.sparse as sp
+    import torch
+
+    from spcompile.core import reference
+    from spcompile.core.formats import as_csr
+
+    A = _window_matrix()
+    X = np.random.default_rng(1).standard_normal((A.shape[1], 48)).astype(np.float32)
+    mod = spcompile.build(A, "spmm", K=48, reduce="mean", target="cuda", template="csr.window",
+                          params={"chunk": 16, "nbuf": 2})
+    y = mod(X)
+    assert isinstance(y, np.ndarray) and reference.rel_error(y, reference.spmm(as_csr(A), X, "mean")) <= 1e-5
+    E = sp.csr_matrix((37, 20), dtype=np.float32)
+    for reduce in ("sum", "max"):
+        emod = spcompile.build(E, "spmm", K=20, reduce=reduce, target="cuda", template="csr.window")
+        out = torch.full((37, 20), float("nan"), device="cuda")
+        emod(torch.randn(20, 20, device="cuda"), out=out)
+        assert torch.equal(out.cpu(), torch.zeros(37, 20))

@@ -26,7 +26,7 @@ MATS = {
     "empty": sp.csr_matrix((20, 9), dtype=np.float32),
 }
 TEMPLATES = {"csr.crc_cwm": ("spmm", "sum"), "csr.sddmm": ("sddmm", None), "tc.wmma_sgt": ("spmm", "sum"),
-             "tc.wmma_sgt_sddmm": ("sddmm", None)}
+             "tc.wmma_sgt_sddmm": ("sddmm", None), "csr.window": ("spmm", "sum")}
 
 
 def _kernels(tname, A, K=13, dtype="float32"):
@@ -181,6 +181,24 @@ CASES = [
     ("tc.wmma_sgt_sddmm", lambda k: True, "nonzero pointer falls", {"nz_ptr": _fall}, {}, "nz_ptr"),
     ("tc.wmma_sgt_sddmm", lambda k: True, "values truncated", {"nz_val": lambda a: a[:-1]}, {}, "nz_val"),
     ("tc.wmma_sgt_sddmm", lambda k: True, "nnz of the meta", {}, {"nnz": 5}, "'nnz'"),
+    ("csr.window", lambda k: True, "window column past n", {"ucols": _bump_max}, {}, "'ucols'"),
+    ("csr.window", lambda k: True, "negative window column", {"ucols": _negate_first}, {}, "'ucols'"),
+    ("csr.window", lambda k: True, "negative lidx", {"lidx": _negate_first}, {}, "'lidx'"),
+    ("csr.window", lambda k: True, "lidx past every window", {"lidx": _bump_max}, {}, "outside its window"),
+    ("csr.window", lambda k: True, "window pointer falls", {"win_ptr": _fall}, {}, "'win_ptr'"),
+    ("csr.window", lambda k: True, "window pointer overruns", {"win_ptr": lambda a: np.append(a[:-1], a[-1] + 5)}, {},
+     "'win_ptr'|'ucols'"),
+    ("csr.window", lambda k: True, "row pointer overruns", {"indptr": lambda a: np.append(a[:-1], a[-1] + 1)}, {},
+     "'indptr'"),
+    ("csr.window", lambda k: True, "two rows write one output row", {"row_ids": _repeat_first}, {}, "permutation"),
+    ("csr.window", lambda k: True, "output row past m", {"row_ids": _bump_max}, {}, "'row_ids'"),
+    ("csr.window", lambda k: True, "values truncated", {"data": lambda a: a[:-1]}, {}, "'data'"),
+    ("csr.window", lambda k: True, "another value", {"data": lambda a: a + 1}, {}, "values hash"),
+    ("csr.window", lambda k: True, "another column", {"ucols": lambda a: (a + 1) % 900}, {}, "pattern hash|order"),
+    ("csr.window", lambda k: True, "K of the meta", {}, {"K": 64}, "'K'"),
+    ("csr.window", lambda k: True, "an arch without cp.async", {}, {"arch": 75}, "'arch'"),
+    ("csr.window", lambda k: k.params["nbuf"] == 2, "another buffer count compiled", {},
+     {"instances": [["spmm_window_f32_r0_v1_rpw4_b1", [0, 0, 1, 4, 1]]]}, "instances"),
 ]
 
 

@@ -4,7 +4,7 @@ import importlib
 for _name in ("spcompile.kernels.tvm.cpu_csr", "spcompile.kernels.tvm.cuda_csr",
               "spcompile.kernels.csr.template", "spcompile.kernels.cusparse", "spcompile.kernels.scipy_ext",
               "spcompile.kernels.tc.template", "spcompile.kernels.aspt.template",
-              "spcompile.kernels.sptc.template"):
+              "spcompile.kernels.sptc.template", "spcompile.kernels.window.template"):
     try:
         importlib.import_module(_name)
     except ModuleNotFoundError as e:  # a template family not present yet; a broken one still fails

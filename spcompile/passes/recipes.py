@@ -39,6 +39,8 @@ def pipelines_for(fmt: str, op: str, dtype: str = "float32") -> list[list[dict]]
       they are, so only 16-wide blocks.
     * ``vnm`` (V:N:M for ``mma.sp``): RCM then the 16-row window condensation, with or without LSH
       clustering; the paper's V:N:M reordering; the condensation alone.
+    * ``window`` (CSR read by row windows that stage their distinct columns): RCM first (it
+      raises the columns rows of a window share), the plain order, RCM + LSH clustering.
     * ``aspt`` (ASpT panels): ``tile.aspt`` alone or behind LSH row clustering.
     """
     if fmt == "csr":
@@ -62,4 +64,6 @@ def pipelines_for(fmt: str, op: str, dtype: str = "float32") -> list[list[dict]]
                       [{"name": "cluster.lsh", "options": {"panel_height": ASPT_PANEL_HEIGHT,
                                                            "skip_dense_ratio": LSH_SKIP_DENSE_RATIO}},
                        {"name": "tile.aspt", "options": dict(opts)}]])
+    if fmt == "window":
+        return _copy([[{"name": "reorder.rcm"}], [], list(WINDOW_REUSE)])
     raise ValueError(f"no recipe produces format {fmt!r}")

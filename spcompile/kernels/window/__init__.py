@@ -1,0 +1,1 @@
+"""Row-window SpMM with the window's X rows staged in shared memory (``csr.window``)."""
