@@ -10,8 +10,10 @@
 // Entries store their column as lidx, the index into the window's distinct columns, and each row's
 // entries are sorted by it.
 //
-// One thread block per (window, column tile of KT = 32 * VEC elements): warp v owns RPW
-// consecutive rows of the window, lane l the VEC columns at tile * KT + l * VEC.  The window's
+// One thread block per (window, column tile of KT = 32 * VEC elements): warp v of the block's NW
+// warps owns the RPW rows v, v + NW, v + 2 NW, ... of the window (interleaved, so that rows of
+// similar length -- consecutive after a degree order -- spread over the warps), lane l the VEC
+// columns at tile * KT + l * VEC.  The window's
 // distinct columns are staged in chunks of `chunk` columns (chunk x KT elements of T per buffer,
 // cp.async, NBUF = 2: the next chunk's copy in flight while the current one is reduced).  Per
 // chunk, each warp goes over its rows: 32 (lidx, value) pairs of the row are loaded coalesced
@@ -72,10 +74,10 @@ __device__ __forceinline__ void spmm_window(
   T* stage = reinterpret_cast<T*>(smem_raw);
   constexpr int KT = 32 * VEC;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int W = (blockDim.x >> 5) * RPW;
+  const int NW = blockDim.x >> 5, W = NW * RPW;
   const int w = blockIdx.x;
   const int k0 = blockIdx.y * KT, col = k0 + lane * VEC;
-  const int row0 = w * W + warp * RPW;
+  const int row0 = w * W + warp;             // the warp's rows: row0 + r * NW
   const int u0 = win_ptr[w], D = win_ptr[w + 1] - u0;
   const int* __restrict__ wcols = ucols + u0;
   const int nch = (D + chunk - 1) / chunk;
@@ -84,7 +86,7 @@ __device__ __forceinline__ void spmm_window(
   float acc[RPW][VEC];
 #pragma unroll
   for (int r = 0; r < RPW; ++r) {
-    const int i = row0 + r;
+    const int i = row0 + r * NW;
     cur[r] = i < m ? indptr[i] : 0;
     end[r] = i < m ? indptr[i + 1] : 0;
 #pragma unroll
@@ -167,7 +169,7 @@ __device__ __forceinline__ void spmm_window(
   if (col < K) {
 #pragma unroll
     for (int r = 0; r < RPW; ++r) {
-      const int i = row0 + r;
+      const int i = row0 + r * NW;
       if (i < m) {
         const float scale = (R == 3 && len[r] > 0) ? 1.0f / (float)len[r] : 1.0f;
         float o[VEC];

@@ -70,11 +70,12 @@ class CsrWindow(NvccTemplate):
     bfloat16 (fp32 arithmetic, one rounding of Y)."""
 
     name = "csr.window"
-    version = "1"
+    version = "2"
     #: not offered to the tuner: on the H100 it is slower than csr.crc_cwm on every shared graph
     #: over 200k nonzeros (best of 20 shapes behind RCM / degree order: 0.94-1.26x of cuSPARSE on
     #: meshes and batched molecules, 0.1-0.4x on social graphs, whose hub rows keep one warp busy
-    #: while the block waits; docs/benchmarks/h100_window_sweep.md).  Built when named
+    #: while the block waits; 64- and 128-row windows with the rows interleaved over the warps:
+    #: 0.11-0.47x on eight social graphs; docs/benchmarks/h100_window_sweep.md).  Built when named
     #: (``template="csr.window"``), e.g. by ``benchmarks/reuse_sweep.py --template csr.window``.
     tunable = False
     dtypes = ("float32", "float16", "bfloat16")
