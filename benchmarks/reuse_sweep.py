@@ -35,10 +35,12 @@ PIPELINES = {
 }
 
 
-def configs(K: int, dtype: str, op: str = "spmm", template: str | None = None):
+def configs(K: int, dtype: str, op: str = "spmm", template: str | None = None, shapes: str = "all"):
     """SpMM: narrow column tiles x tall row windows (the default's shape is measured separately).
     SDDMM: lanes per nonzero x nonzeros per warp x warps per block (consecutive rows per block).
-    ``csr.window``: window heights x lane widths x staging buffers."""
+    ``csr.window``: window heights x lane widths x staging buffers; ``shapes="tall"``: 64- and
+    128-row windows whose staging buffers fill the shared memory (the reuse of a window, nonzeros
+    per distinct column, grows with its height)."""
     from spcompile.kernels.base import unique_params
     from spcompile.kernels.csr.template import CrcCwm, CsrSddmm, _largest_vec
 
@@ -47,6 +49,11 @@ def configs(K: int, dtype: str, op: str = "spmm", template: str | None = None):
 
         d = CsrWindow.heuristic(K, dtype)
         out = []
+        if shapes == "tall":   # chunk past the shared memory: the launch caps it (CsrWindow.chunk)
+            vecs = sorted({_largest_vec(K, v) for v in (1, 2, 4) if v <= d["vec"]})
+            for (w, r), v, nbuf in itertools.product(((8, 8), (16, 4), (16, 8)), vecs, (1, 2)):
+                out.append({**d, "warps": w, "rows_per_warp": r, "vec": v, "chunk": 8192, "nbuf": nbuf})
+            return unique_params(out)
         for (w, r), v, (chunk, nbuf) in itertools.product(((4, 4), (8, 2), (8, 4), (8, 8), (16, 4)),
                                                          (d["vec"], _largest_vec(K, max(1, d["vec"] // 2))),
                                                          ((d["chunk"], 2), (2 * d["chunk"], 1))):
@@ -85,6 +92,8 @@ def main(argv=None) -> int:
                     help="default: degree rcm rcm+lsh (spmm), none degree rcm (sddmm)")
     ap.add_argument("--template", default=None, choices=["csr.crc_cwm", "csr.sddmm", "csr.window"],
                     help="default: csr.crc_cwm (spmm) / csr.sddmm (sddmm)")
+    ap.add_argument("--shapes", default="all", choices=["all", "tall"],
+                    help="csr.window only: tall = 64- and 128-row windows with full shared memory")
     ap.add_argument("--out", default="reuse_out")
     ap.add_argument("--build-only", action="store_true")
     a = ap.parse_args(argv)
@@ -105,9 +114,11 @@ def main(argv=None) -> int:
         tpl = bench.get_template(tname)
         for K in a.K:
             sop = bench.make_op(A, a.op, K, reduce, a.dtype)
-            for p in configs(K, a.dtype, a.op, tname):
+            for p in configs(K, a.dtype, a.op, tname, a.shapes):
                 bench.build_from_config(sop, tpl.make_config(p, [], "cuda"))
-        print(f"built {sum(len(configs(K, a.dtype, a.op, tname)) for K in a.K)} configurations", flush=True)
+            if tname == "csr.window":   # the template's default, measured beside the shapes
+                bench.build_from_config(sop, tpl.make_config(tpl.heuristic(K, a.dtype), [], "cuda"))
+        print(f"built {sum(len(configs(K, a.dtype, a.op, tname, a.shapes)) for K in a.K)} configurations", flush=True)
         return 0
     from spcompile.autotune.measure import Timer
 
@@ -126,11 +137,16 @@ def main(argv=None) -> int:
             col = bench._checked(w, "default", default, {})
             res["default_us"] = timer.time(col.call, n_sets=w.n_sets).seconds * 1e6 if col.call else None
             res["default"] = default.config.params
+            if tname == "csr.window":   # what build() gives on this graph, measured in the same run
+                prod = spcompile.build(A, a.op, K, reduce, target="cuda", dtype=a.dtype)
+                col = bench._checked(w, "build", prod, {})
+                res["build_us"] = timer.time(col.call, n_sets=w.n_sets).seconds * 1e6 if col.call else None
+                res["build"] = prod.config.to_dict()
             cells = []
             pipes = bench.PipelineCache()   # each reordering runs once per graph and K
             tpl = bench.get_template(tname)
             for pname in a.pipelines:
-                for p in configs(K, a.dtype, a.op, tname):
+                for p in configs(K, a.dtype, a.op, tname, a.shapes):
                     try:
                         mod = bench.build_from_config(w.sop, tpl.make_config(p, PIPELINES[pname], "cuda"),
                                                       module=pipes.get(w.sop, PIPELINES[pname]))
@@ -152,6 +168,7 @@ def main(argv=None) -> int:
                 if c["pipeline"] not in bp or c["us"] < bp[c["pipeline"]]:
                     bp[c["pipeline"]] = c["us"]
             print(f"{name:26s} K={K:4d} base {b:7.1f} default {res['default_us']:7.1f} "
+                  + (f"build() {res['build_us']:7.1f} " if res.get("build_us") else "")
                   + " ".join(f"{k} {v:7.1f}" for k, v in bp.items())
                   + (f" | best x{b / best['us']:.2f} {best['pipeline']} {json.dumps(best['params'])}"
                      if best and b else "")
