@@ -873,7 +873,7 @@ def _model_candidates(a, A, sop) -> list:
         try:
             got = knowledge.ranked_configs(sop, "cuda", a.precision, k=DEFAULT_CANDIDATES)
             got += knowledge.cross_dtype_configs(sop, "cuda", a.precision)
-            got += [(c, None) for c in unranked_variants(got, "cuda", sop.dtype)]
+            got += [(c, None) for c in unranked_variants(got, "cuda", sop.dtype, sop)]
         except Exception as e:  # noqa: BLE001
             print(f"  K={sop.K}: no model candidates: {_err(e)}", flush=True)
             return []

@@ -369,9 +369,10 @@ def test_binary_rebuilt_for_another_arch(monkeypatch):
 #: sha256 of the rendered source (the on-disk kernel cache key) of csr instances; a change here
 #: invalidates every cached csr kernel binary -- update only for an intended kernel change
 RENDER_SHA256 = {
-    ("csr.crc_cwm", ("sum", 1, 4, 32, 2, "float32")): "1e93a95a83a986cc281038a6882c1e89c0ba373ec8df5e2907a22f03e023048a",
-    ("csr.crc_cwm", ("mean", 4, 8, 4, 8, "bfloat16")): "2306de78a986a54b5939e1e0c986d198511f2a43d25788dea2272e2465a339d7",
-    ("csr.crc_cwm", ("max", 2, 1, 8, 4, "float16")): "cf0699cc9300224f9a4e64acd5854b27dc338de04ad9424aa5392805ebc8d709",
+    ("csr.crc_cwm", ("sum", 1, 4, 32, 2, "float32")): "4d2fa068ef0bbbee4a0e2a2c577fb0ad9326ffa64e3e02907cc3215f6ab6e344",
+    ("csr.crc_cwm", ("mean", 4, 8, 4, 8, "bfloat16")): "544d9a4e1d9443261cb8cfa99200bfbd830282ac532448b0d96f6afe64e6ab0c",
+    ("csr.crc_cwm", ("max", 2, 1, 8, 4, "float16")): "12bd4a21b5a48fb416bd6ee561b5cc19d92aae99225b2ff2a35e18b56d9e5912",
+    ("csr.crc_cwm", ("sum", 1, 4, 32, 2, "float32", 1)): "b14a87a6f74ad5c6622b5a82781d25bf5e6afa685ec1612391678599806e4f20",
     ("csr.sddmm", (32, 4, 4, "float32")): "51a4d13079f8fec170194599cae6e7d294e5178dd72e3a27a41d515fc1df0431",
     ("csr.sddmm", (8, 2, 2, "float16")): "b7ffe729baddfe3fae189b1cfe8b22e89a946dc2016342dbde43ba2f7cc619c1",
     ("csr.sddmm", (16, 8, 1, "bfloat16", 1)): "2b4f832bd22e7d7165e7c519a50b9c9d583b2553b8b366cdcf4cb79bcdc4da31",
@@ -383,3 +384,39 @@ def test_rendered_source_unchanged():
         t = get_template(name)
         got = hashlib.sha256(t.render(t.instances(*args)).encode()).hexdigest()
         assert got == want, f"rendered source of {name}{args} changed: cached kernels are rebuilt"
+
+
+def test_spmm_flat_rule_seeds_and_names():
+    """csr.crc_cwm flat=1: a candidate (quick-selection variant, tuner seeds) only on matrices of
+    short, even rows; 8 rows per group up to 4 nonzeros a row on average, else 4; its instances
+    (and their VEC = 1 fallback) are the flat ones, a parameter set without "flat" keeps the
+    one-row kernel and its old name, and a bad value is refused."""
+    t = get_template("csr.crc_cwm")
+    ring = sp.diags([1.0, 1.0, 1.0], [-1, 0, 1], shape=(500, 500), format="csr", dtype=np.float32)   # 3 a row
+    mesh = sp.diags([1.0] * 7, [-3, -2, -1, 0, 1, 2, 3], shape=(500, 500), format="csr", dtype=np.float32)
+    hub = random_matrix(300, 257, density=0.03, seed=0)                                          # a 257-long row
+    first = {**t.heuristic(64, 3, 3.0), "rows_per_warp": 2}
+    for A, rpw in ((ring, 8), (mesh, 4)):
+        op = make_op(A, "spmm", 64)
+        assert t.unranked_variants(first, op) == [{**first, "flat": 1, "rows_per_warp": rpw, "warps_per_block": 4}]
+        assert t.unranked_variants({**first, "flat": 1}, op) == []
+        seeds = t.seed_params(_mod(A, "spmm", 64))
+        assert sorted(s["rows_per_warp"] for s in seeds if s.get("flat")) == [4, 8]
+    assert t.unranked_variants(first, make_op(hub, "spmm", 64)) == []
+    assert t.unranked_variants(first) == []                     # no workload: nothing to judge by
+    assert not any(s.get("flat") for s in t.seed_params(_mod(hub, "spmm", 64)))
+    assert t.short_rows(32, 8.0) and not t.short_rows(33, 2.0) and not t.short_rows(20, 8.5)
+
+    mod = _mod(ring, "spmm", 64)
+    old = t.heuristic(64, 3, 3.0)
+    k = t.build(mod, old, compile=False)
+    assert "flat" not in k.params and k.meta["instances"][0][0] == "spmm_crc_cwm_f32_r0_cf1_v4_g16_u2"
+    f = t.build(mod, {**old, "flat": 1, "rows_per_warp": 8}, compile=False)
+    names = [n for n, _ in f.meta["instances"]]
+    assert names == ["spmm_crc_cwm_f32_r0_cf1_v4_g16_u2_flat", "spmm_crc_cwm_f32_r0_cf1_v1_g16_u2_flat"]
+    assert all(a[-1] == 1 for _, a in f.meta["instances"])
+    # the numpy emulation of the flat kernel's launch (its segments and their writes) is exact
+    X = np.random.default_rng(0).standard_normal((500, 64)).astype(np.float32)
+    _close(em.emulate_kernel(f, X), reference.spmm(as_csr(ring), X, "sum"))
+    with pytest.raises(ValueError, match="flat"):
+        t.build(mod, {**old, "flat": 2}, compile=False)

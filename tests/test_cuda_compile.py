@@ -26,6 +26,8 @@ def _spmm_instances():
             inst.update(t.instances(r, 2, vec, 32))
         for g in (4, 8, 16):
             inst.update(t.instances(r, 1, 4, g))
+        inst.update(t.instances(r, 1, 4, 32, 2, "float32", 1))        # flat streams of rows
+    inst.update(t.instances("sum", 2, 8, 16, 4, "float16", 1))
     return t, sorted(inst)
 
 

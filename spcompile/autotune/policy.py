@@ -17,7 +17,7 @@ from .tuner import Tuner, objective_name, precision_name
 __all__ = ["choose_config", "decide", "safe_url", "record_info", "describe"]
 
 
-def unranked_variants(ranked, target: str, dtype: str) -> list:
+def unranked_variants(ranked, target: str, dtype: str, op=None) -> list:
     """Configs quick selection measures beside the model's ranking: for the first-ranked config of
     each template, the variants of it that its template says the portfolio never measured
     (``Template.unranked_variants``)."""
@@ -29,7 +29,7 @@ def unranked_variants(ranked, target: str, dtype: str) -> list:
             continue
         seen.add(cfg.template)
         tpl = get_template(cfg.template)
-        for p in tpl.unranked_variants(dict(cfg.params)):
+        for p in tpl.unranked_variants(dict(cfg.params), op):
             out.append(tpl.make_config(p, cfg.pipeline, target, dtype))
     return out
 
@@ -124,7 +124,7 @@ def decide(sop: SparseOp, target: str, storage: str | None = None, tune: bool = 
 
                 cross = [("model (float32 shape)", c, sp) for c, sp in cross_dtype_configs(sop, target, precision)
                          if takes_values(c)]
-                cross += [("model (variant)", c, None) for c in unranked_variants(ranked, target, sop.dtype)
+                cross += [("model (variant)", c, None) for c in unranked_variants(ranked, target, sop.dtype, sop)
                           if takes_values(c)]
         except Exception as e:  # noqa: BLE001 - knowledge is an optimisation: never a reason to fail
             model_error = f"{type(e).__name__}: {e}"[:300]

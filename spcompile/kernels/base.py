@@ -127,9 +127,10 @@ class Template:
         template's heuristic default to try (none by default)."""
         return []
 
-    def unranked_variants(self, params) -> list:
+    def unranked_variants(self, params, op=None) -> list:
         """Parameter sets quick selection measures beside the shipped model's first choice of this
-        template, for variants the model's portfolio never measured (none by default)."""
+        template (``op``: the workload, when the choice depends on the matrix), for variants the
+        model's portfolio never measured (none by default)."""
         return []
 
     def requires(self, mod: SparseModule) -> tuple[str, ...]:

@@ -1,7 +1,7 @@
 // GE-SpMM style CSR SpMM (Huang et al., SC'20): coalesced row caching (CRC) + coarse-grained
 // warp merging (CWM), for Y = reduce_j A[i,j] * X[j,:] with reduce in {sum, max, min, mean}.
 //
-// One parametrised kernel body; the Python side (spcompile/cuda_templates/templates.py) emits one
+// One parametrised kernel body; the Python side (spcompile/kernels/csr/template.py) emits one
 // extern "C" wrapper per parameter set with SPC_SPMM_INSTANCE, so a single source serves every
 // variant (no copy-pasted kernels, no configuration #defines).
 //
@@ -18,6 +18,11 @@
 //   U    nonzeros whose X rows are loaded before any is accumulated (U x CF vector loads in
 //        flight per lane: latency hiding on short/long rows of small graphs); accumulation order
 //        stays the nonzero order
+//   FL   0: a row group takes its segments one after another (each its own chain of dependent
+//        loads: segment bounds, column ids, X rows); 1 (flat): its `segs_per_group` consecutive
+//        segments are one run of nonzeros, cached G at a time, with the U X loads in flight across
+//        segment ends and the segment bounds / outputs read G at a time (for short, even rows;
+//        a long row would be one group's serial work)
 // Run-time parameters: K, block size (warps per block), segments per group (rows per warp), and
 // the row partition computed at build time:
 //   seg_ptr[s]..seg_ptr[s+1]  nonzeros of segment s (a whole row, or a bounded slice of a long row)
@@ -103,7 +108,7 @@ template <int VEC> __device__ __forceinline__ void load_part_cg(const float* p, 
   else { v[0] = __ldcg(p); }
 }
 
-template <typename T, int R, int CF, int VEC, int G, int U>
+template <typename T, int R, int CF, int VEC, int G, int U, int FL>
 __device__ __forceinline__ void spmm_crc_cwm(
     const int* __restrict__ seg_ptr, const int* __restrict__ seg_out, const int* __restrict__ seg_slot,
     const int* __restrict__ indices, const float* __restrict__ data, const T* __restrict__ X,
@@ -121,63 +126,12 @@ __device__ __forceinline__ void spmm_crc_cwm(
   const int col_base = blockIdx.y * tile_w + lane * VEC;
   const long long group = (long long)blockIdx.x * groups_per_block + gib;
 
-  for (int r = 0; r < segs_per_group; ++r) {
-    const long long s = group * segs_per_group + r;
-    if (s >= nseg) return;                          // uniform within the group
-    const int lo = seg_ptr[s], hi = seg_ptr[s + 1];
-    float acc[CF][VEC];
-#pragma unroll
-    for (int c = 0; c < CF; ++c)
-#pragma unroll
-      for (int v = 0; v < VEC; ++v) acc[c][v] = red_init<R>();
-
-    for (int base = lo; base < hi; base += G) {
-      const int n = min(G, hi - base);
-      if (lane < n) {                               // coalesced row caching
-        s_idx[lane] = indices[base + lane];
-        s_val[lane] = data[base + lane];
-      }
-      __syncwarp(gmask);
-      for (int e0 = 0; e0 < n; e0 += U) {
-        // U nonzeros' X slices are loaded first (U x CF loads in flight, kept packed: a 16-byte
-        // load is 4 registers whatever T is), then converted and accumulated in nonzero order
-        pack_t<T, VEC> xv[U][CF];
-        float a[U];
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-          const int e = e0 + u;
-          if (e < n) {
-            a[u] = s_val[e];
-            const T* xrow = X + (size_t)s_idx[e] * K;
-#pragma unroll
-            for (int c = 0; c < CF; ++c) {
-              const int col = col_base + c * G * VEC;
-              if (col < K) load_raw<T, VEC>(xrow + col, xv[u][c]);
-            }
-          }
-        }
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-          if (e0 + u < n) {
-#pragma unroll
-            for (int c = 0; c < CF; ++c) {
-              const int col = col_base + c * G * VEC;
-              if (col < K) {
-#pragma unroll
-                for (int v = 0; v < VEC; ++v) acc[c][v] = red_op<R>(acc[c][v], a[u] * to_f(xv[u][c].e[v]));
-              }
-            }
-          }
-        }
-      }
-      __syncwarp(gmask);
-    }
-
-    const int slot = seg_slot[s];
+  // what a segment's accumulator becomes: its output row (whole row) or its partial slot (slice
+  // of a split row; the last slice of the row group combines).  Group-uniform control flow.
+  auto finish = [&](const int slot, const int out_row, float (&acc)[CF][VEC], const int len) {
     if (slot < 0) {                                 // whole row: finish and write
-      const int len = hi - lo;
       const float scale = (R == 3 && len > 0) ? 1.0f / (float)len : 1.0f;
-      T* yrow = Y + (size_t)seg_out[s] * K;
+      T* yrow = Y + (size_t)out_row * K;
 #pragma unroll
       for (int c = 0; c < CF; ++c) {
         const int col = col_base + c * G * VEC;
@@ -240,6 +194,156 @@ __device__ __forceinline__ void spmm_crc_cwm(
         if (lane == 0) counters[cnt_idx] = 0;       // ready for the next call (stream-ordered)
       }
     }
+  };
+
+  if constexpr (FL != 0) {
+    // flat: the group's segments [s0, s0 + ns) are one stream of nonzeros (consecutive in
+    // seg_ptr), cached G at a time with U X loads in flight across segment boundaries; a segment
+    // is finished when the stream passes its end.  The segment pointers are read G at a time: lane
+    // i holds seg_ptr[s0 + wb + i].
+    const long long s0 = group * segs_per_group;
+    if (s0 >= nseg) return;
+    const int ns = (int)min((long long)segs_per_group, nseg - s0);
+    const int gl = (threadIdx.x % 32) / G * G;      // first lane of the group in its warp
+    // lane i holds seg_ptr / seg_slot / seg_out of segment s0 + wb + i; the window moves when
+    // the pointer after the current segment leaves it (the current segment stays in it)
+    int wb = 0, myptr = 0, myslot = -1, myout = 0;
+    auto load_window = [&]() {
+      myptr = wb + lane <= ns ? seg_ptr[s0 + wb + lane] : 0;
+      myslot = wb + lane < ns ? seg_slot[s0 + wb + lane] : -1;
+      myout = wb + lane < ns ? seg_out[s0 + wb + lane] : 0;
+    };
+    load_window();
+    auto ptr_at = [&](const int j) {                // seg_ptr[s0 + j], 0 < j <= ns, group-uniform
+      if (j - wb >= G) {
+        wb = j - 1;
+        load_window();
+      }
+      return __shfl_sync(gmask, myptr, gl + j - wb);
+    };
+    auto finish_cur = [&](const int j, float (&acc)[CF][VEC], const int len) {
+      finish(__shfl_sync(gmask, myslot, gl + j - wb), __shfl_sync(gmask, myout, gl + j - wb), acc, len);
+    };
+    const int e_end = seg_ptr[s0 + ns];
+    int cur = 0, seg_lo = __shfl_sync(gmask, myptr, gl), seg_hi = ptr_at(1);
+    float acc[CF][VEC];
+#pragma unroll
+    for (int c = 0; c < CF; ++c)
+#pragma unroll
+      for (int v = 0; v < VEC; ++v) acc[c][v] = red_init<R>();
+    for (int base = seg_lo; base < e_end; base += G) {
+      const int n = min(G, e_end - base);
+      if (lane < n) {
+        s_idx[lane] = indices[base + lane];
+        s_val[lane] = data[base + lane];
+      }
+      __syncwarp(gmask);
+      for (int e0 = 0; e0 < n; e0 += U) {
+        pack_t<T, VEC> xv[U][CF];
+        float a[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          const int e = e0 + u;
+          if (e < n) {
+            a[u] = s_val[e];
+            const T* xrow = X + (size_t)s_idx[e] * K;
+#pragma unroll
+            for (int c = 0; c < CF; ++c) {
+              const int col = col_base + c * G * VEC;
+              if (col < K) load_raw<T, VEC>(xrow + col, xv[u][c]);
+            }
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          if (e0 + u < n) {
+            while (base + e0 + u >= seg_hi) {       // the stream left segment cur (and empty ones)
+              finish_cur(cur, acc, seg_hi - seg_lo);
+#pragma unroll
+              for (int c = 0; c < CF; ++c)
+#pragma unroll
+                for (int v = 0; v < VEC; ++v) acc[c][v] = red_init<R>();
+              ++cur;
+              seg_lo = seg_hi;
+              seg_hi = ptr_at(cur + 1);
+            }
+#pragma unroll
+            for (int c = 0; c < CF; ++c) {
+              const int col = col_base + c * G * VEC;
+              if (col < K) {
+#pragma unroll
+                for (int v = 0; v < VEC; ++v) acc[c][v] = red_op<R>(acc[c][v], a[u] * to_f(xv[u][c].e[v]));
+              }
+            }
+          }
+        }
+      }
+      __syncwarp(gmask);
+    }
+    for (; cur < ns; ++cur) {                       // the last segment and trailing empty ones
+      finish_cur(cur, acc, seg_hi - seg_lo);
+#pragma unroll
+      for (int c = 0; c < CF; ++c)
+#pragma unroll
+        for (int v = 0; v < VEC; ++v) acc[c][v] = red_init<R>();
+      seg_lo = seg_hi;
+      if (cur + 1 < ns) seg_hi = ptr_at(cur + 2);
+    }
+  } else {
+    for (int r = 0; r < segs_per_group; ++r) {
+      const long long s = group * segs_per_group + r;
+      if (s >= nseg) return;                          // uniform within the group
+      const int lo = seg_ptr[s], hi = seg_ptr[s + 1];
+      float acc[CF][VEC];
+#pragma unroll
+      for (int c = 0; c < CF; ++c)
+#pragma unroll
+        for (int v = 0; v < VEC; ++v) acc[c][v] = red_init<R>();
+
+      for (int base = lo; base < hi; base += G) {
+        const int n = min(G, hi - base);
+        if (lane < n) {                               // coalesced row caching
+          s_idx[lane] = indices[base + lane];
+          s_val[lane] = data[base + lane];
+        }
+        __syncwarp(gmask);
+        for (int e0 = 0; e0 < n; e0 += U) {
+          // U nonzeros' X slices are loaded first (U x CF loads in flight, kept packed: a 16-byte
+          // load is 4 registers whatever T is), then converted and accumulated in nonzero order
+          pack_t<T, VEC> xv[U][CF];
+          float a[U];
+#pragma unroll
+          for (int u = 0; u < U; ++u) {
+            const int e = e0 + u;
+            if (e < n) {
+              a[u] = s_val[e];
+              const T* xrow = X + (size_t)s_idx[e] * K;
+#pragma unroll
+              for (int c = 0; c < CF; ++c) {
+                const int col = col_base + c * G * VEC;
+                if (col < K) load_raw<T, VEC>(xrow + col, xv[u][c]);
+              }
+            }
+          }
+#pragma unroll
+          for (int u = 0; u < U; ++u) {
+            if (e0 + u < n) {
+#pragma unroll
+              for (int c = 0; c < CF; ++c) {
+                const int col = col_base + c * G * VEC;
+                if (col < K) {
+#pragma unroll
+                  for (int v = 0; v < VEC; ++v) acc[c][v] = red_op<R>(acc[c][v], a[u] * to_f(xv[u][c].e[v]));
+                }
+              }
+            }
+          }
+        }
+        __syncwarp(gmask);
+      }
+
+      finish(seg_slot[s], seg_out[s], acc, hi - lo);
+    }
   }
 }
 
@@ -251,13 +355,13 @@ __device__ __forceinline__ void spmm_crc_cwm(
 #define SPC_ELEM_2 __nv_bfloat16
 #define SPC_ELEM(TN) SPC_ELEM_##TN
 
-#define SPC_SPMM_INSTANCE(NAME, TN, R, CF, VEC, G, U)                                                \
+#define SPC_SPMM_INSTANCE(NAME, TN, R, CF, VEC, G, U, FL)                                                \
   extern "C" __global__ void __launch_bounds__(256) NAME(                                            \
       const int* seg_ptr, const int* seg_out, const int* seg_slot, const int* indices,               \
       const float* data, const SPC_ELEM(TN)* X, SPC_ELEM(TN)* Y, float* part, int* counters,         \
       const int* grp_ptr, const int* slot_grp, const int* grp_out, const int* grp_len, int nseg,     \
       int K, int segs_per_group) {                                                                   \
-    spc::spmm_crc_cwm<SPC_ELEM(TN), R, CF, VEC, G, U>(seg_ptr, seg_out, seg_slot, indices, data, X,  \
+    spc::spmm_crc_cwm<SPC_ELEM(TN), R, CF, VEC, G, U, FL>(seg_ptr, seg_out, seg_slot, indices, data, X,  \
                                                       Y, part, counters, grp_ptr, slot_grp, grp_out, \
                                                       grp_len, nseg, K, segs_per_group);             \
   }

@@ -75,8 +75,9 @@ class CrcCwmKernel(NvccKernel):
 class CrcCwm(NvccTemplate):
     """GE-SpMM (SC'20) CSR SpMM with sum/max/min/mean: coalesced row caching in shared memory,
     coarse-grained warp merging (CF), vector loads, sub-warp row groups for narrow K, split long
-    rows for load balance, and ``unroll`` nonzeros' X loads in flight before accumulating.  Any
-    K >= 1.  X / Y in float32, float16 or bfloat16 (fp32 accumulation, one rounding of Y)."""
+    rows for load balance, and ``unroll`` nonzeros' X loads in flight before accumulating;
+    ``flat=1``: each row group streams its ``rows_per_warp`` consecutive segments as one run of
+    nonzeros (X loads in flight across row ends; for short, even rows).  Any K >= 1.  X / Y in float32, float16 or bfloat16 (fp32 accumulation, one rounding of Y)."""
 
     name = "csr.crc_cwm"
     version = "2"
@@ -93,7 +94,7 @@ class CrcCwm(NvccTemplate):
 
         return {"cf": C([1, 2, 4, 8]), "vec": C(_vec_choices(mod.op.dtype)), "group": C([4, 8, 16, 32]),
                 "warps_per_block": C([2, 4, 8]), "rows_per_warp": C([1, 2, 4]),
-                "max_seg": C([0, 8, 16, 32, 64, 256, 1024, 4096]), "unroll": C([1, 2, 4, 8])}
+                "max_seg": C([0, 8, 16, 32, 64, 256, 1024, 4096]), "unroll": C([1, 2, 4, 8]), "flat": C([0, 1])}
 
     @staticmethod
     def heuristic(K: int, max_row: int, mean_row: float, dtype: str = "float32") -> dict:
@@ -135,6 +136,12 @@ class CrcCwm(NvccTemplate):
         # graphs share X rows inside the window (measured: tu_nci1 / tu_dd 9-12% faster than 16)
         seeds.append({**d, "warps_per_block": 8, "rows_per_warp": 4})
         seeds.append({**d, "warps_per_block": 2})
+        lens = mod.A.row_lengths
+        if lens.size and self.short_rows(int(lens.max()), float(lens.mean())):
+            # flat streams of consecutive short rows (measured: tu_nci1 17% faster than the tuned
+            # one-row-at-a-time module behind RCM; slower wherever rows are long or split)
+            for rpw in (4, 8):
+                seeds.append({**d, "flat": 1, "rows_per_warp": rpw, "warps_per_block": 4, "unroll": 2})
         seeds.append({**d, "unroll": 1})
         seeds.append({**d, "unroll": 4 if d["cf"] <= 2 else 2})
         if mod.A.nnz <= 200_000:
@@ -149,10 +156,31 @@ class CrcCwm(NvccTemplate):
                         seeds.append({**d, "group": g, "vec": vec4, "cf": 1, "max_seg": ms, "unroll": 8})
         return unique_params(seeds)
 
+    #: rows at most this long (and ``FLAT_MAX_MEAN`` on average) make the flat layout a candidate
+    FLAT_MAX_ROW, FLAT_MAX_MEAN = 32, 8.0
+
+    @classmethod
+    def short_rows(cls, max_row: int, mean_row: float) -> bool:
+        """Rows short and even enough for ``flat=1`` (consecutive rows streamed by one row group)
+        to be worth measuring: a long row would be one group's serial work."""
+        return max_row <= cls.FLAT_MAX_ROW and mean_row <= cls.FLAT_MAX_MEAN
+
+    def unranked_variants(self, params, op=None) -> list:
+        """On matrices of short, even rows, the model's first choice with ``flat=1`` (the shipped
+        portfolio measured one-row-at-a-time groups only): 8 rows per group up to 4 nonzeros per
+        row on average, else 4."""
+        if op is None or int(params.get("flat", 0)):
+            return []
+        lens = op.A.row_lengths
+        if not lens.size or not self.short_rows(int(lens.max()), float(lens.mean())):
+            return []
+        rpw = 8 if float(lens.mean()) <= 4 else 4
+        return [{**dict(params), "flat": 1, "rows_per_warp": rpw, "warps_per_block": 4}]
+
     def checks(self, mod):
         return {"cf": (1, 2, 4, 8), "vec": _vec_choices(mod.op.dtype), "group": (4, 8, 16, 32),
                 "unroll": (1, 2, 4, 8), "warps_per_block": (1, 2, 4, 8), "rows_per_warp": AtLeast(1),
-                "max_seg": AtLeast(0)}
+                "max_seg": AtLeast(0), "flat": (0, 1)}
 
     def pack(self, mod, params):
         return pack_spmm(mod, int(params["max_seg"]))
@@ -192,15 +220,17 @@ class CrcCwm(NvccTemplate):
 
     def instance_args(self, mod, params):
         return {"reduce": mod.op.reduce, "cf": int(params["cf"]), "vec": _largest_vec(mod.op.K, int(params["vec"])),
-                "group": int(params["group"]), "unroll": int(params["unroll"]), "dtype": mod.op.dtype}
+                "group": int(params["group"]), "unroll": int(params["unroll"]), "dtype": mod.op.dtype,
+                "flat": int(params.get("flat", 0))}
 
     @staticmethod
-    def instance_name(TN, R, CF, VEC, G, U) -> str:
-        return f"spmm_crc_cwm_{_SHORT[TN]}_r{R}_cf{CF}_v{VEC}_g{G}_u{U}"
+    def instance_name(TN, R, CF, VEC, G, U, FL=0) -> str:
+        return f"spmm_crc_cwm_{_SHORT[TN]}_r{R}_cf{CF}_v{VEC}_g{G}_u{U}" + ("_flat" if FL else "")
 
-    def instance(self, reduce: str, cf: int, vec: int, group: int, unroll: int = 4, dtype: str = "float32"):
+    def instance(self, reduce: str, cf: int, vec: int, group: int, unroll: int = 4, dtype: str = "float32",
+                 flat: int = 0):
         R, TN = _REDUCE[reduce], DTYPES[dtype].code
-        return self.instance_name(TN, R, cf, vec, group, unroll), (TN, R, cf, vec, group, unroll)
+        return self.instance_name(TN, R, cf, vec, group, unroll, flat), (TN, R, cf, vec, group, unroll, int(flat))
 
 
 # ------------------------------------------------------------------------------------------
@@ -320,7 +350,7 @@ class CsrSddmm(NvccTemplate):
         order[nnz_ids] = np.arange(nnz, dtype=np.int64)
         check_entries(row, indices, data, m, n, key.pattern, values, order)
 
-    def unranked_variants(self, params) -> list:
+    def unranked_variants(self, params, op=None) -> list:
         """The model's first choice with nonzero-parallel segments: the shipped portfolio measured
         one-row segments only, and on short rows the flat layout is up to 2x faster (H100)."""
         return [] if _flat(params) else [{**dict(params), "flat": 1, "nnz_per_warp": 32}]
