@@ -77,7 +77,8 @@ class CrcCwm(NvccTemplate):
     coarse-grained warp merging (CF), vector loads, sub-warp row groups for narrow K, split long
     rows for load balance, and ``unroll`` nonzeros' X loads in flight before accumulating;
     ``flat=1``: each row group streams its ``rows_per_warp`` consecutive segments as one run of
-    nonzeros (X loads in flight across row ends; for short, even rows).  Any K >= 1.  X / Y in float32, float16 or bfloat16 (fp32 accumulation, one rounding of Y)."""
+    nonzeros (X loads in flight across row ends; for short, even rows).  Any K >= 1.  X / Y in
+    float32, float16 or bfloat16 (fp32 accumulation, one rounding of Y)."""
 
     name = "csr.crc_cwm"
     version = "2"
