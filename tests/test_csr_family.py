@@ -369,10 +369,11 @@ def test_binary_rebuilt_for_another_arch(monkeypatch):
 #: sha256 of the rendered source (the on-disk kernel cache key) of csr instances; a change here
 #: invalidates every cached csr kernel binary -- update only for an intended kernel change
 RENDER_SHA256 = {
-    ("csr.crc_cwm", ("sum", 1, 4, 32, 2, "float32")): "4d2fa068ef0bbbee4a0e2a2c577fb0ad9326ffa64e3e02907cc3215f6ab6e344",
-    ("csr.crc_cwm", ("mean", 4, 8, 4, 8, "bfloat16")): "544d9a4e1d9443261cb8cfa99200bfbd830282ac532448b0d96f6afe64e6ab0c",
-    ("csr.crc_cwm", ("max", 2, 1, 8, 4, "float16")): "12bd4a21b5a48fb416bd6ee561b5cc19d92aae99225b2ff2a35e18b56d9e5912",
-    ("csr.crc_cwm", ("sum", 1, 4, 32, 2, "float32", 1)): "b14a87a6f74ad5c6622b5a82781d25bf5e6afa685ec1612391678599806e4f20",
+    ("csr.crc_cwm", ("sum", 1, 4, 32, 2, "float32")): "de47d1d46fbb4c4bf4751cefde1b5f7a7fabf61fbea02fc3d807e85025c804bd",
+    ("csr.crc_cwm", ("mean", 4, 8, 4, 8, "bfloat16")): "d90f4f1eee16e46fda237e5b599428f5537db9fa0330e329ef59770df318d936",
+    ("csr.crc_cwm", ("max", 2, 1, 8, 4, "float16")): "0162fd26864f39bb54ab38dd37c7627c3b0dd80bf527521f3971f7d6758dfc0a",
+    ("csr.crc_cwm", ("sum", 1, 4, 32, 2, "float32", 1)): "958722b52fdddae04332024f6f2f3a2cca5ef2fef312c48d5869323e7818cfa5",
+    ("csr.crc_cwm", ("sum", 1, 4, 32, 1, "float32", 0, 8)): "564a689b88c6b8b3f68fccdb2d2fea4a02b10ba13c924d71a75a23e2d3633f85",
     ("csr.sddmm", (32, 4, 4, "float32")): "51a4d13079f8fec170194599cae6e7d294e5178dd72e3a27a41d515fc1df0431",
     ("csr.sddmm", (8, 2, 2, "float16")): "b7ffe729baddfe3fae189b1cfe8b22e89a946dc2016342dbde43ba2f7cc619c1",
     ("csr.sddmm", (16, 8, 1, "bfloat16", 1)): "2b4f832bd22e7d7165e7c519a50b9c9d583b2553b8b366cdcf4cb79bcdc4da31",
@@ -384,6 +385,44 @@ def test_rendered_source_unchanged():
         t = get_template(name)
         got = hashlib.sha256(t.render(t.instances(*args)).encode()).hexdigest()
         assert got == want, f"rendered source of {name}{args} changed: cached kernels are rebuilt"
+
+
+def test_spmm_min_blocks_rule_seeds_and_names():
+    """csr.crc_cwm min_blocks: launch bounds of MB resident 256-thread blocks per SM.  A
+    quick-selection variant (8, one X load and one column slice per lane) on sparse rows only (mean <= 12, never on
+    top of a flat or min_blocks choice), two tuner seeds, in the space; its instances (and their
+    VEC = 1 fallback) are named ``_mb<N>`` and defined by SPC_SPMM_INSTANCE_MB with N as the last
+    argument; a parameter set without it keeps the old kernel and name; a bad value is refused."""
+    t = get_template("csr.crc_cwm")
+    ring = sp.diags([1.0, 1.0, 1.0], [-1, 0, 1], shape=(500, 500), format="csr", dtype=np.float32)
+    dense = random_matrix(400, 300, density=0.1, seed=1)                                   # ~30 a row
+    first = t.heuristic(64, 3, 3.0)
+    assert t.unranked_variants(first, make_op(ring, "spmm", 64))[-1] == {**first, "min_blocks": 8, "unroll": 1}
+    wide = t.heuristic(256, 3, 3.0)                                 # two column slices per lane
+    assert wide["cf"] == 2 and t.unranked_variants(wide, make_op(ring, "spmm", 256))[-1] == \
+        {**wide, "cf": 1, "min_blocks": 8, "unroll": 1}
+    assert t.unranked_variants({**first, "min_blocks": 4}, make_op(ring, "spmm", 64)) == []
+    assert t.unranked_variants(first, make_op(dense, "spmm", 64)) == []
+    assert tuple(t.space(_mod(ring, "spmm", 64))["min_blocks"].choices) == t.MIN_BLOCKS
+    for A in (ring, dense):
+        seeds = t.seed_params(_mod(A, "spmm", 64))
+        assert sorted((s["min_blocks"], s["unroll"]) for s in seeds if s.get("min_blocks", 1) > 1) == [(4, 4), (8, 1)]
+
+    mod = _mod(ring, "spmm", 64)
+    k = t.build(mod, first, compile=False)
+    name0, args0 = k.meta["instances"][0]
+    assert name0 == "spmm_crc_cwm_f32_r0_cf1_v4_g16_u2" and tuple(args0) == (0, 0, 1, 4, 16, 2, 0)
+    m = t.build(mod, {**first, "min_blocks": 6}, compile=False)
+    names = [n for n, _ in m.meta["instances"]]
+    assert names == ["spmm_crc_cwm_f32_r0_cf1_v4_g16_u2_mb6", "spmm_crc_cwm_f32_r0_cf1_v1_g16_u2_mb6"]
+    assert all(tuple(a)[-2:] == (0, 6) for _, a in m.meta["instances"])
+    src = t.render([(n, tuple(a)) for n, a in m.meta["instances"]])
+    assert "SPC_SPMM_INSTANCE_MB(spmm_crc_cwm_f32_r0_cf1_v4_g16_u2_mb6, 0, 0, 1, 4, 16, 2, 0, 6)" in src
+    X = np.random.default_rng(0).standard_normal((500, 64)).astype(np.float32)
+    _close(em.emulate_kernel(m, X), reference.spmm(as_csr(ring), X, "sum"))
+    for bad in (0, 2, 16, "8"):
+        with pytest.raises(ValueError, match="min_blocks"):
+            t.build(mod, {**first, "min_blocks": bad}, compile=False)
 
 
 def test_spmm_flat_rule_seeds_and_names():
@@ -398,11 +437,11 @@ def test_spmm_flat_rule_seeds_and_names():
     first = {**t.heuristic(64, 3, 3.0), "rows_per_warp": 2}
     for A, rpw in ((ring, 8), (mesh, 4)):
         op = make_op(A, "spmm", 64)
-        assert t.unranked_variants(first, op) == [{**first, "flat": 1, "rows_per_warp": rpw, "warps_per_block": 4}]
+        assert t.unranked_variants(first, op)[0] == {**first, "flat": 1, "rows_per_warp": rpw, "warps_per_block": 4}
         assert t.unranked_variants({**first, "flat": 1}, op) == []
         seeds = t.seed_params(_mod(A, "spmm", 64))
         assert sorted(s["rows_per_warp"] for s in seeds if s.get("flat")) == [4, 8]
-    assert t.unranked_variants(first, make_op(hub, "spmm", 64)) == []
+    assert not any(v.get("flat") for v in t.unranked_variants(first, make_op(hub, "spmm", 64)))
     assert t.unranked_variants(first) == []                     # no workload: nothing to judge by
     assert not any(s.get("flat") for s in t.seed_params(_mod(hub, "spmm", 64)))
     assert t.short_rows(32, 8.0) and not t.short_rows(33, 2.0) and not t.short_rows(20, 8.5)

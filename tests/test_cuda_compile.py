@@ -27,7 +27,10 @@ def _spmm_instances():
         for g in (4, 8, 16):
             inst.update(t.instances(r, 1, 4, g))
         inst.update(t.instances(r, 1, 4, 32, 2, "float32", 1))        # flat streams of rows
+        for mb in (4, 6, 8):                                            # launch bounds, min blocks
+            inst.update(t.instances(r, 1, 4, 32, 1 if mb == 8 else 4, "float32", 0, mb))
     inst.update(t.instances("sum", 2, 8, 16, 4, "float16", 1))
+    inst.update(t.instances("mean", 1, 8, 32, 1, "bfloat16", 0, 8))
     return t, sorted(inst)
 
 
@@ -246,3 +249,30 @@ def test_gat_compiles_through_the_runtime_cache(tmp_path, monkeypatch):
     src = gat.render([(0, 4, 8, 1)])
     path = rt.compile_cuda(src, arch=90, name="gat_f32_v4_g8_c1")
     assert os.path.isfile(path) and rt.compile_cuda(src, arch=90, name="gat_f32_v4_g8_c1") == path
+
+
+@pytest.mark.parametrize("arch", [90, 80])
+def test_spmm_min_blocks_caps_registers(tmp_path, arch):
+    """csr.crc_cwm ``min_blocks`` MB reaches ptxas as launch bounds: every instance of MB = 4 / 6 /
+    8 uses at most 65536 / (256 MB) registers a thread (64 / 40 / 32 after the allocation
+    granularity), the same kernel without them more than 32 (the cap is what changes it)."""
+    import re
+
+    t = get_template("csr.crc_cwm")
+    inst = []
+    for mb in (1, 4, 6, 8):
+        inst += t.instances("sum", 1, 4, 32, 4, "float32", 0, mb)
+    src = tmp_path / "mb.cu"
+    src.write_text(t.render(inst))
+    r = subprocess.run([rt.nvcc_path(), "-cubin", "-O3", "-std=c++17", f"-arch=sm_{arch}", "-Xptxas", "-v",
+                        "-o", str(tmp_path / "mb.cubin"), str(src)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-4000:]
+    regs = {}
+    for part in (r.stdout + r.stderr).split("Compiling entry function '")[1:]:
+        regs[part.split("'", 1)[0]] = int(re.search(r"Used (\d+) registers", part).group(1))
+    assert set(regs) == {n for n, _ in inst}, regs
+    for n, _ in inst:
+        mb = int(n.rsplit("_mb", 1)[1]) if "_mb" in n else 1
+        cap = {1: 255, 4: 64, 6: 40, 8: 32}[mb]
+        assert regs[n] <= cap, (n, regs[n])
+    assert regs["spmm_crc_cwm_f32_r0_cf1_v4_g32_u4"] > 32

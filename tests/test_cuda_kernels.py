@@ -219,6 +219,41 @@ def test_flat_spmm_streams_rows(dtype, tol, K):
                 assert np.linalg.norm(r - ref) / np.linalg.norm(ref) <= tol, (reduce, p)
 
 
+MIN_BLOCKS_SPMM_PARAMS = (
+    {"group": 32, "vec": 4, "cf": 1, "warps_per_block": 8, "rows_per_warp": 1, "max_seg": 64, "unroll": 1, "min_blocks": 8},
+    {"group": 16, "vec": 2, "cf": 2, "warps_per_block": 4, "rows_per_warp": 2, "max_seg": 16, "unroll": 4, "min_blocks": 6},
+    {"group": 8, "vec": 1, "cf": 4, "warps_per_block": 2, "rows_per_warp": 4, "max_seg": 32, "unroll": 8, "min_blocks": 8,
+     "flat": 1})
+
+
+@pytest.mark.parametrize("dtype, tol", [("float32", 1e-5), ("float16", 2e-2), ("bfloat16", 5e-2)])
+@pytest.mark.parametrize("K", [1, 33, 128])
+def test_min_blocks_spmm(dtype, tol, K):
+    """csr.crc_cwm under launch bounds of 6 / 8 resident blocks (registers capped at 40 / 32, the
+    split-row combine spilling): every reduction, split rows (a row holding every column), empty
+    rows, one-row and flat groups; the NaN-poisoned output fully written and equal to the float64
+    reference, twice in a row (the split-row counters reset)."""
+    import torch
+
+    from spcompile.compile import make_op
+    from spcompile.core import reference
+
+    A = _window_matrix()
+    tdt = getattr(torch, dtype)
+    X = torch.randn(A.shape[1], K, device="cuda").to(tdt)
+    for reduce in ("sum", "max", "min", "mean"):
+        ref = reference.run("spmm", reduce, make_op(A, "spmm", K, reduce).A, X.double().cpu().numpy())
+        for p in MIN_BLOCKS_SPMM_PARAMS:
+            mod = spcompile.build(A, "spmm", K, reduce, target="cuda", dtype=dtype, template="csr.crc_cwm", params=p)
+            assert all(n.endswith(f"_mb{p['min_blocks']}") for n, _ in mod.kernel.meta["instances"])
+            for _ in range(2):
+                out = torch.full((A.shape[0], K), float("nan"), device="cuda", dtype=tdt)
+                mod(X, out=out)
+                r = out.double().cpu().numpy()
+                assert np.all(np.isfinite(r)), (reduce, p)
+                assert np.linalg.norm(r - ref) / np.linalg.norm(ref) <= tol, (reduce, p)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("K", [1, 33, 128, 256])
 def test_window_matches_reference(dtype, K):

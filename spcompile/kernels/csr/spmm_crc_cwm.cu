@@ -23,6 +23,9 @@
 //        segments are one run of nonzeros, cached G at a time, with the U X loads in flight across
 //        segment ends and the segment bounds / outputs read G at a time (for short, even rows;
 //        a long row would be one group's serial work)
+// Launch bounds (the instance macro, not the body): SPC_SPMM_INSTANCE_MB's MB resident 256-thread
+// blocks per SM cap the registers at 65536 / (256 MB) a thread, so more warps keep gathers in
+// flight (parameter min_blocks; graphs of sparse rows wait on DRAM latency)
 // Run-time parameters: K, block size (warps per block), segments per group (rows per warp), and
 // the row partition computed at build time:
 //   seg_ptr[s]..seg_ptr[s+1]  nonzeros of segment s (a whole row, or a bounded slice of a long row)
@@ -355,8 +358,12 @@ __device__ __forceinline__ void spmm_crc_cwm(
 #define SPC_ELEM_2 __nv_bfloat16
 #define SPC_ELEM(TN) SPC_ELEM_##TN
 
-#define SPC_SPMM_INSTANCE(NAME, TN, R, CF, VEC, G, U, FL)                                                \
-  extern "C" __global__ void __launch_bounds__(256) NAME(                                            \
+// LB: the kernel's launch bounds.  SPC_SPMM_INSTANCE: at most 256 threads per block (the compiler
+// picks the registers); SPC_SPMM_INSTANCE_MB: also MB resident 256-thread blocks per SM, i.e. at
+// most 65536 / (256 MB) registers per thread -- more warps in flight for the latency-bound gathers
+// of sparse graphs, at the price of spills in the (cold) split-row combine
+#define SPC_SPMM_INSTANCE_LB(NAME, LB, TN, R, CF, VEC, G, U, FL)                                     \
+  extern "C" __global__ void LB NAME(                                                                \
       const int* seg_ptr, const int* seg_out, const int* seg_slot, const int* indices,               \
       const float* data, const SPC_ELEM(TN)* X, SPC_ELEM(TN)* Y, float* part, int* counters,         \
       const int* grp_ptr, const int* slot_grp, const int* grp_out, const int* grp_len, int nseg,     \
@@ -365,3 +372,7 @@ __device__ __forceinline__ void spmm_crc_cwm(
                                                       Y, part, counters, grp_ptr, slot_grp, grp_out, \
                                                       grp_len, nseg, K, segs_per_group);             \
   }
+#define SPC_SPMM_INSTANCE(NAME, TN, R, CF, VEC, G, U, FL) \
+  SPC_SPMM_INSTANCE_LB(NAME, __launch_bounds__(256), TN, R, CF, VEC, G, U, FL)
+#define SPC_SPMM_INSTANCE_MB(NAME, TN, R, CF, VEC, G, U, FL, MB) \
+  SPC_SPMM_INSTANCE_LB(NAME, __launch_bounds__(256, MB), TN, R, CF, VEC, G, U, FL)

@@ -15,6 +15,8 @@ different row groups and combined in the same launch (see ``spmm_crc_cwm.cu``); 
 """
 from __future__ import annotations
 
+import re
+
 from ...core.numerics import DTYPES
 import numpy as np
 
@@ -89,13 +91,15 @@ class CrcCwm(NvccTemplate):
     instance_macro = "SPC_SPMM_INSTANCE"
     kernel_class = CrcCwmKernel
     fallback_param = "vec"
+    absent_params = {"flat": 0, "min_blocks": 1}
 
     def space(self, mod):
         from optuna.distributions import CategoricalDistribution as C
 
         return {"cf": C([1, 2, 4, 8]), "vec": C(_vec_choices(mod.op.dtype)), "group": C([4, 8, 16, 32]),
                 "warps_per_block": C([2, 4, 8]), "rows_per_warp": C([1, 2, 4]),
-                "max_seg": C([0, 8, 16, 32, 64, 256, 1024, 4096]), "unroll": C([1, 2, 4, 8]), "flat": C([0, 1])}
+                "max_seg": C([0, 8, 16, 32, 64, 256, 1024, 4096]), "unroll": C([1, 2, 4, 8]), "flat": C([0, 1]),
+                "min_blocks": C(list(self.MIN_BLOCKS))}
 
     @staticmethod
     def heuristic(K: int, max_row: int, mean_row: float, dtype: str = "float32") -> dict:
@@ -145,6 +149,13 @@ class CrcCwm(NvccTemplate):
                 seeds.append({**d, "flat": 1, "rows_per_warp": rpw, "warps_per_block": 4, "unroll": 2})
         seeds.append({**d, "unroll": 1})
         seeds.append({**d, "unroll": 4 if d["cf"] <= 2 else 2})
+        # more warps in flight (registers capped by the launch bounds), measured on the H100 at
+        # K=128: one X load per lane at full occupancy 7-17% faster on graphs of sparse rows
+        # (dimacs10_wing, rgg, gemsec_deezer_hu, askubuntu, tu_dd), 4 loads at 64 registers up to
+        # 6% on social graphs; both slower elsewhere.  One column slice per lane (cf=1): at K=256
+        # cf=2 spills at 32 registers (2-4x slower), cf=1 over two column tiles up to 12% faster
+        seeds.append({**d, "cf": 1, "min_blocks": 8, "unroll": 1})
+        seeds.append({**d, "min_blocks": 4, "unroll": 4})
         if mod.A.nnz <= 200_000:
             # small graphs are latency-bound: shorter slices of long rows and finer column tiles
             # (more row groups / blocks in flight), more X loads in flight per lane
@@ -157,6 +168,13 @@ class CrcCwm(NvccTemplate):
                         seeds.append({**d, "group": g, "vec": vec4, "cf": 1, "max_seg": ms, "unroll": 8})
         return unique_params(seeds)
 
+    #: ``min_blocks``: resident 256-thread blocks per SM the registers must allow (launch bounds):
+    #: 1 leaves the registers to the compiler (48-70 per thread at unroll 2-4: 43-62% of the warp
+    #: slots); 4 / 6 / 8 cap them at 64 / 40 / 32 for more warps, hence more gathers, in flight
+    MIN_BLOCKS = (1, 4, 6, 8)
+    #: rows at most this long on average make ``min_blocks=8`` a candidate of quick selection
+    OCC_MAX_MEAN = 12.0
+
     #: rows at most this long (and ``FLAT_MAX_MEAN`` on average) make the flat layout a candidate
     FLAT_MAX_ROW, FLAT_MAX_MEAN = 32, 8.0
 
@@ -167,21 +185,31 @@ class CrcCwm(NvccTemplate):
         return max_row <= cls.FLAT_MAX_ROW and mean_row <= cls.FLAT_MAX_MEAN
 
     def unranked_variants(self, params, op=None) -> list:
-        """On matrices of short, even rows, the model's first choice with ``flat=1`` (the shipped
-        portfolio measured one-row-at-a-time groups only): 8 rows per group up to 4 nonzeros per
-        row on average, else 4."""
-        if op is None or int(params.get("flat", 0)):
+        """Variants of the model's first choice that the shipped portfolio never measured:
+
+        - on matrices of short, even rows, ``flat=1`` (8 rows per group up to 4 nonzeros per row
+          on average, else 4);
+        - on sparse rows (mean at most ``OCC_MAX_MEAN``), one-row groups at full occupancy
+          (``min_blocks=8``, one X load per lane in flight, one column slice per lane: at 32
+          registers a second one spills): the gathers of such graphs miss L2 and wait on DRAM
+          latency, and more warps hide more of it."""
+        if op is None or int(params.get("flat", 0)) or int(params.get("min_blocks", 1)) > 1:
             return []
         lens = op.A.row_lengths
-        if not lens.size or not self.short_rows(int(lens.max()), float(lens.mean())):
+        if not lens.size:
             return []
-        rpw = 8 if float(lens.mean()) <= 4 else 4
-        return [{**dict(params), "flat": 1, "rows_per_warp": rpw, "warps_per_block": 4}]
+        out = []
+        mean = float(lens.mean())
+        if self.short_rows(int(lens.max()), mean):
+            out.append({**dict(params), "flat": 1, "rows_per_warp": 8 if mean <= 4 else 4, "warps_per_block": 4})
+        if mean <= self.OCC_MAX_MEAN:
+            out.append({**dict(params), "cf": 1, "min_blocks": 8, "unroll": 1})
+        return out
 
     def checks(self, mod):
         return {"cf": (1, 2, 4, 8), "vec": _vec_choices(mod.op.dtype), "group": (4, 8, 16, 32),
                 "unroll": (1, 2, 4, 8), "warps_per_block": (1, 2, 4, 8), "rows_per_warp": AtLeast(1),
-                "max_seg": AtLeast(0), "flat": (0, 1)}
+                "max_seg": AtLeast(0), "flat": (0, 1), "min_blocks": self.MIN_BLOCKS}
 
     def pack(self, mod, params):
         return pack_spmm(mod, int(params["max_seg"]))
@@ -222,16 +250,23 @@ class CrcCwm(NvccTemplate):
     def instance_args(self, mod, params):
         return {"reduce": mod.op.reduce, "cf": int(params["cf"]), "vec": _largest_vec(mod.op.K, int(params["vec"])),
                 "group": int(params["group"]), "unroll": int(params["unroll"]), "dtype": mod.op.dtype,
-                "flat": int(params.get("flat", 0))}
+                "flat": int(params.get("flat", 0)), "min_blocks": int(params.get("min_blocks", 1))}
 
     @staticmethod
-    def instance_name(TN, R, CF, VEC, G, U, FL=0) -> str:
-        return f"spmm_crc_cwm_{_SHORT[TN]}_r{R}_cf{CF}_v{VEC}_g{G}_u{U}" + ("_flat" if FL else "")
+    def instance_name(TN, R, CF, VEC, G, U, FL=0, MB=1) -> str:
+        return (f"spmm_crc_cwm_{_SHORT[TN]}_r{R}_cf{CF}_v{VEC}_g{G}_u{U}" + ("_flat" if FL else "")
+                + (f"_mb{MB}" if MB > 1 else ""))
 
     def instance(self, reduce: str, cf: int, vec: int, group: int, unroll: int = 4, dtype: str = "float32",
-                 flat: int = 0):
-        R, TN = _REDUCE[reduce], DTYPES[dtype].code
-        return self.instance_name(TN, R, cf, vec, group, unroll, flat), (TN, R, cf, vec, group, unroll, int(flat))
+                 flat: int = 0, min_blocks: int = 1):
+        R, TN, MB = _REDUCE[reduce], DTYPES[dtype].code, int(min_blocks)
+        args = (TN, R, cf, vec, group, unroll, int(flat)) + ((MB,) if MB > 1 else ())
+        return self.instance_name(TN, R, cf, vec, group, unroll, flat, MB), args
+
+    def instance_macro_of(self, name: str) -> str:
+        """``SPC_SPMM_INSTANCE_MB`` (launch bounds with a minimum of resident blocks) for the
+        instances of ``min_blocks`` > 1 (name suffix ``_mb<N>``), else ``SPC_SPMM_INSTANCE``."""
+        return "SPC_SPMM_INSTANCE_MB" if re.search(r"_mb\d+$", name) else self.instance_macro
 
 
 # ------------------------------------------------------------------------------------------
@@ -274,6 +309,7 @@ class CsrSddmm(NvccTemplate):
     instance_macro = "SPC_SDDMM_INSTANCE"
     kernel_class = SddmmKernel
     fallback_param = "vec"
+    absent_params = {"flat": 0}
 
     def space(self, mod):
         from optuna.distributions import CategoricalDistribution as C
