@@ -927,3 +927,45 @@ def test_reorder_top_is_wider_on_small_matrices():
                                      REORDER_TOP_SMALL=Tuner.REORDER_TOP_SMALL, SMALL_NNZ=Tuner.SMALL_NNZ)
     assert stand_in.op.A.nnz > Tuner.SMALL_NNZ
     assert Tuner.reorder_top(stand_in) == Tuner.REORDER_TOP < Tuner.REORDER_TOP_SMALL
+
+
+def test_seeds_lacking_a_parameter_are_enqueued_complete(db, monkeypatch):
+    """A seed whose parameter set lacks a parameter of the space (a config saved before the
+    parameter existed, a heuristic that leaves it out) is enqueued with the template's
+    ``absent_params`` value, else its default's: never with a value the sampler draws."""
+    op = make_op(graph(), "spmm", 16)
+    tn = Tuner(op, "cpu", storage=db, runner=FakeRunner())
+    tname, pipes = next(iter(tn.space.items()))
+    tpl = spcompile.get_template(tname)
+    mod = spcompile.SparseModule.from_op(op)
+    dists = tpl.space(mod)
+    base = dict(tpl.default_params(mod))
+    a, b = [k for k, d in dists.items() if hasattr(d, "choices") and len(d.choices) > 1 and k in base][:2]
+    absent = next(c for c in dists[a].choices if c != base[a])
+    monkeypatch.setattr(type(tpl), "absent_params", {a: absent})
+    cfg = Config(tname, {k: v for k, v in base.items() if k not in (a, b)}, tuple(next(iter(pipes.values()))), "cpu")
+    params = tn.params_from_config(cfg)
+    assert params[f"{tname}:{a}"] == absent and params[f"{tname}:{b}"] == base[b]
+    assert set(params) == {"template", f"{tname}:pipeline", *(f"{tname}:{k}" for k in dists)}
+
+
+def test_model_variants_are_seeds(db, monkeypatch):
+    """The variants quick selection measures beside the model's first choice of a template
+    (``Template.unranked_variants``) are seeds of the study too, right behind the model's choices."""
+    from spcompile.autotune import knowledge
+
+    op = make_op(graph(), "spmm", 16)
+    tn = Tuner(op, "cpu", storage=db, runner=FakeRunner())
+    tname, pipes = next(iter(tn.space.items()))
+    tpl = spcompile.get_template(tname)
+    mod = spcompile.SparseModule.from_op(op)
+    base = dict(tpl.default_params(mod))
+    pname, dist = next((k, d) for k, d in tpl.space(mod).items()
+                       if hasattr(d, "choices") and len(d.choices) > 1 and k in base)
+    other = next(c for c in dist.choices if c != base[pname])
+    first = tpl.make_config(base, next(iter(pipes.values())), "cpu")
+    monkeypatch.setattr(knowledge, "ranked_configs", lambda *a, **k: [(first, 1.5)])
+    monkeypatch.setattr(type(tpl), "unranked_variants", lambda self, p, op=None: [{**dict(p), pname: other}])
+    seeds = Tuner(op, "cpu", storage=db, runner=FakeRunner(), study_name="variants").seed_configs()
+    assert seeds[0] == ("model:0", first)
+    assert seeds[1][0] == "model-variant:0" and dict(seeds[1][1].params) == {**base, pname: other}

@@ -401,7 +401,11 @@ class Tuner:
         return tpl.make_config(params, pipes[label], self.target, self.op.dtype)
 
     def params_from_config(self, cfg: Config) -> dict | None:
-        """Optuna params (for ``enqueue_trial``) reproducing ``cfg``; None if outside the space."""
+        """Optuna params (for ``enqueue_trial``) reproducing ``cfg``; None if outside the space.  A
+        parameter of the space that ``cfg`` lacks takes the template's ``absent_params`` value
+        (what the kernel does without it), else its default's: a seed is measured as given, never
+        with a value the sampler draws at random."""
+        from ..kernels import get_template
         from ..passes import Pipeline
 
         if cfg.template not in self.space or cfg.target != self.target:
@@ -414,9 +418,22 @@ class Tuner:
         if label is None:
             return None
         out = {"template": cfg.template, f"{cfg.template}:pipeline": label}
+        tpl = get_template(cfg.template)
+        fill = None
         for pname, dist in self._dists[cfg.template].items():
-            if pname in cfg.params and contains(dist, cfg.params[pname]):
-                out[f"{cfg.template}:{pname}"] = cfg.params[pname]
+            if pname in cfg.params:
+                v = cfg.params[pname]
+            elif pname in tpl.absent_params:
+                v = tpl.absent_params[pname]
+            else:
+                if fill is None:
+                    try:
+                        fill = dict(tpl.default_params(self._mod0))
+                    except Exception:  # noqa: BLE001 - a default that needs a pipeline's formats
+                        fill = {}
+                v = fill.get(pname)
+            if v is not None and contains(dist, v):
+                out[f"{cfg.template}:{pname}"] = v
         return out
 
     def seed_configs(self) -> list[tuple[str, Config]]:
@@ -424,7 +441,16 @@ class Tuner:
         from ..passes import Pipeline
         from ..kernels import get_template
 
-        seeds: list[tuple[str, Config]] = [(src, cfg) for src, cfg, _ in self.model_seed_configs()]
+        model = self.model_seed_configs()
+        seeds: list[tuple[str, Config]] = [(src, cfg) for src, cfg, _ in model]
+        try:   # the variants quick selection measures beside the model's choices (build() tries them)
+            from .policy import unranked_variants
+
+            ranked = [(cfg, sp) for src, cfg, sp in model if src.startswith("model:")]
+            seeds += [(f"model-variant:{i}", c)
+                      for i, c in enumerate(unranked_variants(ranked, self.target, self.op.dtype, self.op))]
+        except Exception:  # noqa: BLE001 - knowledge is an optimisation, never a reason to fail
+            pass
         for tname, pipes in self.space.items():
             tpl = get_template(tname)
             own = next(iter(pipes.values()))

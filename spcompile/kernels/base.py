@@ -109,6 +109,10 @@ class Template:
     csr_values: bool = True
     #: string parameters must be one of the space's choices (see :func:`check_param_value`)
     strict_choices: bool = True
+    #: the value a parameter takes when a parameter set lacks it (sets saved before the parameter
+    #: existed, defaults and heuristics that leave it out): the tuner enqueues a seed with these,
+    #: never with a value the sampler draws at random
+    absent_params: dict = {}
 
     # -- availability / applicability --------------------------------------------------------
     def available(self) -> bool:
