@@ -951,7 +951,7 @@ def test_seeds_lacking_a_parameter_are_enqueued_complete(db, monkeypatch):
 
 def test_model_variants_are_seeds(db, monkeypatch):
     """The variants quick selection measures beside the model's first choice of a template
-    (``Template.unranked_variants``) are seeds of the study too, right behind the model's choices."""
+    (``Template.unranked_variants``) are seeds of the study too, right behind its first choice."""
     from spcompile.autotune import knowledge
 
     op = make_op(graph(), "spmm", 16)
@@ -964,8 +964,10 @@ def test_model_variants_are_seeds(db, monkeypatch):
                        if hasattr(d, "choices") and len(d.choices) > 1 and k in base)
     other = next(c for c in dist.choices if c != base[pname])
     first = tpl.make_config(base, next(iter(pipes.values())), "cpu")
-    monkeypatch.setattr(knowledge, "ranked_configs", lambda *a, **k: [(first, 1.5)])
+    second = tpl.make_config(base, list(pipes.values())[-1], "cpu")
+    monkeypatch.setattr(knowledge, "ranked_configs", lambda *a, **k: [(first, 1.5), (second, 1.4)])
     monkeypatch.setattr(type(tpl), "unranked_variants", lambda self, p, op=None: [{**dict(p), pname: other}])
     seeds = Tuner(op, "cpu", storage=db, runner=FakeRunner(), study_name="variants").seed_configs()
-    assert seeds[0] == ("model:0", first)
+    assert seeds[0] == ("model:0", first)       # the first choice, its variant, then the next choice
     assert seeds[1][0] == "model-variant:0" and dict(seeds[1][1].params) == {**base, pname: other}
+    assert seeds[1][1].pipeline == first.pipeline and seeds[2] == ("model:1", second)

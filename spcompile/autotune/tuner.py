@@ -443,12 +443,15 @@ class Tuner:
 
         model = self.model_seed_configs()
         seeds: list[tuple[str, Config]] = [(src, cfg) for src, cfg, _ in model]
-        try:   # the variants quick selection measures beside the model's choices (build() tries them)
+        try:   # the variants quick selection measures beside the model's choices (what build()
+            # tries), right behind the first choice: a short study measures them before the
+            # model's lower-ranked choices
             from .policy import unranked_variants
 
             ranked = [(cfg, sp) for src, cfg, sp in model if src.startswith("model:")]
-            seeds += [(f"model-variant:{i}", c)
-                      for i, c in enumerate(unranked_variants(ranked, self.target, self.op.dtype, self.op))]
+            variants = [(f"model-variant:{i}", c)
+                        for i, c in enumerate(unranked_variants(ranked, self.target, self.op.dtype, self.op))]
+            seeds[1:1] = variants
         except Exception:  # noqa: BLE001 - knowledge is an optimisation, never a reason to fail
             pass
         for tname, pipes in self.space.items():
