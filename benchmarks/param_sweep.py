@@ -1,0 +1,106 @@
+"""Parameters of each graph's tuned module varied one grid at a time: the tuned configuration of a
+committed benchmark table (its ``tuned`` column: template, pipeline, parameters), then the same
+with every combination of the ``--vary`` values.  Every cell is built through the product's
+``build_from_config``, checked against the float64 reference first and timed by the Timer rule,
+with cuSPARSE in the same run.
+
+    python benchmarks/param_sweep.py GRAPH [GRAPH ...] --vary min_blocks=1,4,6,8 --vary unroll=2,4
+        [--tuned TABLE.json ...] [--K 128] [--build-only] [--out DIR] [--name NAME]
+
+``--tuned`` may be given several times (a later table's row for a graph replaces an earlier one);
+``--build-only`` compiles every cell's kernels into ``$SPCOMPILE_KERNEL_CACHE`` for sm_90 (no GPU).
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import bench  # noqa: E402
+import common  # noqa: E402
+
+DEFAULT_TABLE = os.path.join(common.ROOT, "docs", "benchmarks", "h100_spmm_fp32_tuned_K128.json")
+
+
+def _vary(spec: str) -> tuple[str, list[int]]:
+    name, _, vals = spec.partition("=")
+    if not name or not vals:
+        raise argparse.ArgumentTypeError(f"--vary wants NAME=V1,V2,..., got {spec!r}")
+    return name, [int(v) for v in vals.split(",")]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("graphs", nargs="+")
+    ap.add_argument("--vary", type=_vary, action="append", required=True)
+    ap.add_argument("--tuned", action="append", default=None)
+    ap.add_argument("--K", type=int, default=128)
+    ap.add_argument("--build-only", action="store_true")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    ap.add_argument("--name", default="param_sweep")
+    a = ap.parse_args(argv)
+    from spcompile.core.config import Config
+    from spcompile.kernels import get_template
+
+    tuned = {}
+    for t in a.tuned or [DEFAULT_TABLE]:
+        for r in json.load(open(t))["rows"]:
+            if int(r.get("K", a.K)) == a.K and r["columns"].get("tuned", {}).get("config"):
+                tuned[r["graph"]] = r["columns"]["tuned"]["config"]
+    names = [n for n, _ in a.vary]
+    grid = list(itertools.product(*[v for _, v in a.vary]))
+    timer = None
+    if not a.build_only:
+        from spcompile.autotune.measure import Timer
+
+        timer = Timer("cuda")
+    out = []
+    for name, path, _ in common.find_graphs(a.graphs):
+        if name not in tuned:
+            print(f"{name}: no tuned module at K={a.K} in the tables", flush=True)
+            continue
+        A = common.load_matrix(path)
+        cfg = Config.from_dict(tuned[name])
+        tpl = get_template(cfg.template)
+        spec = [dict(s) for s in cfg.pipeline]
+        p0 = dict(cfg.params)
+        variants = [p0] + [v for v in ({**p0, **dict(zip(names, g))} for g in grid) if v != p0]
+        if a.build_only:
+            sop = bench.make_op(A, "spmm", a.K, "sum", "float32")
+            module = bench.PipelineCache().get(sop, spec) if spec else None
+            for p in variants:
+                bench.build_from_config(sop, tpl.make_config(p, spec, "cuda"), module=module)
+            print(f"{name}: {len(variants)} configurations built", flush=True)
+            continue
+        w = bench.Workload(A, "spmm", "sum", a.K, "float32", "cuda")
+        b = timer.time(bench.col_baseline(w).call, n_sets=w.n_sets).seconds * 1e6
+        module = bench.PipelineCache().get(w.sop, spec) if spec else None
+        res = {"graph": name, "nnz": int(A.nnz), "K": a.K, "template": cfg.template, "pipeline": spec,
+               "baseline_us": b, "cells": []}
+        for p in variants:
+            mod = bench.build_from_config(w.sop, tpl.make_config(p, spec, "cuda"), module=module)
+            col = bench._checked(w, "x", mod, {})
+            us = timer.time(col.call, n_sets=w.n_sets).seconds * 1e6 if col.call else None
+            res["cells"].append({"params": p, "us": us, "status": col.rec.get("status")})
+        t0 = res["cells"][0]["us"]
+        best = min((c for c in res["cells"] if c["us"]), key=lambda c: c["us"])
+        shown = {k: best["params"].get(k) for k in names}
+        print(f"{name:24s} cuSPARSE {b:7.1f} tuned {t0:7.1f} best {best['us']:7.1f} ({t0 / best['us']:.3f}x the "
+              f"tuned speed) {shown}", flush=True)
+        for c in res["cells"][1:]:
+            print(f"    {c['us'] if c['us'] else float('nan'):7.1f} {({k: c['params'].get(k) for k in names})}", flush=True)
+        out.append(res)
+        w.release()
+        os.makedirs(a.out, exist_ok=True)        # after every graph: a run cut short keeps its rows
+        common.write_json(os.path.join(a.out, a.name + ".json"),
+                          {"command": "benchmarks/param_sweep.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                           "rows": out})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
