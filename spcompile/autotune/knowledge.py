@@ -459,3 +459,20 @@ def cross_validate(kn: Knowledge, quick: int = 3, k: int = 5) -> dict:
                                         if np.isfinite(r["baseline_s"] / r["quick_s"])), default=None),
                     "rows": rows}
     return out
+
+
+def unranked_variants(ranked, target: str, dtype: str, op=None) -> list:
+    """Configs quick selection measures beside the model's ranking: for the first-ranked config of
+    each template, the variants of it that its template says the portfolio never measured
+    (``Template.unranked_variants``)."""
+    from ..kernels import get_template
+
+    out, seen = [], set()
+    for cfg, _sp in ranked:
+        if cfg.template in seen:
+            continue
+        seen.add(cfg.template)
+        tpl = get_template(cfg.template)
+        for p in tpl.unranked_variants(dict(cfg.params), op):
+            out.append(tpl.make_config(p, cfg.pipeline, target, dtype))
+    return out

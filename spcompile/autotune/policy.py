@@ -18,20 +18,11 @@ __all__ = ["choose_config", "decide", "safe_url", "record_info", "describe"]
 
 
 def unranked_variants(ranked, target: str, dtype: str, op=None) -> list:
-    """Configs quick selection measures beside the model's ranking: for the first-ranked config of
-    each template, the variants of it that its template says the portfolio never measured
-    (``Template.unranked_variants``)."""
-    from ..kernels import get_template
+    """:func:`spcompile.autotune.knowledge.unranked_variants` (quick selection's variants of the
+    model's first choices; imported on use, as every knowledge function here)."""
+    from .knowledge import unranked_variants as variants
 
-    out, seen = [], set()
-    for cfg, _sp in ranked:
-        if cfg.template in seen:
-            continue
-        seen.add(cfg.template)
-        tpl = get_template(cfg.template)
-        for p in tpl.unranked_variants(dict(cfg.params), op):
-            out.append(tpl.make_config(p, cfg.pipeline, target, dtype))
-    return out
+    return variants(ranked, target, dtype, op)
 
 
 def choose_config(sop: SparseOp, target: str, storage: str | None = None, tune: bool = False,

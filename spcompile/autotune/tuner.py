@@ -446,7 +446,7 @@ class Tuner:
         try:   # the variants quick selection measures beside the model's choices (what build()
             # tries), right behind the first choice: a short study measures them before the
             # model's lower-ranked choices
-            from .policy import unranked_variants
+            from .knowledge import unranked_variants
 
             ranked = [(cfg, sp) for src, cfg, sp in model if src.startswith("model:")]
             variants = [(f"model-variant:{i}", c)
