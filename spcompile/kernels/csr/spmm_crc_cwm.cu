@@ -111,6 +111,60 @@ template <int VEC> __device__ __forceinline__ void load_part_cg(const float* p, 
   else { v[0] = __ldcg(p); }
 }
 
+// The pieces of a row group's chunk loop that both segment layouts share.  Plain functions with
+// __restrict__ parameters (a lambda's captures would drop the restrict, and with it the
+// read-only loads of X).
+template <int R, int CF, int VEC> __device__ __forceinline__ void reset_acc(float (&acc)[CF][VEC]) {
+#pragma unroll
+  for (int c = 0; c < CF; ++c)
+#pragma unroll
+    for (int v = 0; v < VEC; ++v) acc[c][v] = red_init<R>();
+}
+// coalesced row caching: the group's lanes copy n <= G column ids and values to shared memory
+template <int G>
+__device__ __forceinline__ void cache_chunk(const int* __restrict__ indices, const float* __restrict__ data,
+                                            int* s_idx, float* s_val, const int base, const int n,
+                                            const int lane, const unsigned gmask) {
+  if (lane < n) {
+    s_idx[lane] = indices[base + lane];
+    s_val[lane] = data[base + lane];
+  }
+  __syncwarp(gmask);
+}
+// U nonzeros' X slices (chunk entries e0 .. e0 + U - 1 of n) are loaded first (U x CF loads in
+// flight, kept packed: a 16-byte load is 4 registers whatever T is), with their values
+template <typename T, int CF, int VEC, int G, int U>
+__device__ __forceinline__ void load_x(const T* __restrict__ X, const int* s_idx, const float* s_val,
+                                       const int e0, const int n, const int K, const int col_base,
+                                       pack_t<T, VEC> (&xv)[U][CF], float (&a)[U]) {
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int e = e0 + u;
+    if (e < n) {
+      a[u] = s_val[e];
+      const T* xrow = X + (size_t)s_idx[e] * K;
+#pragma unroll
+      for (int c = 0; c < CF; ++c) {
+        const int col = col_base + c * G * VEC;
+        if (col < K) load_raw<T, VEC>(xrow + col, xv[u][c]);
+      }
+    }
+  }
+}
+// acc op= a * x for one nonzero's loaded slices (converted to fp32 here)
+template <typename T, int R, int CF, int VEC, int G>
+__device__ __forceinline__ void accumulate(float (&acc)[CF][VEC], const float a, const pack_t<T, VEC> (&xv)[CF],
+                                           const int K, const int col_base) {
+#pragma unroll
+  for (int c = 0; c < CF; ++c) {
+    const int col = col_base + c * G * VEC;
+    if (col < K) {
+#pragma unroll
+      for (int v = 0; v < VEC; ++v) acc[c][v] = red_op<R>(acc[c][v], a * to_f(xv[c].e[v]));
+    }
+  }
+}
+
 template <typename T, int R, int CF, int VEC, int G, int U, int FL>
 __device__ __forceinline__ void spmm_crc_cwm(
     const int* __restrict__ seg_ptr, const int* __restrict__ seg_out, const int* __restrict__ seg_slot,
@@ -230,54 +284,25 @@ __device__ __forceinline__ void spmm_crc_cwm(
     const int e_end = seg_ptr[s0 + ns];
     int cur = 0, seg_lo = __shfl_sync(gmask, myptr, gl), seg_hi = ptr_at(1);
     float acc[CF][VEC];
-#pragma unroll
-    for (int c = 0; c < CF; ++c)
-#pragma unroll
-      for (int v = 0; v < VEC; ++v) acc[c][v] = red_init<R>();
+    reset_acc<R>(acc);
     for (int base = seg_lo; base < e_end; base += G) {
       const int n = min(G, e_end - base);
-      if (lane < n) {
-        s_idx[lane] = indices[base + lane];
-        s_val[lane] = data[base + lane];
-      }
-      __syncwarp(gmask);
+      cache_chunk<G>(indices, data, s_idx, s_val, base, n, lane, gmask);
       for (int e0 = 0; e0 < n; e0 += U) {
         pack_t<T, VEC> xv[U][CF];
         float a[U];
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-          const int e = e0 + u;
-          if (e < n) {
-            a[u] = s_val[e];
-            const T* xrow = X + (size_t)s_idx[e] * K;
-#pragma unroll
-            for (int c = 0; c < CF; ++c) {
-              const int col = col_base + c * G * VEC;
-              if (col < K) load_raw<T, VEC>(xrow + col, xv[u][c]);
-            }
-          }
-        }
+        load_x<T, CF, VEC, G, U>(X, s_idx, s_val, e0, n, K, col_base, xv, a);
 #pragma unroll
         for (int u = 0; u < U; ++u) {
           if (e0 + u < n) {
             while (base + e0 + u >= seg_hi) {       // the stream left segment cur (and empty ones)
               finish_cur(cur, acc, seg_hi - seg_lo);
-#pragma unroll
-              for (int c = 0; c < CF; ++c)
-#pragma unroll
-                for (int v = 0; v < VEC; ++v) acc[c][v] = red_init<R>();
+              reset_acc<R>(acc);
               ++cur;
               seg_lo = seg_hi;
               seg_hi = ptr_at(cur + 1);
             }
-#pragma unroll
-            for (int c = 0; c < CF; ++c) {
-              const int col = col_base + c * G * VEC;
-              if (col < K) {
-#pragma unroll
-                for (int v = 0; v < VEC; ++v) acc[c][v] = red_op<R>(acc[c][v], a[u] * to_f(xv[u][c].e[v]));
-              }
-            }
+            accumulate<T, R, CF, VEC, G>(acc, a[u], xv[u], K, col_base);
           }
         }
       }
@@ -285,10 +310,7 @@ __device__ __forceinline__ void spmm_crc_cwm(
     }
     for (; cur < ns; ++cur) {                       // the last segment and trailing empty ones
       finish_cur(cur, acc, seg_hi - seg_lo);
-#pragma unroll
-      for (int c = 0; c < CF; ++c)
-#pragma unroll
-        for (int v = 0; v < VEC; ++v) acc[c][v] = red_init<R>();
+      reset_acc<R>(acc);
       seg_lo = seg_hi;
       if (cur + 1 < ns) seg_hi = ptr_at(cur + 2);
     }
@@ -298,36 +320,16 @@ __device__ __forceinline__ void spmm_crc_cwm(
       if (s >= nseg) return;                          // uniform within the group
       const int lo = seg_ptr[s], hi = seg_ptr[s + 1];
       float acc[CF][VEC];
-#pragma unroll
-      for (int c = 0; c < CF; ++c)
-#pragma unroll
-        for (int v = 0; v < VEC; ++v) acc[c][v] = red_init<R>();
-
+      reset_acc<R>(acc);
       for (int base = lo; base < hi; base += G) {
         const int n = min(G, hi - base);
-        if (lane < n) {                               // coalesced row caching
-          s_idx[lane] = indices[base + lane];
-          s_val[lane] = data[base + lane];
-        }
-        __syncwarp(gmask);
-        for (int e0 = 0; e0 < n; e0 += U) {
-          // U nonzeros' X slices are loaded first (U x CF loads in flight, kept packed: a 16-byte
-          // load is 4 registers whatever T is), then converted and accumulated in nonzero order
+        cache_chunk<G>(indices, data, s_idx, s_val, base, n, lane, gmask);
+        for (int e0 = 0; e0 < n; e0 += U) {          // U loads in flight, accumulated in nonzero order
           pack_t<T, VEC> xv[U][CF];
           float a[U];
-#pragma unroll
-          for (int u = 0; u < U; ++u) {
-            const int e = e0 + u;
-            if (e < n) {
-              a[u] = s_val[e];
-              const T* xrow = X + (size_t)s_idx[e] * K;
-#pragma unroll
-              for (int c = 0; c < CF; ++c) {
-                const int col = col_base + c * G * VEC;
-                if (col < K) load_raw<T, VEC>(xrow + col, xv[u][c]);
-              }
-            }
-          }
+          load_x<T, CF, VEC, G, U>(X, s_idx, s_val, e0, n, K, col_base, xv, a);
+          // accumulate<>() written out: through the helper ptxas schedules this path's most used
+          // instance (fp32, unroll 2) differently, and its SASS is the one measured on the H100
 #pragma unroll
           for (int u = 0; u < U; ++u) {
             if (e0 + u < n) {
