@@ -866,7 +866,7 @@ def _model_candidates(a, A, sop) -> list:
     unranked variants and, for 16-bit inputs, the float32 shape (with ``--loo`` the graph's own records left out, as in the
     default column)."""
     from spcompile.autotune import knowledge
-    from spcompile.autotune.policy import unranked_variants
+    from spcompile.autotune.knowledge import unranked_variants
     from spcompile.autotune.select import DEFAULT_CANDIDATES
 
     with (knowledge.excluded(A) if a.loo else contextlib.nullcontext()):

@@ -17,14 +17,6 @@ from .tuner import Tuner, objective_name, precision_name
 __all__ = ["choose_config", "decide", "safe_url", "record_info", "describe"]
 
 
-def unranked_variants(ranked, target: str, dtype: str, op=None) -> list:
-    """:func:`spcompile.autotune.knowledge.unranked_variants` (quick selection's variants of the
-    model's first choices; imported on use, as every knowledge function here)."""
-    from .knowledge import unranked_variants as variants
-
-    return variants(ranked, target, dtype, op)
-
-
 def choose_config(sop: SparseOp, target: str, storage: str | None = None, tune: bool = False,
                   trials: int | None = None, timeout: float | None = None, objective: str = "kernel_time",
                   expected_calls: float | None = None, precision: str = "fp32", **options) -> tuple[Config, dict]:
@@ -111,7 +103,7 @@ def decide(sop: SparseOp, target: str, storage: str | None = None, tune: bool = 
 
             ranked = [r for r in ranked_configs(sop, target, precision, k=8) if takes_values(r[0])]
             if ranked:
-                from .knowledge import cross_dtype_configs
+                from .knowledge import cross_dtype_configs, unranked_variants
 
                 cross = [("model (float32 shape)", c, sp) for c, sp in cross_dtype_configs(sop, target, precision)
                          if takes_values(c)]

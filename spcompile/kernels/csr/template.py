@@ -193,7 +193,8 @@ class CrcCwm(NvccTemplate):
           (``min_blocks=8``, one X load per lane in flight, one column slice per lane: at 32
           registers a second one spills): the gathers of such graphs miss L2 and wait on DRAM
           latency, and more warps hide more of it."""
-        if op is None or int(params.get("flat", 0)) or int(params.get("min_blocks", 1)) > 1:
+        p = {**self.absent_params, **params}
+        if op is None or int(p["flat"]) or int(p["min_blocks"]) > 1:
             return []
         lens = op.A.row_lengths
         if not lens.size:
@@ -248,9 +249,10 @@ class CrcCwm(NvccTemplate):
         check_entries(np.repeat(row, lens), indices, data, m, n, key.pattern, values)
 
     def instance_args(self, mod, params):
-        return {"reduce": mod.op.reduce, "cf": int(params["cf"]), "vec": _largest_vec(mod.op.K, int(params["vec"])),
-                "group": int(params["group"]), "unroll": int(params["unroll"]), "dtype": mod.op.dtype,
-                "flat": int(params.get("flat", 0)), "min_blocks": int(params.get("min_blocks", 1))}
+        p = {**self.absent_params, **params}
+        return {"reduce": mod.op.reduce, "cf": int(p["cf"]), "vec": _largest_vec(mod.op.K, int(p["vec"])),
+                "group": int(p["group"]), "unroll": int(p["unroll"]), "dtype": mod.op.dtype,
+                "flat": int(p["flat"]), "min_blocks": int(p["min_blocks"])}
 
     @staticmethod
     def instance_name(TN, R, CF, VEC, G, U, FL=0, MB=1) -> str:
