@@ -190,13 +190,11 @@ FLAT_SPMM_PARAMS = ({"group": 32, "vec": 4, "cf": 1, "rows_per_warp": 8, "max_se
                     {"group": 4, "vec": 1, "cf": 4, "rows_per_warp": 40, "max_seg": 64, "unroll": 8})
 
 
-@pytest.mark.parametrize("dtype, tol", [("float32", 1e-5), ("float16", 2e-2), ("bfloat16", 5e-2)])
-@pytest.mark.parametrize("K", [1, 33, 128])
-def test_flat_spmm_streams_rows(dtype, tol, K):
-    """csr.crc_cwm with flat=1 (each row group streams consecutive segments): every reduction,
-    empty rows (first and last too), a row holding every column, after a degree order; the
-    NaN-poisoned output fully written and equal to the float64 reference, twice in a row (the
-    split-row counters reset)."""
+def _check_crc_cwm(dtype, tol, K, cases, check_module=None):
+    """csr.crc_cwm built through ``spcompile.build`` on :func:`_window_matrix` for every reduction
+    and each ``(params, pipeline)`` of ``cases`` (``check_module(mod, params)`` first, when
+    given): the NaN-poisoned output fully written and equal to the float64 reference within
+    ``tol``, twice in a row (the split-row counters reset)."""
     import torch
 
     from spcompile.compile import make_op
@@ -207,16 +205,28 @@ def test_flat_spmm_streams_rows(dtype, tol, K):
     X = torch.randn(A.shape[1], K, device="cuda").to(tdt)
     for reduce in ("sum", "max", "min", "mean"):
         ref = reference.run("spmm", reduce, make_op(A, "spmm", K, reduce).A, X.double().cpu().numpy())
-        for i, p in enumerate(FLAT_SPMM_PARAMS):
+        for p, pipeline in cases:
             mod = spcompile.build(A, "spmm", K, reduce, target="cuda", dtype=dtype, template="csr.crc_cwm",
-                                  params={"warps_per_block": 4, "flat": 1, **p},
-                                  pipeline=["reorder.degree"] if i == 1 else [])
+                                  params=p, pipeline=pipeline)
+            if check_module is not None:
+                check_module(mod, p)
             for _ in range(2):
                 out = torch.full((A.shape[0], K), float("nan"), device="cuda", dtype=tdt)
                 mod(X, out=out)
                 r = out.double().cpu().numpy()
                 assert np.all(np.isfinite(r)), (reduce, p)
                 assert np.linalg.norm(r - ref) / np.linalg.norm(ref) <= tol, (reduce, p)
+
+
+@pytest.mark.parametrize("dtype, tol", [("float32", 1e-5), ("float16", 2e-2), ("bfloat16", 5e-2)])
+@pytest.mark.parametrize("K", [1, 33, 128])
+def test_flat_spmm_streams_rows(dtype, tol, K):
+    """csr.crc_cwm with flat=1 (each row group streams consecutive segments): every reduction,
+    empty rows (first and last too), a row holding every column, after a degree order; the
+    NaN-poisoned output fully written and equal to the float64 reference, twice in a row (the
+    split-row counters reset)."""
+    _check_crc_cwm(dtype, tol, K, [({"warps_per_block": 4, "flat": 1, **p}, ["reorder.degree"] if i == 1 else [])
+                                   for i, p in enumerate(FLAT_SPMM_PARAMS)])
 
 
 MIN_BLOCKS_SPMM_PARAMS = (
@@ -233,25 +243,10 @@ def test_min_blocks_spmm(dtype, tol, K):
     split-row combine spilling): every reduction, split rows (a row holding every column), empty
     rows, one-row and flat groups; the NaN-poisoned output fully written and equal to the float64
     reference, twice in a row (the split-row counters reset)."""
-    import torch
+    def launch_bounded(mod, p):
+        assert all(n.endswith(f"_mb{p['min_blocks']}") for n, _ in mod.kernel.meta["instances"])
 
-    from spcompile.compile import make_op
-    from spcompile.core import reference
-
-    A = _window_matrix()
-    tdt = getattr(torch, dtype)
-    X = torch.randn(A.shape[1], K, device="cuda").to(tdt)
-    for reduce in ("sum", "max", "min", "mean"):
-        ref = reference.run("spmm", reduce, make_op(A, "spmm", K, reduce).A, X.double().cpu().numpy())
-        for p in MIN_BLOCKS_SPMM_PARAMS:
-            mod = spcompile.build(A, "spmm", K, reduce, target="cuda", dtype=dtype, template="csr.crc_cwm", params=p)
-            assert all(n.endswith(f"_mb{p['min_blocks']}") for n, _ in mod.kernel.meta["instances"])
-            for _ in range(2):
-                out = torch.full((A.shape[0], K), float("nan"), device="cuda", dtype=tdt)
-                mod(X, out=out)
-                r = out.double().cpu().numpy()
-                assert np.all(np.isfinite(r)), (reduce, p)
-                assert np.linalg.norm(r - ref) / np.linalg.norm(ref) <= tol, (reduce, p)
+    _check_crc_cwm(dtype, tol, K, [(p, None) for p in MIN_BLOCKS_SPMM_PARAMS], launch_bounded)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
