@@ -389,10 +389,11 @@ def test_rendered_source_unchanged():
 
 def test_spmm_min_blocks_rule_seeds_and_names():
     """csr.crc_cwm min_blocks: launch bounds of MB resident 256-thread blocks per SM.  A
-    quick-selection variant (8, one X load and one column slice per lane) on sparse rows only (mean <= 12, never on
-    top of a flat or min_blocks choice), two tuner seeds, in the space; its instances (and their
-    VEC = 1 fallback) are named ``_mb<N>`` and defined by SPC_SPMM_INSTANCE_MB with N as the last
-    argument; a parameter set without it keeps the old kernel and name; a bad value is refused."""
+    quick-selection variant (8, one X load and one column slice per lane) on sparse rows only
+    (mean <= 12, never on top of a flat or min_blocks choice), two tuner seeds, in the space; its
+    instances (and their VEC = 1 fallback) are named ``_mb<N>`` and defined by
+    SPC_SPMM_INSTANCE_MB with N as the last argument; a parameter set without it keeps the old
+    kernel and name; a bad value is refused."""
     t = get_template("csr.crc_cwm")
     ring = sp.diags([1.0, 1.0, 1.0], [-1, 0, 1], shape=(500, 500), format="csr", dtype=np.float32)
     dense = random_matrix(400, 300, density=0.1, seed=1)                                   # ~30 a row
