@@ -25,7 +25,7 @@ from spcompile.core.formats import as_csr
 from spcompile.core.ir import SparseModule
 from spcompile.kernels import get_template
 from spcompile.kernels.csr import emulate as em
-from spcompile.kernels.csr.packer import spmm_partition
+from spcompile.kernels.csr.packer import flat_groups, spmm_partition
 from spcompile.kernels.nvcc import LaunchSpec
 from spcompile.passes import Pipeline
 from spcompile.runtime import cuda as rt
@@ -237,13 +237,15 @@ def test_partition_covers_every_nonzero_once():
 # ------------------------------------------------------------------------------------------
 # launch plans: every parameter bound by name
 # ------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("template,op", [("csr.crc_cwm", "spmm"), ("csr.sddmm", "sddmm")])
+@pytest.mark.parametrize("template,op,extra", [("csr.crc_cwm", "spmm", {}), ("csr.crc_cwm", "spmm", {"flat": 1}),
+                                               ("csr.crc_cwm", "spmm", {"flat": 1, "flat_nnz": 32}),
+                                               ("csr.sddmm", "sddmm", {})])
 @pytest.mark.parametrize("K", [1, 33, 64])
-def test_plan_arguments_follow_the_signature(template, op, K):
+def test_plan_arguments_follow_the_signature(template, op, extra, K):
     A = random_matrix(300, 257, density=0.03, seed=5)
     t = get_template(template)
     mod = _mod(A, op, K, "mean" if op == "spmm" else None)
-    params = {**t.default_params(mod), **({"max_seg": 16, "rows_per_warp": 2} if op == "spmm" else {})}
+    params = {**t.default_params(mod), **({"max_seg": 16, "rows_per_warp": 2} if op == "spmm" else {}), **extra}
     k = t.build(mod, params, compile=False)
     names = [*k.arrays, *k.workspaces()]
     dev = {n: 0x7F0000000000 + 0x10000 * i for i, n in enumerate(names)}
@@ -252,7 +254,14 @@ def test_plan_arguments_follow_the_signature(template, op, K):
     assert len(plans) == len(k.meta["instances"]) == (2 if k.meta["vec"] > 1 else 1)
     src = t.render([(n, tuple(a)) for n, a in k.meta["instances"]])
     nseg = int(k.arrays["seg_ptr"].size) - 1
-    scalars = {"nseg": nseg, "K": K, "segs_per_group": params.get("rows_per_warp")}
+    flat = bool(extra.get("flat"))
+    # row groups: rows_per_warp segments each, or the flat layout's grp_seg runs
+    ngroups = int(k.arrays["grp_seg"].size) - 1 if flat else -(-nseg // 2)
+    if flat:
+        assert k.arrays["grp_seg"][0] == 0 and k.arrays["grp_seg"][-1] == nseg and np.all(np.diff(k.arrays["grp_seg"]) > 0)
+        if "flat_nnz" not in extra:
+            assert np.all(np.diff(k.arrays["grp_seg"])[:-1] == 2)
+    scalars = {"nseg": nseg, "ngroups": ngroups, "K": K, "segs_per_group": params.get("rows_per_warp")}
     for plan, (iname, _) in zip(plans, k.meta["instances"]):
         args = plan.arguments(calls)
         assert [(n, t_) for n, t_, _ in args] == list(rt.kernel_signature(src, iname).params)
@@ -267,7 +276,10 @@ def test_plan_arguments_follow_the_signature(template, op, K):
         # every array and workspace reaches the kernel; the grid covers every segment
         assert {n for n, _, _ in args} >= set(names)
         spec = plan.block[0] // 32 * (32 // int(params.get("group", 32)) if op == "spmm" else 1)
-        assert plan.grid[0] * spec * int(params.get("rows_per_warp", 1)) >= nseg
+        if op == "spmm":
+            assert plan.grid[0] * spec >= ngroups > (plan.grid[0] - 1) * spec
+        else:
+            assert plan.grid[0] * spec >= nseg
 
 
 class _Recorder:
@@ -317,8 +329,13 @@ def test_launch_spec_shapes():
                       "rows_per_warp": 2, "max_seg": 32}, compile=False)
     nseg = k.arrays["seg_out"].size
     assert k.launch_spec(4) == LaunchSpec((-(-nseg // 32), 2, 1), (128, 1, 1), 1024,
-                                          {"nseg": nseg, "K": 100, "segs_per_group": 2})
+                                          {"nseg": nseg, "ngroups": -(-nseg // 2), "K": 100, "segs_per_group": 2})
     assert k.launch_spec(1).grid[1] == 7
+    # flat, nnz-balanced row groups: the grid covers grp_seg's groups (16 per block of 4 warps of
+    # 8-lane groups), whatever rows_per_warp says
+    kf = t.build(mod, {**k.params, "flat": 1, "flat_nnz": 32}, compile=False)
+    ng = kf.arrays["grp_seg"].size - 1
+    assert 0 < ng < nseg and kf.launch_spec(4).grid[0] == -(-ng // 16) and kf.launch_spec(4).args["ngroups"] == ng
     ws = k.workspaces()
     assert ws["part"] == (k.arrays["slot_grp"].size * 100, "float32")
     assert ws["counters"] == (k.arrays["grp_len"].size * 7, "int32") and k.arrays["grp_len"].size > 0
@@ -369,11 +386,11 @@ def test_binary_rebuilt_for_another_arch(monkeypatch):
 #: sha256 of the rendered source (the on-disk kernel cache key) of csr instances; a change here
 #: invalidates every cached csr kernel binary -- update only for an intended kernel change
 RENDER_SHA256 = {
-    ("csr.crc_cwm", ("sum", 1, 4, 32, 2, "float32")): "531506bf52dcab21ff96c5e553dec94168d139c2e67a76a61174d9935770dd10",
-    ("csr.crc_cwm", ("mean", 4, 8, 4, 8, "bfloat16")): "c193c0dd77a0fd5f16b43a2a07a559389a1c5f224d0dc40fa1cdacdd4ada9ff6",
-    ("csr.crc_cwm", ("max", 2, 1, 8, 4, "float16")): "672181501e0e0446695e919ad317b009052c6df7d0fdcf73119f2d33a9998782",
-    ("csr.crc_cwm", ("sum", 1, 4, 32, 2, "float32", 1)): "fe23beb7bf6aa8622e06509701f0597aa96003a04cdc57b1d2845bcab5d2000b",
-    ("csr.crc_cwm", ("sum", 1, 4, 32, 1, "float32", 0, 8)): "6e5eac549446a8be78b0e5faf43b21cbfb38ab4b7e3e3475eaeab36366695416",
+    ("csr.crc_cwm", ("sum", 1, 4, 32, 2, "float32")): "2b3c4d273853ee13798ad6d11bf79b1bfb7cad782de83f277113e5e67541b0d0",
+    ("csr.crc_cwm", ("mean", 4, 8, 4, 8, "bfloat16")): "9e357f730f3f6b0fc1da1e1033fec55a880299cb949502f6e8b4dc25fae6ca2b",
+    ("csr.crc_cwm", ("max", 2, 1, 8, 4, "float16")): "c24d982b3a124d321e27aa404906eab26a9f74ec279f81b35a28cf0972c9a1d4",
+    ("csr.crc_cwm", ("sum", 1, 4, 32, 2, "float32", 1)): "0fa8d6f7da8ddc1fd4f38d7c98d7debbe7502b485301ae2383c1f77d8c7d0f87",
+    ("csr.crc_cwm", ("sum", 1, 4, 32, 1, "float32", 0, 8)): "e802beda8b060235adaf1657759136af7fff3c307d42321d1f6d3c9e488ece2b",
     ("csr.sddmm", (32, 4, 4, "float32")): "51a4d13079f8fec170194599cae6e7d294e5178dd72e3a27a41d515fc1df0431",
     ("csr.sddmm", (8, 2, 2, "float16")): "b7ffe729baddfe3fae189b1cfe8b22e89a946dc2016342dbde43ba2f7cc619c1",
     ("csr.sddmm", (16, 8, 1, "bfloat16", 1)): "2b4f832bd22e7d7165e7c519a50b9c9d583b2553b8b366cdcf4cb79bcdc4da31",
@@ -426,6 +443,92 @@ def test_spmm_min_blocks_rule_seeds_and_names():
             t.build(mod, {**first, "min_blocks": bad}, compile=False)
 
 
+def test_flat_groups_balance_nonzeros():
+    """flat_groups: rows_per_warp segments per group, or (flat_nnz) runs whose weight -- nonzeros
+    plus one per segment -- starts in one flat_nnz window: every segment in exactly one non-empty
+    group, at most flat_nnz segments and under flat_nnz + the heaviest segment per group."""
+    # segments of 0, 3, 1, 40, 1, 1, 0, 5 nonzeros (weights 1, 4, 2, 41, 2, 2, 1, 6)
+    seg_ptr = np.cumsum([0, 0, 3, 1, 40, 1, 1, 0, 5])
+    assert flat_groups(seg_ptr, 3).tolist() == [0, 3, 6, 8]
+    assert flat_groups(seg_ptr, 3, 0).tolist() == [0, 3, 6, 8]
+    # weight before each segment: 0, 1, 5, 7, 48, 50, 52, 53 -> windows of 8: 0 0 0 0 6 6 6 6
+    assert flat_groups(seg_ptr, 3, 8).tolist() == [0, 4, 8]
+    # windows of 4: 0 0 1 1 12 12 13 13
+    assert flat_groups(seg_ptr, 1, 4).tolist() == [0, 2, 4, 6, 8]
+    assert flat_groups(np.zeros(1, np.int64), 4, 32).tolist() == [0]            # no segment: no group
+    rng = np.random.default_rng(3)
+    lens = np.where(rng.random(5000) < 0.3, 0, rng.integers(1, 6, 5000))
+    lens[rng.integers(0, 5000, 20)] = 64                                         # slices of hub rows
+    seg_ptr = np.append(0, np.cumsum(lens))
+    for budget in (32, 64, 128):
+        gs = flat_groups(seg_ptr, 1, budget).astype(np.int64)
+        assert gs[0] == 0 and gs[-1] == lens.size and np.all(np.diff(gs) > 0)
+        w = np.add.reduceat(lens + 1, gs[:-1])
+        assert np.diff(gs).max() <= budget and w.max() < budget + 65
+        assert w[:-1].mean() >= budget / 2                                       # groups are full-ish
+
+
+@pytest.mark.parametrize("reduce", REDUCES)
+def test_spmm_flat_nnz_emulation_matches_reference(reduce):
+    """The flat layout's arrays (rows_per_warp and nnz-balanced groups, split rows inside and
+    across groups) and launch shape reproduce the float64 reference in the numpy emulation of
+    the kernel's data flow; a launch one block short leaves rows unwritten (NaN)."""
+    t = get_template("csr.crc_cwm")
+    rng = np.random.default_rng(11)
+    for (name, A), K, pipe in itertools.product(_matrices().items(), (1, 33), ("none", "degree")):
+        mod = _mod(A, "spmm", K, reduce, pipe)
+        X = rng.standard_normal((A.shape[1], K)).astype(np.float32)
+        ref = reference.spmm(as_csr(A), X, reduce)
+        for max_seg, fnnz, rpw in itertools.product((0, 8, 64), (0, 16, 64), (1, 5)):
+            p = {**t.default_params(mod), "flat": 1, "max_seg": max_seg, "flat_nnz": fnnz, "rows_per_warp": rpw}
+            k = t.build(mod, p, compile=False)
+            _close(em.emulate_kernel(k, X), ref)
+            spec = k.launch_spec(int(k.meta["vec"]))
+            gpb = spec.block[0] // int(p["group"])
+            if A.nnz and spec.grid[0] > 1:
+                short = em.spmm_segments(k.arrays, (spec.grid[0] - 1) * gpb, rpw)
+                Y = em.emulate_spmm(k.arrays, X, reduce, A.shape[0], segments=short)
+                assert np.isnan(Y).any() and not short.all()
+
+
+def test_spmm_flat_nnz_arrays_checked():
+    """Saved flat arrays pass the artifact checks; a grp_seg that skips segments, repeats one,
+    runs past the last, or belongs to the other layout is refused by name."""
+    t = get_template("csr.crc_cwm")
+    A = random_matrix(300, 257, density=0.03, seed=0)
+    op = make_op(A, "spmm", 16)
+    mod = SparseModule.from_op(op)
+    from spcompile.core.ir import values_hash
+    vh = values_hash(as_csr(A))
+    k = t.build(mod, {**t.default_params(mod), "flat": 1, "flat_nnz": 32, "max_seg": 32}, compile=False)
+    k0 = t.build(mod, t.default_params(mod), compile=False)
+    t.check_arrays(op.key(), k.params, k.arrays, k.meta, vh)
+    t.check_arrays(op.key(), k0.params, k0.arrays, k0.meta, vh)
+    gs = k.arrays["grp_seg"]
+    bad = {"skips the last segments": gs[:-1], "repeats a group start": np.insert(gs, 1, gs[0]),
+           "runs past the last segment": np.append(gs[:-1], gs[-1] + 1)}
+    for what, g in bad.items():
+        with pytest.raises(ValueError, match="grp_seg"):
+            t.check_arrays(op.key(), k.params, {**k.arrays, "grp_seg": g.astype(np.int32)}, k.meta, vh)
+    with pytest.raises(ValueError, match="grp_seg"):         # one-segment-after-another layout with groups
+        t.check_arrays(op.key(), k0.params, {**k0.arrays, "grp_seg": gs}, k0.meta, vh)
+    with pytest.raises(ValueError, match="grp_seg"):         # flat instances without groups
+        t.check_arrays(op.key(), k.params, {**k.arrays, "grp_seg": k0.arrays["grp_seg"]}, k.meta, vh)
+    with pytest.raises(ValueError, match="mix"):
+        t.check_arrays(op.key(), k.params, k.arrays, {**k.meta, "instances": [k.meta["instances"][0],
+                                                                              k0.meta["instances"][0]]}, vh)
+    with pytest.raises(ValueError, match="flat_nnz"):
+        t.build(mod, {**t.default_params(mod), "flat": 1, "flat_nnz": -1}, compile=False)
+    # a tuner seed on sparse rows around hub rows (mean <= OCC_MAX_MEAN, rows too long for the
+    # rows_per_warp layout), none on short even rows or dense ones
+    assert A.getnnz(axis=1).mean() <= t.OCC_MAX_MEAN and not t.short_rows(A.getnnz(axis=1).max(), 1.0)
+    assert [(s["flat_nnz"], s["max_seg"]) for s in t.seed_params(mod) if s.get("flat_nnz")] == [(32, 64)]
+    ring = sp.diags([1.0, 1.0, 1.0], [-1, 0, 1], shape=(500, 500), format="csr", dtype=np.float32)
+    dense = random_matrix(100, 100, density=0.3, seed=2)
+    for B in (ring, dense):
+        assert not any(s.get("flat_nnz") for s in t.seed_params(_mod(B, "spmm", 16)))
+
+
 def test_spmm_flat_rule_seeds_and_names():
     """csr.crc_cwm flat=1: a candidate (quick-selection variant, tuner seeds) only on matrices of
     short, even rows; 8 rows per group up to 4 nonzeros a row on average, else 4; its instances
@@ -444,7 +547,8 @@ def test_spmm_flat_rule_seeds_and_names():
         assert sorted(s["rows_per_warp"] for s in seeds if s.get("flat")) == [4, 8]
     assert not any(v.get("flat") for v in t.unranked_variants(first, make_op(hub, "spmm", 64)))
     assert t.unranked_variants(first) == []                     # no workload: nothing to judge by
-    assert not any(s.get("flat") for s in t.seed_params(_mod(hub, "spmm", 64)))
+    # on rows too long for it, the only flat seed is the nnz-balanced one (flat_nnz)
+    assert all(s.get("flat_nnz") for s in t.seed_params(_mod(hub, "spmm", 64)) if s.get("flat"))
     assert t.short_rows(32, 8.0) and not t.short_rows(33, 2.0) and not t.short_rows(20, 8.5)
 
     mod = _mod(ring, "spmm", 64)

@@ -188,6 +188,11 @@ def _window_matrix():
 FLAT_SPMM_PARAMS = ({"group": 32, "vec": 4, "cf": 1, "rows_per_warp": 8, "max_seg": 16, "unroll": 2},
                     {"group": 8, "vec": 2, "cf": 2, "rows_per_warp": 3, "max_seg": 0, "unroll": 4},
                     {"group": 4, "vec": 1, "cf": 4, "rows_per_warp": 40, "max_seg": 64, "unroll": 8})
+#: nnz-balanced flat groups (flat_nnz): the long row's slices alone in their groups, runs of short
+#: and empty rows, more segments in a group than lanes, at full occupancy (32 registers)
+FLAT_NNZ_SPMM_PARAMS = ({"group": 32, "vec": 4, "cf": 1, "max_seg": 32, "unroll": 1, "flat_nnz": 32, "min_blocks": 8},
+                        {"group": 16, "vec": 2, "cf": 2, "max_seg": 0, "unroll": 2, "flat_nnz": 64},
+                        {"group": 8, "vec": 4, "cf": 1, "max_seg": 128, "unroll": 4, "flat_nnz": 128, "min_blocks": 4})
 
 
 def _check_crc_cwm(dtype, tol, K, cases, check_module=None):
@@ -227,6 +232,20 @@ def test_flat_spmm_streams_rows(dtype, tol, K):
     split-row counters reset)."""
     _check_crc_cwm(dtype, tol, K, [({"warps_per_block": 4, "flat": 1, **p}, ["reorder.degree"] if i == 1 else [])
                                    for i, p in enumerate(FLAT_SPMM_PARAMS)])
+
+
+@pytest.mark.parametrize("dtype, tol", [("float32", 1e-5), ("float16", 2e-2), ("bfloat16", 5e-2)])
+@pytest.mark.parametrize("K", [1, 33, 128])
+def test_flat_nnz_spmm_balanced_groups(dtype, tol, K):
+    """csr.crc_cwm with flat row groups of about flat_nnz nonzeros (grp_seg): every reduction,
+    the long row cut into slices combined across groups, empty rows, with and without a degree
+    order; the NaN-poisoned output fully written and equal to the float64 reference, twice."""
+    def balanced(mod, p):
+        gs = mod.kernel.arrays["grp_seg"]
+        assert gs.size > 2 and np.all(np.diff(gs) > 0)
+
+    _check_crc_cwm(dtype, tol, K, [({"warps_per_block": 4, "flat": 1, **p}, ["reorder.degree"] if i != 1 else [])
+                                   for i, p in enumerate(FLAT_NNZ_SPMM_PARAMS)], balanced)
 
 
 MIN_BLOCKS_SPMM_PARAMS = (

@@ -59,10 +59,11 @@ def test_genuine_arrays_pass(tname, name, dtype):
 
 
 def _first(tname, pred=lambda k: True):
-    A = MATS["wide"]
-    for t, sop, k in _kernels(tname, A):
-        if pred(k):
-            return t, sop, k, values_hash(as_csr(A))
+    for name in ("wide", "random"):          # the flat_nnz seed needs sparse rows ("random")
+        A = MATS[name]
+        for t, sop, k in _kernels(tname, A):
+            if pred(k):
+                return t, sop, k, values_hash(as_csr(A))
     raise AssertionError("no such kernel")
 
 
@@ -107,8 +108,12 @@ def _last_to(v):
 
 SPLIT = lambda k: k.arrays.get("slot_grp") is not None and k.arrays["slot_grp"].size > 0   # noqa: E731
 FLAT = lambda k: k.params.get("flat") == 1   # noqa: E731
+FLAT_NNZ = lambda k: k.template == "csr.crc_cwm" and bool(k.params.get("flat_nnz"))   # noqa: E731
 CASES = [
     # (template, kernel filter, what, change arrays, change meta, message)
+    ("csr.crc_cwm", FLAT_NNZ, "a flat group past the last segment", {"grp_seg": _bump_max}, {}, "'grp_seg'"),
+    ("csr.crc_cwm", FLAT_NNZ, "an empty flat group", {"grp_seg": _repeat_first}, {}, "'grp_seg'"),
+    ("csr.crc_cwm", FLAT_NNZ, "flat groups dropped", {"grp_seg": lambda a: a[:0]}, {}, "'grp_seg'"),
     ("csr.crc_cwm", SPLIT, "column past n", {"indices": _bump_max}, {}, "'indices'"),
     # the kernel reads const int* / const float*: a wider or narrower element type would be read
     # as other values or past the array's end, even where every value is in range

@@ -14,7 +14,7 @@ import numpy as np
 
 from ...core.numerics import round_to
 
-__all__ = ["spmm_columns", "sddmm_columns", "emulate_spmm", "emulate_sddmm", "emulate_kernel"]
+__all__ = ["spmm_columns", "spmm_segments", "sddmm_columns", "emulate_spmm", "emulate_sddmm", "emulate_kernel"]
 
 _UFUNC = {"sum": np.add, "mean": np.add, "max": np.maximum, "min": np.minimum}
 _INIT = {"sum": 0.0, "mean": 0.0, "max": -np.inf, "min": np.inf}
@@ -47,14 +47,29 @@ def sddmm_columns(K: int, group: int, vec: int, xc: int) -> np.ndarray:
     return np.bincount(_lane_columns(K, (t + c * group * vec + lane * vec).ravel(), vec), minlength=K)
 
 
+def spmm_segments(arrays: Mapping[str, np.ndarray], groups: int, segs_per_group: int) -> np.ndarray:
+    """Which segments a ``spmm_crc_cwm`` launch of ``groups`` row groups (grid.x x groups per
+    block) processes: group g takes segments ``grp_seg[g] .. grp_seg[g + 1] - 1`` (flat layout,
+    ``grp_seg`` not empty; groups past its end return) or ``g * segs_per_group`` onwards."""
+    nseg = int(np.asarray(arrays["seg_out"]).size)
+    grp_seg = np.asarray(arrays["grp_seg"], dtype=np.int64)
+    if grp_seg.size:
+        last = grp_seg[min(groups, grp_seg.size - 1)]
+        return np.arange(nseg) < last
+    return np.arange(nseg) < groups * max(1, int(segs_per_group))
+
+
 def emulate_spmm(arrays: Mapping[str, np.ndarray], X: np.ndarray, reduce: str, m: int,
-                 columns: np.ndarray | None = None, dtype: str = "float32") -> np.ndarray:
+                 columns: np.ndarray | None = None, dtype: str = "float32",
+                 segments: np.ndarray | None = None) -> np.ndarray:
     """Y (m x K) as ``spmm_crc_cwm`` computes it from its arrays: per segment the reduction of
     ``data[p] * X[indices[p]]`` over its nonzeros; whole-row segments write row ``seg_out``
     (0 for an empty row, mean scaled by the row length); slices of split rows write their
     partial to ``part[seg_slot]``, and a row group is combined in slot order (and written to
     ``grp_out``) once all its slots (``slot_grp``) have arrived.  ``columns``: per column the
-    number of writes of the launch (:func:`spmm_columns`); columns never written stay NaN."""
+    number of writes of the launch (:func:`spmm_columns`); columns never written stay NaN.
+    ``segments``: the segments the launch processes (:func:`spmm_segments`); the others write
+    nothing (their rows stay NaN, their split rows are never combined)."""
     X = np.asarray(X, dtype=np.float32)
     K = X.shape[1]
     a = {k: np.asarray(v) for k, v in arrays.items()}
@@ -77,11 +92,12 @@ def emulate_spmm(arrays: Mapping[str, np.ndarray], X: np.ndarray, reduce: str, m
         vals[length == 0] = 0.0
         Y[np.ix_(rows, cols)] = vals[:, cols]
 
+    ran = np.ones(lens.size, bool) if segments is None else np.asarray(segments, bool)
     whole = a["seg_slot"] < 0
-    store(a["seg_out"][whole], acc[whole], lens[whole])
-    slots = a["seg_slot"][~whole]
+    store(a["seg_out"][whole & ran], acc[whole & ran], lens[whole & ran])
+    slots = a["seg_slot"][~whole & ran]
     part = np.full((a["slot_grp"].size, K), np.nan, dtype=np.float32)
-    part[slots] = acc[~whole]
+    part[slots] = acc[~whole & ran]
     grp_ptr = a["grp_ptr"].astype(np.int64)
     nslots = np.diff(grp_ptr)
     if nslots.size:
@@ -125,9 +141,11 @@ def emulate_kernel(kernel, *inputs, fallback: bool = False) -> np.ndarray:
     K, dtype = int(meta["K"]), meta.get("dtype", "float32")
     if kernel.template == "csr.crc_cwm":
         reduce = {0: "sum", 1: "max", 2: "min", 3: "mean"}[int(meta["instances"][0][1][1])]
-        tiles = kernel.launch_spec(vec).grid[1]
-        cols = spmm_columns(K, int(p["group"]), vec, int(p["cf"]), tiles)
-        return emulate_spmm(kernel.arrays, inputs[0], reduce, int(meta["m"]), cols, dtype)
+        spec = kernel.launch_spec(vec)
+        cols = spmm_columns(K, int(p["group"]), vec, int(p["cf"]), spec.grid[1])
+        segs = spmm_segments(kernel.arrays, spec.grid[0] * (spec.block[0] // int(p["group"])),
+                             int(p["rows_per_warp"]))
+        return emulate_spmm(kernel.arrays, inputs[0], reduce, int(meta["m"]), cols, dtype, segs)
     cols = sddmm_columns(K, int(p["group"]), vec, int(p["k_chunks"]))
     flat = bool(int(meta["instances"][0][1][4]))        # the compiled FLAT argument
     return emulate_sddmm(kernel.arrays, *inputs, int(kernel.arrays["data"].size), cols, dtype, flat)

@@ -8,7 +8,7 @@ import numpy as np
 from ...core.ir import SparseModule
 from ..base import csr_kernel_arrays
 
-__all__ = ["spmm_partition", "sddmm_partition", "pack_spmm", "pack_sddmm"]
+__all__ = ["spmm_partition", "flat_groups", "sddmm_partition", "pack_spmm", "pack_sddmm"]
 
 
 def _i32(a) -> np.ndarray:
@@ -48,6 +48,27 @@ def spmm_partition(indptr: np.ndarray, row_ids: np.ndarray, max_seg: int) -> dic
             "grp_len": _i32(lens[split_rows])}
 
 
+def flat_groups(seg_ptr: np.ndarray, segs_per_group: int, group_nnz: int = 0) -> np.ndarray:
+    """First segment of each row group of the flat layout (``grp_seg``, ends with the number of
+    segments).  ``group_nnz`` 0: ``segs_per_group`` consecutive segments per group.  Else groups
+    of about ``group_nnz`` nonzeros: every segment weighs its nonzeros plus one (its output row),
+    and segment s joins group ``floor(weight before s / group_nnz)``, so a group holds many short
+    rows or a few long ones, at most ``group_nnz`` segments and less than ``group_nnz`` + the
+    longest segment's weight (an nnz-balanced schedule: hub rows, cut by ``max_seg``, do not make
+    one group's work many times another's)."""
+    seg_ptr = np.asarray(seg_ptr, dtype=np.int64)
+    nseg = seg_ptr.size - 1
+    if nseg <= 0:
+        return np.zeros(1, np.int32)
+    if group_nnz and int(group_nnz) > 0:
+        before = seg_ptr[:-1] - seg_ptr[0] + np.arange(nseg, dtype=np.int64)   # weight of segments < s
+        gid = before // int(group_nnz)
+        starts = np.flatnonzero(np.diff(gid, prepend=-1))
+    else:
+        starts = np.arange(0, nseg, max(1, int(segs_per_group)), dtype=np.int64)
+    return _i32(np.append(starts, nseg))
+
+
 def sddmm_partition(indptr: np.ndarray, row_ids: np.ndarray, nnz_per_warp: int,
                     flat: bool = False) -> dict[str, np.ndarray]:
     """The segments of ``sddmm_csr.cu``: seg_ptr, seg_xrow, nnz_row.  Default: segments of at
@@ -68,11 +89,14 @@ def sddmm_partition(indptr: np.ndarray, row_ids: np.ndarray, nnz_per_warp: int,
             "nnz_row": np.zeros(0, np.int32)}
 
 
-def pack_spmm(mod: SparseModule, max_seg: int) -> dict[str, np.ndarray]:
-    """Arrays of ``csr.crc_cwm``: the CSR columns / values and the row partition."""
+def pack_spmm(mod: SparseModule, max_seg: int, flat: bool = False, segs_per_group: int = 1,
+              group_nnz: int = 0) -> dict[str, np.ndarray]:
+    """Arrays of ``csr.crc_cwm``: the CSR columns / values, the row partition and, for the flat
+    layout, the row groups (``grp_seg``, :func:`flat_groups`; empty otherwise)."""
     ka = csr_kernel_arrays(mod, np.int32)
-    return {"indices": _i32(ka["indices"]), "data": ka["data"],
-            **spmm_partition(ka["indptr"], ka["row_ids"], max_seg)}
+    part = spmm_partition(ka["indptr"], ka["row_ids"], max_seg)
+    grp_seg = flat_groups(part["seg_ptr"], segs_per_group, group_nnz) if flat else np.zeros(0, np.int32)
+    return {"indices": _i32(ka["indices"]), "data": ka["data"], **part, "grp_seg": grp_seg}
 
 
 def pack_sddmm(mod: SparseModule, nnz_per_warp: int, flat: bool = False) -> dict[str, np.ndarray]:

@@ -19,15 +19,17 @@
 //        flight per lane: latency hiding on short/long rows of small graphs); accumulation order
 //        stays the nonzero order
 //   FL   0: a row group takes its segments one after another (each its own chain of dependent
-//        loads: segment bounds, column ids, X rows); 1 (flat): its `segs_per_group` consecutive
-//        segments are one run of nonzeros, cached G at a time, with the U X loads in flight across
-//        segment ends and the segment bounds / outputs read G at a time (for short, even rows;
-//        a long row would be one group's serial work)
+//        loads: segment bounds, column ids, X rows); 1 (flat): its consecutive segments
+//        grp_seg[g] .. grp_seg[g+1]-1 are one run of nonzeros, cached G at a time, with the U X
+//        loads in flight across segment ends and the segment bounds / outputs read G at a time
+//        (the packer makes the groups either `segs_per_group` segments each, or runs of about
+//        equal nonzeros: many short rows or one slice of a long one)
 // Launch bounds (the instance macro, not the body): SPC_SPMM_INSTANCE_MB's MB resident 256-thread
 // blocks per SM cap the registers at 65536 / (256 MB) a thread, so more warps keep gathers in
 // flight (parameter min_blocks; graphs of sparse rows wait on DRAM latency)
-// Run-time parameters: K, block size (warps per block), segments per group (rows per warp), and
-// the row partition computed at build time:
+// Run-time parameters: K, block size (warps per block), segments per group (rows per warp; FL=0),
+// the number of groups and their first segments (grp_seg, FL=1), and the row partition computed
+// at build time:
 //   seg_ptr[s]..seg_ptr[s+1]  nonzeros of segment s (a whole row, or a bounded slice of a long row)
 //   seg_out[s]                output row (caller's order) of a whole-row segment
 //   seg_slot[s]               -1 for a whole row; else its slot in the partial-result workspace.
@@ -171,7 +173,7 @@ __device__ __forceinline__ void spmm_crc_cwm(
     const int* __restrict__ indices, const float* __restrict__ data, const T* __restrict__ X,
     T* __restrict__ Y, float* part, int* counters, const int* __restrict__ grp_ptr,
     const int* __restrict__ slot_grp, const int* __restrict__ grp_out, const int* __restrict__ grp_len,
-    int nseg, int K, int segs_per_group) {
+    const int* __restrict__ grp_seg, int nseg, int ngroups, int K, int segs_per_group) {
   extern __shared__ int smem[];
   const int lane = threadIdx.x % G;
   const int gib = threadIdx.x / G;                 // group in block
@@ -258,9 +260,9 @@ __device__ __forceinline__ void spmm_crc_cwm(
     // seg_ptr), cached G at a time with U X loads in flight across segment boundaries; a segment
     // is finished when the stream passes its end.  The segment pointers are read G at a time: lane
     // i holds seg_ptr[s0 + wb + i].
-    const long long s0 = group * segs_per_group;
-    if (s0 >= nseg) return;
-    const int ns = (int)min((long long)segs_per_group, nseg - s0);
+    if (group >= ngroups) return;                   // uniform within the group
+    const int s0 = grp_seg[group];
+    const int ns = grp_seg[group + 1] - s0;
     const int gl = (threadIdx.x % 32) / G * G;      // first lane of the group in its warp
     // lane i holds seg_ptr / seg_slot / seg_out of segment s0 + wb + i; the window moves when
     // the pointer after the current segment leaves it (the current segment stays in it)
@@ -368,11 +370,12 @@ __device__ __forceinline__ void spmm_crc_cwm(
   extern "C" __global__ void LB NAME(                                                                \
       const int* seg_ptr, const int* seg_out, const int* seg_slot, const int* indices,               \
       const float* data, const SPC_ELEM(TN)* X, SPC_ELEM(TN)* Y, float* part, int* counters,         \
-      const int* grp_ptr, const int* slot_grp, const int* grp_out, const int* grp_len, int nseg,     \
-      int K, int segs_per_group) {                                                                   \
+      const int* grp_ptr, const int* slot_grp, const int* grp_out, const int* grp_len,               \
+      const int* grp_seg, int nseg, int ngroups, int K, int segs_per_group) {                        \
     spc::spmm_crc_cwm<SPC_ELEM(TN), R, CF, VEC, G, U, FL>(seg_ptr, seg_out, seg_slot, indices, data, X,  \
                                                       Y, part, counters, grp_ptr, slot_grp, grp_out, \
-                                                      grp_len, nseg, K, segs_per_group);             \
+                                                      grp_len, grp_seg, nseg, ngroups, K,            \
+                                                      segs_per_group);                               \
   }
 #define SPC_SPMM_INSTANCE(NAME, TN, R, CF, VEC, G, U, FL) \
   SPC_SPMM_INSTANCE_LB(NAME, __launch_bounds__(256), TN, R, CF, VEC, G, U, FL)

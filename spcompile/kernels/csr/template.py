@@ -66,8 +66,11 @@ class CrcCwmKernel(NvccKernel):
         nseg = int(self.arrays["seg_out"].size)
         threads, rpw = 32 * int(p["warps_per_block"]), int(p["rows_per_warp"])
         groups = threads // int(p["group"])
-        return LaunchSpec(grid=(-(-nseg // (groups * rpw)), self._tiles(vec), 1), block=(threads, 1, 1),
-                          smem=threads * 8, args={"nseg": nseg, "K": int(self.meta["K"]), "segs_per_group": rpw})
+        # flat layout: the row groups of grp_seg; else rows_per_warp segments per group
+        ngroups = int(self.arrays["grp_seg"].size) - 1 if self.arrays["grp_seg"].size else -(-nseg // rpw)
+        return LaunchSpec(grid=(-(-ngroups // groups), self._tiles(vec), 1), block=(threads, 1, 1),
+                          smem=threads * 8, args={"nseg": nseg, "ngroups": ngroups, "K": int(self.meta["K"]),
+                                                  "segs_per_group": rpw})
 
     def empty(self):
         return self.arrays["seg_out"].size == 0
@@ -78,8 +81,10 @@ class CrcCwm(NvccTemplate):
     """GE-SpMM (SC'20) CSR SpMM with sum/max/min/mean: coalesced row caching in shared memory,
     coarse-grained warp merging (CF), vector loads, sub-warp row groups for narrow K, split long
     rows for load balance, and ``unroll`` nonzeros' X loads in flight before accumulating;
-    ``flat=1``: each row group streams its ``rows_per_warp`` consecutive segments as one run of
-    nonzeros (X loads in flight across row ends; for short, even rows).  Any K >= 1.  X / Y in
+    ``flat=1``: each row group streams consecutive segments as one run of nonzeros (X loads in
+    flight across row ends): ``rows_per_warp`` of them (for short, even rows), or with
+    ``flat_nnz`` > 0 runs of about ``flat_nnz`` nonzeros (many short rows or one slice of a long
+    one, cut by ``max_seg``: an nnz-balanced schedule for graphs of short rows and hubs).  Any K >= 1.  X / Y in
     float32, float16 or bfloat16 (fp32 accumulation, one rounding of Y)."""
 
     name = "csr.crc_cwm"
@@ -91,7 +96,7 @@ class CrcCwm(NvccTemplate):
     instance_macro = "SPC_SPMM_INSTANCE"
     kernel_class = CrcCwmKernel
     fallback_param = "vec"
-    absent_params = {"flat": 0, "min_blocks": 1}
+    absent_params = {"flat": 0, "min_blocks": 1, "flat_nnz": 0}
 
     def space(self, mod):
         from optuna.distributions import CategoricalDistribution as C
@@ -99,7 +104,7 @@ class CrcCwm(NvccTemplate):
         return {"cf": C([1, 2, 4, 8]), "vec": C(_vec_choices(mod.op.dtype)), "group": C([4, 8, 16, 32]),
                 "warps_per_block": C([2, 4, 8]), "rows_per_warp": C([1, 2, 4]),
                 "max_seg": C([0, 8, 16, 32, 64, 256, 1024, 4096]), "unroll": C([1, 2, 4, 8]), "flat": C([0, 1]),
-                "min_blocks": C(list(self.MIN_BLOCKS))}
+                "min_blocks": C(list(self.MIN_BLOCKS)), "flat_nnz": C(list(self.FLAT_NNZ))}
 
     @staticmethod
     def heuristic(K: int, max_row: int, mean_row: float, dtype: str = "float32") -> dict:
@@ -147,6 +152,11 @@ class CrcCwm(NvccTemplate):
             # one-row-at-a-time module behind RCM; slower wherever rows are long or split)
             for rpw in (4, 8):
                 seeds.append({**d, "flat": 1, "rows_per_warp": rpw, "warps_per_block": 4, "unroll": 2})
+        elif lens.size and float(lens.mean()) <= self.OCC_MAX_MEAN:
+            # sparse rows around hub rows: flat groups of about 32 nonzeros, many short rows or one
+            # slice of a hub (measured at K=128: snap_sx_askubuntu 3% faster than its tuned module,
+            # slower on graphs without hubs and at any min_blocks above 1, where it spills)
+            seeds.append({**d, "flat": 1, "flat_nnz": 32, "max_seg": 64, "unroll": 1, "warps_per_block": 4})
         seeds.append({**d, "unroll": 1})
         seeds.append({**d, "unroll": 4 if d["cf"] <= 2 else 2})
         # more warps in flight (registers capped by the launch bounds), measured on the H100 at
@@ -174,6 +184,10 @@ class CrcCwm(NvccTemplate):
     MIN_BLOCKS = (1, 4, 6, 8)
     #: rows at most this long on average make ``min_blocks=8`` a candidate of quick selection
     OCC_MAX_MEAN = 12.0
+
+    #: ``flat_nnz``: nonzeros (plus one per segment) of a flat row group; 0: ``rows_per_warp``
+    #: segments per group
+    FLAT_NNZ = (0, 32, 64, 128)
 
     #: rows at most this long (and ``FLAT_MAX_MEAN`` on average) make the flat layout a candidate
     FLAT_MAX_ROW, FLAT_MAX_MEAN = 32, 8.0
@@ -210,10 +224,11 @@ class CrcCwm(NvccTemplate):
     def checks(self, mod):
         return {"cf": (1, 2, 4, 8), "vec": _vec_choices(mod.op.dtype), "group": (4, 8, 16, 32),
                 "unroll": (1, 2, 4, 8), "warps_per_block": (1, 2, 4, 8), "rows_per_warp": AtLeast(1),
-                "max_seg": AtLeast(0), "flat": (0, 1), "min_blocks": self.MIN_BLOCKS}
+                "max_seg": AtLeast(0), "flat": (0, 1), "min_blocks": self.MIN_BLOCKS, "flat_nnz": AtLeast(0)}
 
     def pack(self, mod, params):
-        return pack_spmm(mod, int(params["max_seg"]))
+        p = {**self.absent_params, **params}
+        return pack_spmm(mod, int(p["max_seg"]), bool(int(p["flat"])), int(p["rows_per_warp"]), int(p["flat_nnz"]))
 
     def check_arrays(self, key, params, arrays, meta, values=None):
         """Every index the kernel follows stays in its array or in X / Y, and the entries rebuild
@@ -222,7 +237,8 @@ class CrcCwm(NvccTemplate):
         m, n, nnz = key.rows, key.cols, key.nnz
         meta_int(meta, "m", m)
         meta_int(meta, "K", key.K)
-        _kernel_types(arrays, ("indices", "seg_ptr", "seg_out", "seg_slot", "grp_ptr", "slot_grp", "grp_out", "grp_len"))
+        _kernel_types(arrays, ("indices", "seg_ptr", "seg_out", "seg_slot", "grp_ptr", "slot_grp", "grp_out", "grp_len",
+                               "grp_seg"))
         indices = index_array(arrays, "indices", 0, max(n, 1), nnz)
         data = float_array(arrays, "data", nnz)
         seg_out = index_array(arrays, "seg_out", 0, max(m, 1))
@@ -246,6 +262,21 @@ class CrcCwm(NvccTemplate):
         if ngrp and not np.array_equal(np.bincount(slot_grp[seg_slot[split]], weights=lens[split],
                                                    minlength=ngrp).astype(np.int64), grp_len):
             raise ValueError("array 'grp_len' does not match the nonzeros of its split rows")
+        # the flat layout's row groups (FL = 1 instances follow grp_seg): non-empty runs covering
+        # every segment; the one-segment-after-another layout has none
+        inst = meta.get("instances")
+        if not (isinstance(inst, (list, tuple)) and inst and all(
+                isinstance(i, (list, tuple)) and len(i) == 2 and isinstance(i[1], (list, tuple)) and len(i[1]) >= 7
+                and isinstance(i[1][6], (int, np.integer)) and int(i[1][6]) in (0, 1) for i in inst)):
+            raise ValueError(f"kernel meta 'instances' must be SPC_SPMM_INSTANCE arguments, got {inst!r}")
+        if len({int(i[1][6]) for i in inst}) != 1:
+            raise ValueError("kernel meta 'instances' mix the flat and the one-segment-after-another layouts")
+        if int(inst[0][1][6]):
+            grp_seg = pointer_array(arrays, "grp_seg", seg_out.size)
+            if np.any(np.diff(grp_seg) <= 0):
+                raise ValueError("array 'grp_seg' must rise strictly (every flat row group holds a segment)")
+        else:
+            index_array(arrays, "grp_seg", 0, 1, 0)
         check_entries(np.repeat(row, lens), indices, data, m, n, key.pattern, values)
 
     def instance_args(self, mod, params):
