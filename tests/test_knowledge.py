@@ -336,6 +336,45 @@ def test_quick_selection_times_the_extra_candidates_under_their_own_label():
     assert info["chosen"] == fastest["source"] and dict(mod.config.params) == fastest["params"]
 
 
+def test_quick_selection_times_close_candidates_again(monkeypatch):
+    """Candidates within FINALIST_MARGIN of the fastest are timed FINALIST_ROUNDS more times, in
+    turn, and the fastest median wins: one slow first timing (a GPU still clocking up) does not
+    decide; a candidate far behind is not timed again."""
+    A = random_matrix(300, 300, density=0.03, seed=9)
+    sop = make_op(A, "spmm", 16, "sum", "float32")
+    from spcompile.compile import default_config
+
+    dflt = default_config(sop, "cpu")
+    other = get_template_config(sop, dflt)
+    # timing order: model, extra, vendor; then the two finalists (model, vendor), twice in turn
+    script = iter([1.2e-3, 3.0e-3, 1.0e-3, 0.8e-3, 1.0e-3, 0.8e-3, 1.0e-3])
+    calls = []
+
+    class ScriptedTimer:
+        def __init__(self, *a, **k):
+            pass
+
+        def time(self, fn, n_sets=1, **k):
+            fn(0)
+            calls.append(1)
+            return type("T", (), {"seconds": next(script)})()
+
+    monkeypatch.setattr(select, "Timer", ScriptedTimer)
+    mod, info = select.quick_select(sop, "cpu", [(dflt, None)], budget_s=5.0,
+                                    extra=[("slow", other, None)])
+    rows = {r["source"]: r for r in info["candidates"]}
+    assert len(calls) == 3 + 2 * select.FINALIST_ROUNDS
+    assert info["chosen"] == "model" and mod.config.template == dflt.template      # 0.8 (median) < 1.0
+    assert rows["model"]["timings_ms"] == pytest.approx([1.2, 0.8, 0.8]) and rows["model"]["kernel_ms"] == pytest.approx(0.8)
+    assert rows["vendor"]["kernel_ms"] == pytest.approx(1.0) and "timings_ms" not in rows["slow"]
+    assert info["expected_speedup"] == pytest.approx(1.0 / 0.8)
+    # one candidate timed: no second round
+    calls.clear()
+    script = iter([1.0e-3])
+    mod, info = select.quick_select(sop, "cpu", [(dflt, None)], budget_s=5.0, vendor=False)
+    assert len(calls) == 1 and "timings_ms" not in info["candidates"][0]
+
+
 def get_template_config(sop, dflt):
     """A second valid CPU config: the default with its loop parallelism flipped."""
     from spcompile.kernels import get_template

@@ -6,7 +6,8 @@ The candidates are built first (in parallel threads: nvcc runs outside the GIL; 
 in the kernel cache cost no compilation), each result is checked against the vendor library's
 (or, without one, the first candidate's) on the same random inputs, then each is timed with the
 one timing rule (``Timer``, a short setting) until the budget is spent; the model's
-first choice and the vendor library are always timed.
+first choice and the vendor library are always timed.  Candidates within ``FINALIST_MARGIN`` of
+the fastest are timed again, in turn, and the one with the fastest median timing is kept.
 """
 from __future__ import annotations
 
@@ -52,6 +53,12 @@ def vendor_config(op: SparseOp, target: str) -> Config | None:
 #: up to this many multiply-adds (nnz x K) the results are checked against the float64
 #: reference on the host (a fraction of a second); above it against the vendor library's result
 HOST_REFERENCE_MAX_WORK = 1 << 26
+#: candidates timed within this factor of the fastest are finalists: each is timed
+#: ``FINALIST_ROUNDS`` more times, in turn, and the fastest median of its timings wins (one short
+#: timing per candidate can miss by 15-20% on a GPU: measured on twitch_de, where build() once
+#: kept cuSPARSE at 32.7 us over a 27.9 us kernel)
+FINALIST_MARGIN = 1.25
+FINALIST_ROUNDS = 2
 
 
 def _framework_inputs(op: SparseOp, target: str = "cuda"):
@@ -175,7 +182,7 @@ def quick_select(op: SparseOp, target: str, ranked: list[tuple[Config, float | N
     t_checked = time.perf_counter()
     timer = (Timer("cuda", repeats=3, min_sample_s=2e-4, max_calls=200) if target == "cuda"
              else Timer(target, repeats=3, min_sample_s=2e-3, max_calls=200))
-    report, best = [], None
+    report, timed, rows = [], {}, {}
     deadline = t_checked + max(0.0, budget_s)
     for rank, i in enumerate(range(len(built))):
         (src, c, sp), mod, err = built[i]
@@ -204,8 +211,20 @@ def quick_select(op: SparseOp, target: str, ranked: list[tuple[Config, float | N
             continue
         row["kernel_ms"] = sec * 1e3
         report.append(row)
-        if best is None or sec < best[0]:
-            best = (sec, i)
+        timed[i], rows[i] = [sec], row
+    if len(timed) > 1:
+        fastest = min(v[0] for v in timed.values())
+        finalists = [i for i, v in timed.items() if v[0] <= FINALIST_MARGIN * fastest]
+        for _ in range(FINALIST_ROUNDS if len(finalists) > 1 else 0):
+            for i in finalists:
+                try:
+                    timed[i].append(timer.time(lambda _j, m=built[i][1]: m(*ins, out=out)).seconds)
+                except Exception:  # noqa: BLE001 - it was timed once already; that timing stands
+                    pass
+        for i in finalists if len(finalists) > 1 else ():
+            rows[i]["kernel_ms"] = float(np.median(timed[i])) * 1e3
+            rows[i]["timings_ms"] = [t * 1e3 for t in timed[i]]
+    best = min(((rows[i]["kernel_ms"] / 1e3, i) for i in timed), default=None)
     info = {"build_s": round(t_built - t0, 4), "check_s": round(t_checked - t_built, 4),
             "measure_s": round(time.perf_counter() - t_checked, 4),
             "budget_s": budget_s, "candidates": report}
