@@ -971,3 +971,27 @@ def test_model_variants_are_seeds(db, monkeypatch):
     assert seeds[0] == ("model:0", first)       # the first choice, its variant, then the next choice
     assert seeds[1][0] == "model-variant:0" and dict(seeds[1][1].params) == {**base, pname: other}
     assert seeds[1][1].pipeline == first.pipeline and seeds[2] == ("model:1", second)
+
+
+def test_trials_stand_for_their_search_params(db, monkeypatch):
+    """A trial's config is the template's ``search_params`` of what the sampler drew (parameters
+    without effect set to one value, so equivalent trials share one digest and one measurement);
+    csr.crc_cwm: ``flat_nnz`` without ``flat`` is 0, ``rows_per_warp`` with ``flat_nnz`` is 1."""
+    import optuna
+
+    op = make_op(graph(), "spmm", 16)
+    tn = Tuner(op, "cpu", storage=db, runner=FakeRunner())
+    tname, pipes = next(iter(tn.space.items()))
+    tpl = spcompile.get_template(tname)
+    drawn = {"template": tname, f"{tname}:pipeline": next(iter(pipes))}
+    drawn.update({f"{tname}:{k}": d.choices[-1] for k, d in tn._dists[tname].items()})
+    monkeypatch.setattr(type(tpl), "search_params", lambda self, p: {**p, "marked": 1})
+    cfg = tn.config_from_trial(optuna.trial.FixedTrial(drawn))
+    assert cfg.params["marked"] == 1 and all(cfg.params[k] == d.choices[-1] for k, d in tn._dists[tname].items())
+
+    crc = spcompile.get_template("csr.crc_cwm")
+    p = {"flat": 0, "flat_nnz": 64, "rows_per_warp": 4}
+    assert crc.search_params(p) == {"flat": 0, "flat_nnz": 0, "rows_per_warp": 4}
+    assert crc.search_params({**p, "flat": 1}) == {"flat": 1, "flat_nnz": 64, "rows_per_warp": 1}
+    assert crc.search_params({**p, "flat": 1, "flat_nnz": 0}) == {"flat": 1, "flat_nnz": 0, "rows_per_warp": 4}
+    assert crc.search_params({"cf": 2}) == {"cf": 2}          # parameter sets without them untouched

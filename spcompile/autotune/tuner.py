@@ -398,7 +398,7 @@ class Tuner:
         params = dict(tpl.default_params(self._mod0))
         for pname, dist in self._dists[tname].items():
             params[pname] = suggest(trial, f"{tname}:{pname}", dist)
-        return tpl.make_config(params, pipes[label], self.target, self.op.dtype)
+        return tpl.make_config(tpl.search_params(params), pipes[label], self.target, self.op.dtype)
 
     def params_from_config(self, cfg: Config) -> dict | None:
         """Optuna params (for ``enqueue_trial``) reproducing ``cfg``; None if outside the space.  A

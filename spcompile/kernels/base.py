@@ -154,6 +154,12 @@ class Template:
     def default_params(self, mod: SparseModule) -> dict:
         return {}
 
+    def search_params(self, params: Mapping[str, Any]) -> dict:
+        """The parameter set a tuner trial stands for: parameters that have no effect under the
+        others' values set to one value, so that equivalent trials share one config (one digest,
+        one measurement).  Identity by default."""
+        return dict(params)
+
     def seed_params(self, mod: SparseModule) -> list[dict]:
         """Known-good configurations (papers' heuristics) to enqueue before searching."""
         return [self.default_params(mod)]

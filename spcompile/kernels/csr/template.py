@@ -221,6 +221,16 @@ class CrcCwm(NvccTemplate):
             out.append({**dict(params), "cf": 1, "min_blocks": 8, "unroll": 1})
         return out
 
+    def search_params(self, params):
+        """``flat_nnz`` has no effect without ``flat`` (0 then), ``rows_per_warp`` none with
+        ``flat_nnz`` > 0 (1 then)."""
+        p = dict(params)
+        if not int(p.get("flat", 0)) and "flat_nnz" in p:
+            p["flat_nnz"] = 0
+        if int(p.get("flat", 0)) and int(p.get("flat_nnz", 0)) > 0 and "rows_per_warp" in p:
+            p["rows_per_warp"] = 1
+        return p
+
     def checks(self, mod):
         return {"cf": (1, 2, 4, 8), "vec": _vec_choices(mod.op.dtype), "group": (4, 8, 16, 32),
                 "unroll": (1, 2, 4, 8), "warps_per_block": (1, 2, 4, 8), "rows_per_warp": AtLeast(1),
