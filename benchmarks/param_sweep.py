@@ -72,9 +72,14 @@ def main(argv=None) -> int:
         if a.build_only:
             sop = bench.make_op(A, "spmm", a.K, "sum", "float32")
             module = bench.PipelineCache().get(sop, spec) if spec else None
+            refused = 0
             for p in variants:
-                bench.build_from_config(sop, tpl.make_config(p, spec, "cuda"), module=module)
-            print(f"{name}: {len(variants)} configurations built", flush=True)
+                try:
+                    bench.build_from_config(sop, tpl.make_config(p, spec, "cuda"), module=module)
+                except ValueError as e:              # a combination the template refuses
+                    refused += 1
+                    print(f"    refused {({k: p.get(k) for k in names})}: {e}", flush=True)
+            print(f"{name}: {len(variants) - refused} configurations built, {refused} refused", flush=True)
             continue
         w = bench.Workload(A, "spmm", "sum", a.K, "float32", "cuda")
         b = timer.time(bench.col_baseline(w).call, n_sets=w.n_sets).seconds * 1e6
@@ -82,7 +87,11 @@ def main(argv=None) -> int:
         res = {"graph": name, "nnz": int(A.nnz), "K": a.K, "template": cfg.template, "pipeline": spec,
                "baseline_us": b, "cells": []}
         for p in variants:
-            mod = bench.build_from_config(w.sop, tpl.make_config(p, spec, "cuda"), module=module)
+            try:
+                mod = bench.build_from_config(w.sop, tpl.make_config(p, spec, "cuda"), module=module)
+            except ValueError as e:                  # a combination the template refuses
+                res["cells"].append({"params": p, "us": None, "status": "refused", "error": str(e)[:200]})
+                continue
             col = bench._checked(w, "x", mod, {})
             us = timer.time(col.call, n_sets=w.n_sets).seconds * 1e6 if col.call else None
             res["cells"].append({"params": p, "us": us, "status": col.rec.get("status")})

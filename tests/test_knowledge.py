@@ -416,7 +416,8 @@ def test_build_offers_the_float32_shape_to_16bit_inputs(monkeypatch, no_tuning_d
     cfg, info, mod = decide_held_out("spmm", 128, "sum", "float16")
     extra = seen["extra"]
     srcs = [src for src, _, _ in extra]      # besides: the model's variants (min_blocks on sparse rows)
-    assert srcs.count("model (float32 shape)") == 1 and set(srcs) <= {"model (float32 shape)", "model (variant)"}
+    assert srcs.count("model (float32 shape)") == 1 and \
+        set(srcs) <= {"model (float32 shape)", "model (variant)", "model (native order)"}
     c = extra[srcs.index("model (float32 shape)")][1]
     assert c.template == "csr.crc_cwm" and c.params["unroll"] == 8
     assert all(r.params.get("unroll") != 8 for r, _ in seen["ranked"] if r.template == "csr.crc_cwm")
@@ -469,3 +470,44 @@ def test_build_offers_the_flat_sddmm_variant_of_the_models_choice(monkeypatch, n
     first = next(r for r, _ in seen["ranked"] if r.template == "csr.crc_cwm")
     assert [v.template for v in variants] == ["csr.crc_cwm"]
     assert dict(variants[0].params) == {**dict(first.params), "cf": 1, "min_blocks": 8, "unroll": 1}
+
+
+def test_native_order_variants_of_a_degree_ordered_choice():
+    """A template's first-ranked config on a load-balancing order only (reorder.degree) is also
+    offered on the matrix's own order, with its template's variants; configs on other pipelines,
+    later-ranked configs of the same template and formats that need a pass are not."""
+    from spcompile.compile import default_config
+    from spcompile.kernels import get_template
+    import scipy.sparse as sp
+
+    ring = sp.diags([1.0, 1.0, 1.0], [-1, 0, 1], shape=(400, 400), format="csr", dtype=np.float32)
+    op = make_op(ring, "spmm", 64)
+    crc = get_template("csr.crc_cwm")
+    p = crc.heuristic(64, 3, 3.0)
+    deg = crc.make_config(p, kn._PIPES["degree"], "cuda")
+    rcm = crc.make_config(p, kn._PIPES["rcm"], "cuda")
+    got = kn.native_order_variants([(deg, 1.2), (rcm, 1.1)], "cuda", "float32", op)
+    want = [p] + crc.unranked_variants(p, op)
+    assert len(want) >= 2 and [dict(c.params) for c in got] == want
+    assert all(c.template == "csr.crc_cwm" and c.pipeline == () for c in got)
+    assert kn.native_order_variants([(rcm, 1.2), (deg, 1.1)], "cuda", "float32", op) == []
+    sgt = get_template("tc.wmma_sgt")
+    tc = sgt.make_config(sgt.default_params(spcompile.SparseModule.from_op(op)), kn._PIPES["degree"], "cuda")
+    assert kn.native_order_variants([(tc, 1.3)], "cuda", "float32", op) == []
+    cpu = default_config(op, "cpu")
+    assert kn.native_order_variants([(cpu, None)], "cpu", "float32", op) == []     # no pipeline
+
+
+def test_build_measures_the_native_order_of_a_degree_ordered_choice(monkeypatch, no_tuning_db):
+    """tu_dd (a batch of small graphs, rows of at most 19 entries) held out of the model: its
+    first choice runs on degree order at K=64, so quick selection also measures that choice and
+    its variants on the stored order, under their own label."""
+    A, seen, decide_held_out = _recorded_quick_selection(monkeypatch, "tu_dd")
+    decide_held_out("spmm", 64)
+    first = seen["ranked"][0][0]
+    assert [p["name"] for p in first.pipeline] == ["reorder.degree"]
+    native = [c for src, c, _ in seen["extra"] if src == "model (native order)"]
+    variants = [c for src, c, _ in seen["extra"] if src == "model (variant)"]
+    assert native and all(c.pipeline == () for c in native)
+    assert dict(native[0].params) == dict(first.params)
+    assert [dict(c.params) for c in native[1:]] == [dict(c.params) for c in variants if c.pipeline == first.pipeline]
