@@ -428,3 +428,83 @@ def test_a_script_that_tunes_at_its_top_level_works(tmp_path):
     # selection or the heuristics, with the study that was tuned named in the module's provenance)
     line = next(x for x in r.stdout.splitlines() if x.startswith("SOURCE"))
     assert line.split()[1] in ("tuned", "quick", "heuristic") and "spcompile-spmm" in line, line
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not cuda_available(), reason="no usable CUDA GPU")
+def test_gpu_runner_checks_on_the_device_and_on_the_host(monkeypatch, no_tuning_db):
+    """The CUDA runner's check against the float64 references: on the device (references uploaded
+    once per op) or, when they would take more than DEVICE_CHECK_FRACTION of the free memory, on
+    the host; both give the same error for a correct module, and a wrong entry or an unwritten
+    (NaN) row fails either way."""
+    import torch
+
+    from spcompile.autotune.measure import CUDARunner, build_timed
+    from spcompile.compile import default_config
+
+    A = sp.random(3000, 2000, density=0.002, format="csr", random_state=3, dtype=np.float32)
+    op = make_op(A, "spmm", 33)
+    cfg = default_config(op, "cuda")
+    errs = {}
+    for fraction in (0.25, 0.0):
+        monkeypatch.setattr(CUDARunner, "DEVICE_CHECK_FRACTION", fraction)
+        r = CUDARunner(isolate=False)
+        res = r.measure(op, cfg)
+        assert res.ok and res.rel_error <= 1e-6, res
+        assert (r._ref_cache[1] is not None) == (fraction > 0)
+        cm, _, _ = build_timed(op, cfg)
+
+        def wrong(*ins, out):
+            cm(*ins, out=out)
+            out[5, 3] += 1.0
+
+        def unwritten(*ins, out):
+            cm(*ins, out=out)
+            out[7].fill_(float("nan"))
+
+        errs[fraction] = r._check(op, cm)
+        assert 1e-4 < r._check(op, wrong) < float("inf")
+        assert r._check(op, unwritten) == float("inf")
+        torch.cuda.synchronize()
+    assert errs[0.25] == pytest.approx(errs[0.0], rel=1e-6, abs=1e-12)
+
+
+def test_runner_reuses_its_pipelines_per_op(monkeypatch):
+    """A runner runs each pass pipeline once per op and reports the preprocessing seconds of that
+    run for every config behind it; another op, or more pipelines than PIPELINE_CACHE, run again."""
+    import spcompile
+    from spcompile.autotune import measure
+    from spcompile.compile import default_config
+
+    calls = []
+
+    class Counting(measure.Pipeline):
+        def __call__(self, mod, ctx=None):
+            calls.append([p["name"] for p in self.spec()])
+            return super().__call__(mod, ctx)
+
+    monkeypatch.setattr(measure, "Pipeline", Counting)
+    A = sp.random(400, 400, density=0.02, format="csr", random_state=1, dtype=np.float32)
+    op, op2 = make_op(A, "spmm", 8), make_op(A, "spmm", 8)
+    r = CPURunner(isolate=False)
+    base = default_config(op, "cpu")
+    tpl = spcompile.get_template(base.template)
+
+    def cfg(*pipeline):
+        return tpl.make_config(dict(base.params), list(pipeline), "cpu")
+
+    rcm = cfg({"name": "reorder.rcm"})
+    first, again = r.measure(op, rcm), r.measure(op, rcm)
+    assert first.ok and again.ok and calls == [["reorder.rcm"]]
+    assert again.preprocess_s == first.preprocess_s
+    r.measure(op2, rcm)                                   # another op: its own pipelines
+    assert len(calls) == 2
+    for p in ({"name": "reorder.degree", "options": {"descending": True}},
+              {"name": "reorder.degree", "options": {"descending": False}},
+              {"name": "reorder.rcm", "options": {"symmetric_mode": False}}):
+        r.measure(op2, cfg(p))
+    r.measure(op2, cfg())
+    n = len(calls)
+    assert n == 6
+    r.measure(op2, rcm)                                   # five pipelines since: the first was dropped
+    assert len(calls) == n + 1

@@ -17,6 +17,7 @@ error=...)`` -- never an exception.
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import os
 import pickle
@@ -407,20 +408,43 @@ def make_inputs(op: SparseOp, n_sets: int, seed: int = 0) -> list[tuple[np.ndarr
             for _ in range(n_sets)]
 
 
-def build_timed(op: SparseOp, config: Config) -> tuple[CompiledModule, float, float]:
+class _BoundedCache(dict):
+    """A dict of at most ``size`` entries: adding one more drops the oldest."""
+
+    def __init__(self, size: int):
+        super().__init__()
+        self.size = max(1, int(size))
+
+    def __setitem__(self, key, value):
+        if key not in self:
+            while len(self) >= self.size:
+                self.pop(next(iter(self)))
+        super().__setitem__(key, value)
+
+
+def build_timed(op: SparseOp, config: Config, pipelines: dict | None = None) -> tuple[CompiledModule, float, float]:
     """Replay ``config`` like :func:`spcompile.compile.build_from_config`, timing the pass
-    pipeline (preprocessing) and the template build (compilation) separately."""
+    pipeline (preprocessing) and the template build (compilation) separately.  ``pipelines``: a
+    cache ``{pipeline key: (module, seconds)}`` of this op's pipeline outputs; a hit reuses the
+    module and reports the seconds its pipeline took when it ran."""
     tpl = get_template(config.template)
     if tpl.target != config.target:
         raise ValueError(f"template {tpl.name!r} is for target {tpl.target!r}, not {config.target!r}")
     if not tpl.available():
         raise RuntimeError(f"template {tpl.name!r} cannot be built on this machine")
-    t0 = time.perf_counter()
-    mod = Pipeline(config.pipeline)(SparseModule.from_op(op))
+    key = json.dumps(list(config.pipeline), sort_keys=True, default=str)
+    hit = pipelines.get(key) if pipelines is not None else None
+    if hit is not None:
+        mod, pre_s = hit
+    else:
+        t0 = time.perf_counter()
+        mod = Pipeline(config.pipeline)(SparseModule.from_op(op))
+        pre_s = time.perf_counter() - t0
+        if pipelines is not None:
+            pipelines[key] = (mod, pre_s)
     t1 = time.perf_counter()
     cm = build_from_config(op, config, module=mod)
-    t2 = time.perf_counter()
-    return cm, t1 - t0, t2 - t1
+    return cm, pre_s, time.perf_counter() - t1
 
 
 def _short_error(e: BaseException) -> str:
@@ -468,6 +492,9 @@ class Runner:
         self.isolate = bool(isolate)
         self._worker: _Worker | None = None
         self._cache: dict[int, tuple] = {}   # id(op) -> (op, inputs, refs)
+        # the pass pipelines' outputs of the last op measured (a study measures many configs behind
+        # a few pipelines; RCM on a 1.7M-nonzero graph takes 0.3 s a run): id(op) -> (op, {key: ..})
+        self._pipes: tuple = (None, {})
 
     @property
     def mode(self) -> str:
@@ -557,9 +584,17 @@ class Runner:
         limit = None if prune_above is None else self.prune_factor * prune_above
         return self.timer.time(fn, n, prune_above=limit, deadline=deadline)
 
+    #: pipeline outputs kept per op (least recently added dropped first)
+    PIPELINE_CACHE = 4
+
+    def _pipelines(self, op) -> dict:
+        if self._pipes[0] is not op:
+            self._pipes = (op, _BoundedCache(self.PIPELINE_CACHE))
+        return self._pipes[1]
+
     def _measure_here(self, op, config, deadline, prune_above) -> MeasureResult:
         try:
-            cm, pre_s, comp_s = build_timed(op, config)
+            cm, pre_s, comp_s = build_timed(op, config, self._pipelines(op))
         except BaseException as e:  # noqa: BLE001 - failures are data
             if isinstance(e, KeyboardInterrupt):
                 raise
@@ -644,8 +679,9 @@ class CPURunner(Runner):
 
 class CUDARunner(Runner):
     """GPU runner: inputs on the device as torch CUDA tensors when torch is importable (the
-    deployed fast path of ``mod(X, out=Y)``), else CuPy arrays; result checked on the host against
-    the float64 reference; timed by the CUDA :class:`Timer` (default: CUDA-graph replay; pass
+    deployed fast path of ``mod(X, out=Y)``), else CuPy arrays; result checked against the float64
+    reference on the device (the references are uploaded once per op when they take at most
+    ``DEVICE_CHECK_FRACTION`` of the free GPU memory; else on the host); timed by the CUDA :class:`Timer` (default: CUDA-graph replay; pass
     ``mode="cold_l2"`` for cold-cache single calls).  Baseline: ``extern.cusparse`` when available,
     else the default config.  Pruning: a config whose calibration pass (one timed pass over the
     input sets, after warm-up) is over twice the best kernel time so far is pruned (``prune_factor``
@@ -653,10 +689,16 @@ class CUDARunner(Runner):
 
     target = "cuda"
 
+    #: float64 references (and the check's two temporaries of one output's size) are kept on the
+    #: GPU when they take at most this fraction of its free memory: the check then copies nothing
+    #: to the host (a 335k x 128 output is 171 MB; two host copies and norms took ~0.4 s a config)
+    DEVICE_CHECK_FRACTION = 0.25
+
     def __init__(self, **kw):
         kw.setdefault("prune_factor", 2.0)
         super().__init__(**kw)
         self._dev_cache: dict[int, tuple] = {}
+        self._ref_cache: tuple = (None, None)    # (op, float64 references on the device, or None)
 
     @staticmethod
     def _torch():
@@ -714,15 +756,56 @@ class CUDARunner(Runner):
             return out.get().astype(np.float32)
         return out.float().cpu().numpy()
 
+    def _dev_refs(self, op):
+        """The float64 references on the device (uploaded once per op), or None when they would
+        take more than ``DEVICE_CHECK_FRACTION`` of the free GPU memory."""
+        if self._ref_cache[0] is op:
+            return self._ref_cache[1]
+        _, refs = self._data(op)
+        need = (len(refs) + 2) * max((r.size for r in refs), default=0) * 8
+        dev = None
+        torch = self._torch()
+        if torch is not None:
+            free, _ = torch.cuda.mem_get_info()
+            if need <= self.DEVICE_CHECK_FRACTION * free:
+                dev = [torch.from_numpy(np.ascontiguousarray(r, dtype=np.float64)).cuda() for r in refs]
+        else:
+            import cupy as cp
+
+            free, _ = cp.cuda.runtime.memGetInfo()
+            if need <= self.DEVICE_CHECK_FRACTION * free:
+                dev = [cp.asarray(np.ascontiguousarray(r, dtype=np.float64)) for r in refs]
+        self._ref_cache = (op, dev)
+        return dev
+
+    def _rel_error_dev(self, out, ref) -> float:
+        """:func:`spcompile.core.reference.rel_error` computed where ``out`` lives: a non-finite
+        output entry (NaN poison left unwritten, an overflow) makes it infinite."""
+        torch = self._torch()
+        if torch is not None:
+            d = torch.nan_to_num(out.double() - ref, nan=float("inf"))
+            num, den = float(torch.linalg.vector_norm(d)), float(torch.linalg.vector_norm(ref))
+        else:
+            import cupy as cp
+
+            d = cp.nan_to_num(out.astype(cp.float64) - ref, nan=cp.inf)
+            num, den = float(cp.linalg.norm(d)), float(cp.linalg.norm(ref))
+        if not math.isfinite(num):
+            return float("inf")
+        return num / den if den > 0 else num
+
     def _check(self, op, cm) -> float:
         dev = self._dev_inputs(op)
         _, refs = self._data(op)
+        drefs = self._dev_refs(op)
         worst = 0.0
-        for ins, ref in zip(dev, refs):
+        for i, (ins, ref) in enumerate(zip(dev, refs)):
             out = self._out(op, float("nan"))  # poisoned: unwritten entries fail
             cm(*ins, out=out)
             self._sync()  # surfaces launch errors here
-            worst = max(worst, reference.rel_error(self._host(out), ref))
+            err = self._rel_error_dev(out, drefs[i]) if drefs is not None else \
+                reference.rel_error(self._host(out), ref)
+            worst = max(worst, err)
         return worst
 
     def _call(self, op, cm):
