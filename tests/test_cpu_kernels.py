@@ -248,3 +248,18 @@ def test_float64_call_values_are_not_rounded():
     A32 = as_csr((A.indptr, A.indices, v32.astype(np.float64), A.shape), np.float64)
     assert reference.rel_error(mod(X, values=v32), reference.spmm(A32, X)) < 1e-12
     assert reference.rel_error(mod(X), reference.spmm(A, X)) < 1e-12     # the built values again
+
+
+def test_host_cpu_name_without_llvm(monkeypatch):
+    """A TVM installed without LLVM (the runtime that runs saved CUDA modules) has no
+    llvm_get_system_cpu: the CPU's name is then unknown (None; the database's CPU target key falls
+    back to the platform's name) instead of an AttributeError out of build()."""
+    from tvm.target import codegen
+
+    from spcompile.autotune.database import target_key
+    from spcompile.runtime import cpu as rt
+
+    assert rt.host_cpu_name()                              # this machine's TVM has LLVM
+    monkeypatch.delattr(codegen, "llvm_get_system_cpu")
+    assert rt.host_cpu_name() is None
+    assert target_key("cpu")["device"]

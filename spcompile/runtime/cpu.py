@@ -33,13 +33,14 @@ def host_llvm_target() -> dict:
 
 
 def host_cpu_name() -> str | None:
-    """LLVM's name of this CPU; None where TVM is not installed (a machine that only runs saved
-    CUDA modules)."""
+    """LLVM's name of this CPU; None where TVM is not installed, or installed without LLVM (a
+    runtime-only TVM: a machine that only runs saved CUDA modules)."""
     try:
         from tvm.target import codegen
-    except ImportError:
+
+        return codegen.llvm_get_system_cpu()
+    except (ImportError, AttributeError):
         return None
-    return codegen.llvm_get_system_cpu()
 
 
 def compile_primfunc(func):
