@@ -469,19 +469,24 @@ def cross_validate(kn: Knowledge, quick: int = 3, k: int = 5) -> dict:
 BALANCE_ONLY = ("reorder.degree",)
 
 
+def _first_of_each_template(ranked):
+    """``(config, template)`` of the first-ranked config of each template in ``ranked``."""
+    from ..kernels import get_template
+
+    seen = set()
+    for cfg, _sp in ranked:
+        if cfg.template not in seen:
+            seen.add(cfg.template)
+            yield cfg, get_template(cfg.template)
+
+
 def native_order_variants(ranked, target: str, dtype: str, op=None) -> list:
     """Configs quick selection measures beside the model's ranking when the first-ranked config
     of a template runs on a load-balancing order only (:data:`BALANCE_ONLY`): the same config, and
     its template's unranked variants, on the matrix's own order (no pipeline).  Templates whose
     format needs a pass (tiles, condensed blocks) are left out."""
-    from ..kernels import get_template
-
-    out, seen = [], set()
-    for cfg, _sp in ranked:
-        if cfg.template in seen:
-            continue
-        seen.add(cfg.template)
-        tpl = get_template(cfg.template)
+    out = []
+    for cfg, tpl in _first_of_each_template(ranked):
         if tpl.format != "csr" or not cfg.pipeline or any(p["name"] not in BALANCE_ONLY for p in cfg.pipeline):
             continue
         for p in [dict(cfg.params)] + list(tpl.unranked_variants(dict(cfg.params), op)):
@@ -493,14 +498,5 @@ def unranked_variants(ranked, target: str, dtype: str, op=None) -> list:
     """Configs quick selection measures beside the model's ranking: for the first-ranked config of
     each template, the variants of it that its template says the portfolio never measured
     (``Template.unranked_variants``)."""
-    from ..kernels import get_template
-
-    out, seen = [], set()
-    for cfg, _sp in ranked:
-        if cfg.template in seen:
-            continue
-        seen.add(cfg.template)
-        tpl = get_template(cfg.template)
-        for p in tpl.unranked_variants(dict(cfg.params), op):
-            out.append(tpl.make_config(p, cfg.pipeline, target, dtype))
-    return out
+    return [tpl.make_config(p, cfg.pipeline, target, dtype)
+            for cfg, tpl in _first_of_each_template(ranked) for p in tpl.unranked_variants(dict(cfg.params), op)]
