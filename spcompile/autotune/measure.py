@@ -40,7 +40,7 @@ from ..module import CompiledModule
 from ..passes import Pipeline
 
 __all__ = ["Timer", "Timing", "MODES", "Pruned", "DeadlineExceeded", "MeasureResult", "Runner", "CPURunner",
-           "CUDARunner", "make_runner", "build_timed", "make_inputs",
+           "CUDARunner", "make_runner", "build_timed", "make_inputs", "device_rel_error",
            "OK", "PRUNED", "COMPILE_ERROR", "RUN_ERROR", "WRONG_RESULT", "TIMEOUT"]
 
 #: result statuses
@@ -406,6 +406,23 @@ def make_inputs(op: SparseOp, n_sets: int, seed: int = 0) -> list[tuple[np.ndarr
     rng = np.random.default_rng(seed)
     return [tuple(round_to(rng.standard_normal(s, dtype=np.float32), op.dtype) for s in op.input_shapes)
             for _ in range(n_sets)]
+
+
+def device_rel_error(out, ref) -> float:
+    """:func:`spcompile.core.reference.rel_error` computed where ``out`` lives (a torch CUDA
+    tensor, or a CuPy array: ``ref`` its float64 reference there): a non-finite output entry (NaN
+    poison left unwritten, an overflow) makes it infinite; nothing is copied to the host."""
+    if hasattr(out, "get"):   # CuPy
+        import cupy as cp
+
+        d = cp.nan_to_num(out.astype(cp.float64) - ref, nan=cp.inf)
+        num, den = float(cp.linalg.norm(d)), float(cp.linalg.norm(ref))
+    else:
+        import torch
+
+        d = torch.nan_to_num(out.double() - ref, nan=float("inf"))
+        num, den = float(torch.linalg.vector_norm(d)), float(torch.linalg.vector_norm(ref))
+    return num / den if den > 0 else num
 
 
 class _BoundedCache(dict):
@@ -778,22 +795,6 @@ class CUDARunner(Runner):
         self._ref_cache = (op, dev)
         return dev
 
-    def _rel_error_dev(self, out, ref) -> float:
-        """:func:`spcompile.core.reference.rel_error` computed where ``out`` lives: a non-finite
-        output entry (NaN poison left unwritten, an overflow) makes it infinite."""
-        torch = self._torch()
-        if torch is not None:
-            d = torch.nan_to_num(out.double() - ref, nan=float("inf"))
-            num, den = float(torch.linalg.vector_norm(d)), float(torch.linalg.vector_norm(ref))
-        else:
-            import cupy as cp
-
-            d = cp.nan_to_num(out.astype(cp.float64) - ref, nan=cp.inf)
-            num, den = float(cp.linalg.norm(d)), float(cp.linalg.norm(ref))
-        if not math.isfinite(num):
-            return float("inf")
-        return num / den if den > 0 else num
-
     def _check(self, op, cm) -> float:
         dev = self._dev_inputs(op)
         _, refs = self._data(op)
@@ -803,7 +804,7 @@ class CUDARunner(Runner):
             out = self._out(op, float("nan"))  # poisoned: unwritten entries fail
             cm(*ins, out=out)
             self._sync()  # surfaces launch errors here
-            err = self._rel_error_dev(out, drefs[i]) if drefs is not None else \
+            err = device_rel_error(out, drefs[i]) if drefs is not None else \
                 reference.rel_error(self._host(out), ref)
             worst = max(worst, err)
         return worst

@@ -22,7 +22,7 @@ from ..core.ir import SparseModule, SparseOp
 from ..core.numerics import result_tolerance
 from ..kernels import get_template
 from ..passes import Pipeline
-from .measure import Timer, make_inputs
+from .measure import Timer, device_rel_error, make_inputs
 
 __all__ = ["quick_select", "vendor_config", "VENDOR", "DEFAULT_BUDGET_S", "DEFAULT_CANDIDATES"]
 
@@ -68,39 +68,24 @@ def _framework_inputs(op: SparseOp, target: str = "cuda"):
     graph's outputs are never copied to the host)."""
     host = make_inputs(op, 1, seed=12345)[0]
     if target == "cpu":
-        def np_rel_err(a, ref):
-            d = np.nan_to_num(a.astype(np.float64) - ref, nan=np.inf)
-            num, den = float(np.linalg.norm(d)), float(np.linalg.norm(ref))
-            return num / den if den > 0 else num
+        from ..core.reference import rel_error
 
         ins = tuple(np.ascontiguousarray(x.astype(op.dtype)) for x in host)
         return (host, ins, np.empty(op.output_shape, dtype=op.dtype), (lambda a: a.astype(np.float64)),
-                (lambda r: r), np_rel_err)
+                (lambda r: r), rel_error)
     try:
         import torch
 
         tdt = getattr(torch, op.dtype)
         ins = tuple(torch.from_numpy(x).cuda().to(tdt) for x in host)
         out = torch.empty(op.output_shape, dtype=tdt, device="cuda")
-
-        def rel_err(a, ref):
-            d = torch.nan_to_num(a.double() - ref, nan=float("inf"))
-            num, den = float(torch.linalg.vector_norm(d)), float(torch.linalg.vector_norm(ref))
-            return num / den if den > 0 else num
-
-        return host, ins, out, (lambda a: a.double()), (lambda r: torch.from_numpy(r).cuda()), rel_err
+        return host, ins, out, (lambda a: a.double()), (lambda r: torch.from_numpy(r).cuda()), device_rel_error
     except ImportError:
         import cupy
 
         ins = tuple(cupy.asarray(x.astype(op.dtype)) for x in host)
         out = cupy.empty(op.output_shape, dtype=op.dtype)
-
-        def rel_err(a, ref):
-            d = cupy.nan_to_num(a.astype(cupy.float64) - ref, nan=cupy.inf)
-            num, den = float(cupy.linalg.norm(d)), float(cupy.linalg.norm(ref))
-            return num / den if den > 0 else num
-
-        return host, ins, out, (lambda a: a.astype(cupy.float64)), cupy.asarray, rel_err
+        return host, ins, out, (lambda a: a.astype(cupy.float64)), cupy.asarray, device_rel_error
 
 
 def _host_reference(op: SparseOp, host):
