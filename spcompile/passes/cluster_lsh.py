@@ -2,7 +2,7 @@
 "A Novel Data Transformation and Execution Strategy for Accelerating Sparse Matrix Multiplication
 on GPUs", PPoPP'20, Algorithm 3).
 
-Pipeline of the pass (all vectorised numpy except the merge loop, which is per candidate pair):
+Pipeline of the pass (vectorised numpy throughout):
 
 1. MinHash signatures of every row's column set (``siglen`` random hash tables over the column
    ids; per row ``np.minimum.reduceat``).
@@ -13,11 +13,13 @@ Pipeline of the pass (all vectorised numpy except the merge loop, which is per c
    ``max_pairs`` distinct pairs remain, those colliding in the most bands are kept.
 3. Jaccard similarity of each candidate pair (exact, or estimated from the signatures when the
    exact work would be too large: ``similarity="auto"``).
-4. Algorithm 3: max-heap of pairs, union-find clusters, the smaller cluster merged into the larger
-   (ties: the smaller row index represents), a cluster reaching ``threshold_size`` rows is closed;
-   pairs whose rows are no longer representatives are re-queued with the representatives'
-   similarity.  Rows are then output cluster by cluster (clusters in order of their
-   representative, rows ascending inside a cluster).
+4. Algorithm 3: pairs by decreasing similarity, union-find clusters, the smaller cluster merged
+   into the larger (ties: the smaller row index represents), a cluster reaching ``threshold_size``
+   rows is closed; pairs whose rows no longer represent their clusters are re-queued with the
+   representatives' similarity.  The heap's sequential pops become rounds (``cluster_rows``): each
+   round merges every pair that is the most similar pair of both its clusters.  Rows are then
+   output cluster by cluster (clusters in order of their representative, rows ascending inside a
+   cluster).
 
 Rounds (ASpT-RR, the paper's Fig. 5): ``round=1`` permutes the module's rows (``row_perm``; the
 dense input X is not permuted, only the output rows, which the compiled module un-permutes) so
@@ -33,7 +35,6 @@ ASpT format re-tiles it with the same parameters (``SparseModule.permute`` drops
 """
 from __future__ import annotations
 
-import heapq
 import time
 
 import numpy as np
@@ -43,9 +44,12 @@ from .base import Pass, register_pass
 from .tile_aspt import build_aspt, dense_ratio
 
 __all__ = ["minhash_signatures", "lsh_candidate_pairs", "jaccard_pairs", "consecutive_similarity",
-           "cluster_rows", "lsh_order", "ClusterLSH"]
+           "cluster_rows", "lsh_order", "row_pattern", "ClusterLSH"]
 
 _U32_MAX = np.uint32(0xFFFFFFFF)
+#: the merge rounds stop once they have looked at this many times the candidate pairs (the shared
+#: graphs need at most 85x, with threshold_size=256)
+MAX_MERGE_WORK = 256.0
 _MIX = np.uint64(0x9E3779B97F4A7C15)
 
 
@@ -151,9 +155,14 @@ def lsh_candidate_pairs(sig: np.ndarray, rows: np.ndarray | None = None, bsize: 
     pending: list[np.ndarray] = []
     pending_n = generated = 0
     flush_at = max(1 << 22, 4 * rows.shape[0], 2 * (max_pairs or 0))
+    per = max(1, 16 // bsize)   # bands per slice: 16 signature values (one 64-byte line) a row
+    block = None
     for b in range(siglen // bsize):
-        # one band of the rows' signatures at a time (never a second copy of all signatures)
-        bk = _band_keys(sig[rows, b * bsize:(b + 1) * bsize], 0, bsize)
+        # a slice of a few bands at a time, read in row order (never a second copy of all the
+        # signatures); the band's keys are then taken in the random order of ``rows``
+        if b % per == 0:
+            block = np.ascontiguousarray(sig[:, b * bsize:(b + per) * bsize])
+        bk = _band_keys(block, b % per, bsize)[rows]
         order = np.argsort(bk, kind="stable")
         sk = bk[order]
         ro = rows[order]
@@ -183,46 +192,37 @@ def lsh_candidate_pairs(sig: np.ndarray, rows: np.ndarray | None = None, bsize: 
     return keys // m, keys % m, counts
 
 
-def _global_keys(A: CSR) -> np.ndarray:
-    m, n = A.shape
-    return np.repeat(np.arange(m, dtype=np.int64), _lengths(A)) * np.int64(n) + A.indices.astype(np.int64)
+def row_pattern(A: CSR):
+    """The column sets of ``A``'s rows as a scipy CSR matrix of ones (duplicates summed to one)."""
+    import scipy.sparse as sp
+
+    P = sp.csr_matrix((np.ones(A.nnz, dtype=np.int32), A.indices, A.indptr), shape=A.shape)
+    P.sum_duplicates()
+    P.data[:] = 1
+    return P
 
 
-def jaccard_pairs(A: CSR, i, j, gkeys: np.ndarray | None = None, chunk: int = 1 << 22) -> np.ndarray:
-    """Exact Jaccard similarity |S_i & S_j| / |S_i | S_j| of the column sets of row pairs (i, j).
-    Each shorter row's columns are looked up in the sorted (row, column) keys of A; work is the sum
-    of the shorter lengths.  Two empty rows have similarity 0."""
+def jaccard_pairs(A: CSR, i, j, pattern=None, chunk: int = 1 << 22) -> np.ndarray:
+    """Exact Jaccard similarity |S_i & S_j| / |S_i | S_j| of the column sets of row pairs (i, j):
+    the intersections are scipy's row-by-row merge of the two rows (``P[i].multiply(P[j])`` on the
+    pattern ``P``, see :func:`row_pattern`), about ``chunk`` entries at a time.  Two empty rows
+    have similarity 0."""
     i = np.asarray(i, dtype=np.int64)
     j = np.asarray(j, dtype=np.int64)
-    m, n = A.shape
     out = np.zeros(i.shape[0])
     if i.shape[0] == 0 or A.nnz == 0:
         return out
-    G = _global_keys(A) if gkeys is None else gkeys
-    indptr = A.indptr.astype(np.int64)
-    lens = np.diff(indptr)
+    P = row_pattern(A) if pattern is None else pattern
+    lens = np.diff(P.indptr.astype(np.int64))
     li, lj = lens[i], lens[j]
-    swap = li > lj
-    short = np.where(swap, j, i)
-    other = np.where(swap, i, j)
-    ls = np.minimum(li, lj)
-    csum = np.cumsum(ls)
+    csum = np.cumsum(li + lj)
     inter = np.zeros(i.shape[0])
     start = 0
     while start < i.shape[0]:
-        # pairs [start, stop) cover about `chunk` lookups
+        # pairs [start, stop) hold about `chunk` entries
         stop = int(np.searchsorted(csum, (csum[start - 1] if start else 0) + chunk, side="right"))
         stop = max(stop, start + 1)
-        cl = ls[start:stop]
-        T = int(cl.sum())
-        if T:
-            rep = np.repeat(np.arange(stop - start), cl)
-            base = np.cumsum(cl) - cl
-            src = indptr[short[start:stop]][rep] + (np.arange(T) - base[rep])
-            q = other[start:stop][rep] * np.int64(n) + A.indices[src].astype(np.int64)
-            p = np.searchsorted(G, q)
-            np.minimum(p, G.shape[0] - 1, out=p)
-            inter[start:stop] = np.bincount(rep, weights=(G[p] == q), minlength=stop - start)
+        inter[start:stop] = np.asarray(P[i[start:stop]].multiply(P[j[start:stop]]).sum(axis=1)).ravel()
         start = stop
     union = li + lj - inter
     np.divide(inter, union, out=out, where=union > 0)
@@ -239,100 +239,144 @@ def consecutive_similarity(A: CSR) -> float:
 
 
 class _Similarity:
-    """Similarity of two rows inside the merge loop (exact via cached column sets, or MinHash)."""
+    """Similarity of representative rows inside the merge rounds (exact Jaccard, or MinHash).
+    ``many(i, j)`` scores arrays of pairs at once; ``self(i, j)`` one pair."""
 
-    def __init__(self, A: CSR, sig: np.ndarray | None, exact: bool):
-        self.indptr = A.indptr.tolist() if exact else None
-        self.indices = A.indices
+    def __init__(self, A: CSR, sig: np.ndarray | None, exact: bool, pattern=None):
+        self.A = A
         self.sig = sig
         self.exact = exact
-        self.cache: dict[int, frozenset] = {}
+        self._pattern = pattern
 
-    def _set(self, i):
-        s = self.cache.get(i)
-        if s is None:
-            s = frozenset(self.indices[self.indptr[i]:self.indptr[i + 1]].tolist())
-            self.cache[i] = s
-        return s
+    def many(self, i, j) -> np.ndarray:
+        i = np.asarray(i, dtype=np.int64)
+        j = np.asarray(j, dtype=np.int64)
+        if self.exact:
+            if self._pattern is None:
+                self._pattern = row_pattern(self.A)
+            return jaccard_pairs(self.A, i, j, self._pattern)
+        out = np.empty(i.shape[0])
+        for a in range(0, i.shape[0], 1 << 16):
+            b = a + (1 << 16)
+            out[a:b] = np.count_nonzero(self.sig[i[a:b]] == self.sig[j[a:b]], axis=1) / self.sig.shape[1]
+        return out
 
     def __call__(self, i, j) -> float:
-        if self.exact:
-            a, b = self._set(i), self._set(j)
-            u = len(a) + len(b)
-            if u == 0:
-                return 0.0
-            x = len(a & b)
-            return x / (u - x)
-        return float(np.count_nonzero(self.sig[i] == self.sig[j])) / self.sig.shape[1]
+        return float(self.many([i], [j])[0])
+
+
+def _score(similarity, i: np.ndarray, j: np.ndarray) -> np.ndarray:
+    """Similarities of the pairs ``(i[k], j[k])``: ``similarity.many`` when it has one, else one
+    call per pair (a plain function, as in tests), else 0."""
+    if similarity is None:
+        return np.zeros(i.shape[0])
+    many = getattr(similarity, "many", None)
+    if many is not None:
+        return np.asarray(many(i, j), dtype=np.float64)
+    return np.array([similarity(int(x), int(y)) for x, y in zip(i.tolist(), j.tolist())], dtype=np.float64)
 
 
 def cluster_rows(m: int, pi, pj, sims, threshold_size: int = 256, similarity=None,
-                 min_similarity: float = 0.0) -> np.ndarray:
-    """Algorithm 3's clustering on candidate pairs ``(pi[k], pj[k])`` with similarities ``sims``.
+                 min_similarity: float = 0.0, seed: int = 0, max_rounds: int | None = None,
+                 max_work: float | None = None, stats: dict | None = None) -> np.ndarray:
+    """Algorithm 3's clustering on candidate pairs ``(pi[k], pj[k])`` with similarities ``sims``,
+    in vectorised rounds.
+
+    Algorithm 3 pops pairs from a max-heap of similarities: two clusters merge (the smaller into
+    the larger; equal sizes: the smaller row index represents), a cluster of ``threshold_size``
+    rows or more is closed, and a pair whose rows no longer represent their clusters is put back
+    as the pair of representatives, with ``similarity(a, b)`` of the representative rows.  Here
+    every round merges at once each pair that is the most similar pair of both its clusters (the
+    pairs the heap would pop before any other pair touching them; equal similarities are ordered
+    by a random priority drawn from ``seed``), then moves the pairs of merged clusters to their
+    representatives and scores them there (``similarity.many(a, b)`` on arrays when it has one;
+    once per pair of representatives, as Algorithm 3 re-queues a pair once).  The heap's first
+    pair is always merged, so every round merges; rounds run until no pair is left, or
+    ``max_rounds``, or until the rounds have looked at ``max_work`` times the initial pairs (a
+    cluster that takes one row a round, or a chain of ever less similar pairs, needs many rounds;
+    the pairs then left are not merged).  ``stats`` (a dict) receives ``rounds``, ``pairs_left``,
+    ``rescored`` and ``visits`` (pairs looked at, summed over the rounds).
 
     Pairs with similarity <= ``min_similarity`` are never merged (deviation from Alg. 3, which
     would merge re-queued pairs of similarity 0 and so interleave unrelated clusters, since rows
     are output in index order inside a cluster).
 
-    ``similarity(a, b)`` gives the similarity of two representative rows for re-queued pairs.
     Returns the row order (new position -> row): clusters in order of their representative row,
     rows ascending inside each cluster."""
     pi = np.asarray(pi, dtype=np.int64)
     pj = np.asarray(pj, dtype=np.int64)
     sims = np.asarray(sims, dtype=np.float64)
-    keep = sims > min_similarity
-    pi, pj, sims = pi[keep], pj[keep], sims[keep]
-    order = np.argsort(-sims, kind="stable")  # the heap of initial pairs, as a sorted list
-    PI, PJ, S = pi[order].tolist(), pj[order].tolist(), sims[order].tolist()
-    E = len(S)
-    cand = set((np.minimum(pi, pj) * m + np.maximum(pi, pj)).tolist())
-    parent = list(range(m))
-    size = [1] * m
-    deleted = [False] * m
-    nclusters = m
-    heap: list = []
-    seq = 0
-    k = 0
-
-    def root(x):
-        while x != parent[x]:
-            parent[x] = parent[parent[x]]  # path halving (Alg. 3 line 8)
-            x = parent[x]
-        return x
-
-    while nclusters > 0:
-        if heap and (k >= E or -heap[0][0] > S[k]):
-            _, _, i, j = heapq.heappop(heap)
-        elif k < E:
-            i, j = PI[k], PJ[k]
-            k += 1
-        else:
-            break
-        if parent[i] == i and parent[j] == j:
-            if i == j or deleted[i] or deleted[j]:
-                continue
-            si, sj = size[i], size[j]
-            keep, gone = (i, j) if (si > sj or (si == sj and i < j)) else (j, i)
-            parent[gone] = keep
-            size[keep] = si + sj
-            nclusters -= 1
-            if size[keep] >= threshold_size:
-                deleted[keep] = True
-                nclusters -= 1
-        else:
-            i, j = root(i), root(j)
-            if i == j or deleted[i] or deleted[j]:
-                continue
-            key = min(i, j) * m + max(i, j)
-            if key in cand:
-                continue
-            cand.add(key)
-            s = similarity(i, j) if similarity is not None else 0.0
-            if s <= min_similarity:
-                continue
-            heapq.heappush(heap, (-s, seq, i, j))
-            seq += 1
-    roots = np.asarray(parent, dtype=np.int64)
+    if not (pi.shape == pj.shape == sims.shape):
+        raise ValueError(f"pi, pj and sims must have one shape, got {pi.shape}, {pj.shape}, {sims.shape}")
+    keep = (sims > min_similarity) & (pi != pj)
+    a, b, s = pi[keep], pj[keep], sims[keep]
+    # one copy of each unordered pair (the first), in the caller's orientation; the pairs are kept
+    # sorted by their key (lo * m + hi), which filtering preserves
+    key = np.minimum(a, b) * m + np.maximum(a, b)
+    key, first = np.unique(key, return_index=True)
+    a, b, s = a[first], b[first], s[first]
+    prio = np.random.default_rng(seed).permutation(a.shape[0]).astype(np.int64)
+    parent = np.arange(m, dtype=np.int64)
+    size = np.ones(m, dtype=np.int64)
+    closed = np.zeros(m, dtype=bool)
+    smax = np.empty(m)
+    pbest = np.empty(m, dtype=np.int64)
+    rounds = scored = visits = 0
+    work_cap = None if max_work is None else max_work * max(a.shape[0], 1)
+    while a.shape[0] and (max_rounds is None or rounds < max_rounds) and (work_cap is None or visits < work_cap):
+        rounds += 1
+        visits += a.shape[0]
+        # each cluster's first pair in the heap's order: the highest similarity, then the lowest
+        # priority
+        smax.fill(-np.inf)
+        np.maximum.at(smax, a, s)
+        np.maximum.at(smax, b, s)
+        pbest.fill(np.iinfo(np.int64).max)
+        top = s == smax[a]
+        np.minimum.at(pbest, a[top], prio[top])
+        top = s == smax[b]
+        np.minimum.at(pbest, b[top], prio[top])
+        sel = (pbest[a] == prio) & (pbest[b] == prio)   # disjoint: one first pair per cluster
+        x, y = a[sel], b[sel]
+        sx, sy = size[x], size[y]
+        x_keeps = (sx > sy) | ((sx == sy) & (x < y))
+        kept, gone = np.where(x_keeps, x, y), np.where(x_keeps, y, x)
+        parent[gone] = kept
+        size[kept] = sx + sy
+        closed[kept] = size[kept] >= threshold_size
+        # the other pairs, moved to their clusters' representatives
+        a2, b2 = parent[a], parent[b]
+        live = ~sel & (a2 != b2) & ~closed[a2] & ~closed[b2]
+        moved = live & ((a2 != a) | (b2 != b))
+        stay = live & ~moved
+        ma, mb, mp = a2[moved], b2[moved], prio[moved]
+        a, b, s, prio, key = a[stay], b[stay], s[stay], prio[stay], key[stay]
+        if ma.shape[0]:
+            # Algorithm 3 re-queues a pair of representatives once: a moved pair whose clusters
+            # already have a pair is dropped, and of moved copies the lowest priority stays
+            mk = np.minimum(ma, mb) * m + np.maximum(ma, mb)
+            o = np.lexsort((mp, mk))
+            mk, ma, mb, mp = mk[o], ma[o], mb[o], mp[o]
+            new = np.ones(mk.shape[0], dtype=bool)
+            new[1:] = mk[1:] != mk[:-1]
+            if key.shape[0]:
+                at = np.minimum(np.searchsorted(key, mk), key.shape[0] - 1)
+                new &= key[at] != mk
+            mk, ma, mb, mp = mk[new], ma[new], mb[new], mp[new]
+            ms = _score(similarity, ma, mb)
+            scored += ms.shape[0]
+            ok = ms > min_similarity
+            if ok.any():
+                key = np.concatenate([key, mk[ok]])
+                o = np.argsort(key, kind="stable")   # two sorted runs: a merge
+                key = key[o]
+                a = np.concatenate([a, ma[ok]])[o]
+                b = np.concatenate([b, mb[ok]])[o]
+                s = np.concatenate([s, ms[ok]])[o]
+                prio = np.concatenate([prio, mp[ok]])[o]
+    if stats is not None:
+        stats.update(rounds=rounds, pairs_left=int(a.shape[0]), rescored=scored, visits=visits)
+    roots = parent
     while True:  # vectorised pointer jumping to the representatives
         nxt = roots[roots]
         if np.array_equal(nxt, roots):
@@ -343,7 +387,8 @@ def cluster_rows(m: int, pi, pj, sims, threshold_size: int = 256, similarity=Non
 
 def lsh_order(A: CSR, siglen: int = 128, bsize: int = 2, threshold_size: int = 256, seed: int = 0,
               window: int = 8, max_pairs: int | None = 2_000_000, similarity: str = "auto",
-              exact_budget: int = 1 << 25, signatures: str = "auto") -> tuple[np.ndarray, dict]:
+              exact_budget: int = 1 << 25, signatures: str = "auto",
+              max_work: float | None = MAX_MERGE_WORK) -> tuple[np.ndarray, dict]:
     """Row order of ``A`` by LSH + clustering (new position -> row) and some statistics.
     ``signatures``: "minhash" (siglen hash functions), "oph" (densified one-permutation hashing)
     or "auto" (minhash up to 2**28 hash evaluations, i.e. siglen x nnz, else oph)."""
@@ -360,17 +405,21 @@ def lsh_order(A: CSR, siglen: int = 128, bsize: int = 2, threshold_size: int = 2
     exact = similarity == "exact" or (similarity == "auto" and work <= exact_budget)
     if similarity not in ("auto", "exact", "minhash"):
         raise ValueError(f"similarity must be 'auto', 'exact' or 'minhash', got {similarity!r}")
+    pattern = row_pattern(A) if exact else None
     if exact:
-        sims = jaccard_pairs(A, pi, pj)
+        sims = jaccard_pairs(A, pi, pj, pattern)
     else:
         sims = np.empty(pi.shape[0])
         for a in range(0, pi.shape[0], 1 << 16):
             b = a + (1 << 16)
             sims[a:b] = np.count_nonzero(sig[pi[a:b]] == sig[pj[a:b]], axis=1) / siglen
     t3 = time.perf_counter()
-    order = cluster_rows(m, pi, pj, sims, threshold_size, _Similarity(A, sig, exact))
+    rounds: dict = {}
+    order = cluster_rows(m, pi, pj, sims, threshold_size, _Similarity(A, sig, exact, pattern), seed=seed,
+                         max_work=max_work, stats=rounds)
     t4 = time.perf_counter()
     return order, {"candidate_pairs": int(pi.shape[0]), "exact_similarity": bool(exact),
+                   "merge_rounds": rounds["rounds"], "pairs_left": rounds["pairs_left"],
                    "signatures": "oph" if use_oph else "minhash",
                    "seconds_minhash": t1 - t0, "seconds_banding": t2 - t1,
                    "seconds_similarity": t3 - t2, "seconds_clustering": t4 - t3}
