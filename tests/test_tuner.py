@@ -150,10 +150,114 @@ def test_budget_by_wall_time(db):
             time.sleep(0.2)
             return super().measure(*a, **k)
 
+    tuner = Tuner(op, "cpu", storage=db, runner=Slow())   # (its first imports are not the run's)
     t0 = time.perf_counter()
-    res = Tuner(op, "cpu", storage=db, runner=Slow()).run(timeout=1.0)
+    res = tuner.run(timeout=1.0)
     assert time.perf_counter() - t0 < 4.0
     assert res.stop_reason == "timeout" and 1 <= res.n_trials <= 7
+
+
+class Paced(FakeRunner):
+    """Each measurement takes ``wall`` seconds (``slow_at``: the calls that would take ``slow``);
+    a measurement past its ``timeout`` stops there with status "timeout", as the runners do."""
+
+    def __init__(self, wall=0.1, slow_at=(), slow=30.0, **kw):
+        super().__init__(**kw)
+        self.wall, self.slow_at, self.slow = wall, set(slow_at), slow
+        self.limits = []
+
+    def measure(self, op, cfg, *, timeout=None, prune_above=None):
+        self.limits.append(timeout)
+        need = self.slow if len(self.calls) in self.slow_at else self.wall
+        if timeout is not None and need > timeout:
+            time.sleep(timeout)
+            self.calls.append(cfg)
+            return MeasureResult("timeout", error="past the limit", config=cfg)
+        time.sleep(need)
+        return super().measure(op, cfg, timeout=timeout, prune_above=prune_above)
+
+
+def test_timeout_keeps_room_for_the_end_of_the_run(db):
+    op = make_op(graph(), "spmm", 16)
+    runner = Paced(wall=0.15)
+    tuner = Tuner(op, "cpu", storage=db, runner=runner, confirm=2)
+    t0 = time.perf_counter()
+    res = tuner.run(timeout=2.0)
+    wall = time.perf_counter() - t0
+    # the confirmation (2 configs and the default: 3 x 0.15 s) fits in the timeout
+    assert res.stop_reason == "timeout" and res.stored
+    assert wall <= 2.0 + 0.15, wall
+    assert set(res.seconds) == {"seeds", "baseline", "search", "finish"}
+    assert sum(res.seconds.values()) == pytest.approx(wall, abs=0.1)
+    assert res.seconds["finish"] >= 2 * 0.15
+    assert len(runner.searched) >= 5
+
+
+def test_a_trial_near_the_deadline_is_cut_to_it(db):
+    op = make_op(graph(), "spmm", 16)
+    runner = Paced(wall=0.1, slow_at={6}, slow=30.0)
+    tuner = Tuner(op, "cpu", storage=db, runner=runner, confirm=1, callbacks=[runner.events])
+    t0 = time.perf_counter()
+    res = tuner.run(timeout=3.0)
+    wall = time.perf_counter() - t0
+    assert wall < 3.0 + 0.5, wall
+    # the slow trial's limit was what was left of the run, not the runner's 30 s
+    assert runner.limits[6] is not None and runner.limits[6] < 3.0
+    trials = Tuner(op, "cpu", storage=db, runner=FakeRunner()).study.get_trials()
+    cut = [t for t in trials if t.state == TV.FAIL]
+    assert len(cut) == 1 and cut[0].user_attrs["fail_reason"] == "deadline"
+    # a deadline cut is neither a failure of its config nor a verdict
+    assert res.n_fail == 0 and "deadline" in res.fail_reasons
+    assert res.n_trials == sum(1 for t in trials if t.state in (TV.COMPLETE, TV.PRUNED)
+                               and "duplicate_of" not in t.user_attrs)
+    assert res.stored
+
+
+def test_no_cut_before_the_run_has_a_working_config(db):
+    """A first trial slower than the whole timeout still finishes: without it the run would end
+    with nothing to confirm."""
+    op = make_op(graph(), "spmm", 16)
+    runner = Paced(wall=0.05, slow_at={0}, slow=1.5)
+    res = Tuner(op, "cpu", storage=db, runner=runner).run(timeout=1.0)
+    assert runner.limits[0] is None
+    assert res.stored and res.n_trials >= 1 and res.fail_reasons == {}
+
+
+def test_a_runner_with_soft_stops_gets_the_deadline_as_stop_after(db):
+    """A runner that can stop a measurement at its next step keeps its own time limit (its worker
+    is not stopped) and gets the deadline as ``stop_after``."""
+    class Soft(Paced):
+        soft_stops = True
+
+        def __init__(self, **kw):
+            super().__init__(**kw)
+            self.stops = []
+
+        def measure(self, op, cfg, *, timeout=None, prune_above=None, stop_after=None):
+            self.stops.append(stop_after)
+            if stop_after is not None and len(self.calls) in self.slow_at:
+                time.sleep(stop_after)
+                self.limits.append(timeout)
+                self.calls.append(cfg)
+                return MeasureResult("timeout", error="stopped at its next step", config=cfg)
+            return super().measure(op, cfg, timeout=timeout, prune_above=prune_above)
+
+    op = make_op(graph(), "spmm", 16)
+    runner = Soft(wall=0.1, slow_at={6}, slow=30.0)
+    tuner = Tuner(op, "cpu", storage=db, runner=runner, confirm=1)
+    t0 = time.perf_counter()
+    res = tuner.run(timeout=3.0)
+    assert time.perf_counter() - t0 < 3.5
+    assert runner.limits[6] is None and runner.stops[6] is not None and runner.stops[6] < 3.0
+    assert res.fail_reasons == {"deadline": 1} and res.stored
+
+
+def test_the_trials_own_limit_stays_a_timeout(db):
+    op = make_op(graph(), "spmm", 16)
+    runner = Paced(wall=0.05, slow_at={2}, slow=5.0)
+    res = Tuner(op, "cpu", storage=db, runner=runner, trial_timeout=0.3).run(timeout=20.0, trials=6)
+    assert runner.limits[2] == pytest.approx(0.3)
+    assert res.fail_reasons == {"timeout": 1} and res.n_fail == 1
 
 
 def test_resume_after_interruption(db):
@@ -268,6 +372,71 @@ def test_cpu_runner_failures_are_data(broken_template):
     t0 = time.perf_counter()
     res = runner.measure(op, Config(_Broken.name, {"mode": "slow"}, (), "cpu"), timeout=0.5)
     assert res.status == "timeout" and time.perf_counter() - t0 < 5
+
+
+def _sleep_pass(mod, ctx, seconds=1.0):
+    """A pass that takes ``seconds`` (registered for the worker by reference: top level)."""
+    time.sleep(seconds)
+    return mod
+
+
+@pytest.fixture
+def sleep_pass():
+    from spcompile.passes import base as pbase
+
+    pbase.register_pass("test.sleep", options={"seconds": 1.0})(_sleep_pass)
+    yield "test.sleep"
+    with pbase._LOCK:
+        pbase._REGISTRY.pop("test.sleep", None)
+
+
+def test_stop_after_stops_at_the_next_step_and_keeps_the_worker(sleep_pass):
+    """``stop_after`` (the tuner's deadline) ends a measurement after its pass pipeline with a
+    timeout, in the same worker, which then measures the next config (its pipelines kept);
+    ``timeout`` stops the worker itself."""
+    op = make_op(graph(60), "spmm", 8)
+    runner = CPURunner(repeats=3, warmup=1)
+    tname = next(iter(candidates(op, "cpu")))
+    tpl = spcompile.get_template(tname)
+    params = dict(tpl.default_params(spcompile.SparseModule.from_op(op)))
+    slow = Config(tname, params, ({"name": sleep_pass, "options": {"seconds": 1.5}},), "cpu", tpl.format)
+    try:
+        assert runner.measure(op, Config(tname, params, (), "cpu", tpl.format)).ok
+        pid = runner._worker.proc.pid
+        t0 = time.perf_counter()
+        res = runner.measure(op, slow, stop_after=0.3)
+        assert res.status == "timeout" and "pass pipeline" in res.error
+        assert 1.5 <= time.perf_counter() - t0 < 5
+        assert runner._worker.alive() and runner._worker.proc.pid == pid
+        # the pipeline's output was kept: measured again, the config takes no second 1.5 s sleep
+        t0 = time.perf_counter()
+        again = runner.measure(op, slow)
+        assert again.ok and again.preprocess_s >= 1.5 and time.perf_counter() - t0 < 1.5
+        res = runner.measure(op, slow.__class__(tname, params, ({"name": sleep_pass, "options": {"seconds": 20}},),
+                                                "cpu", tpl.format), timeout=0.5)
+        assert res.status == "timeout" and "stopped" in res.error and runner._worker is None
+    finally:
+        runner.close()
+
+
+def test_prestart_overlaps_the_workers_imports():
+    runner = CPURunner(repeats=3, warmup=1)
+    try:
+        runner.prestart()
+        w = runner._worker
+        assert w is not None and not w._started    # started, not waited for
+        runner.prestart()                            # idempotent while it lives
+        assert runner._worker is w
+        assert runner.measure(make_op(graph(60), "spmm", 8), runner_default(make_op(graph(60), "spmm", 8))).ok
+        assert runner._worker is w and w._started
+    finally:
+        runner.close()
+
+
+def runner_default(op):
+    from spcompile.compile import default_config
+
+    return default_config(op, "cpu")
 
 
 def test_real_cpu_templates_tune_then_build_hits_the_database(db):

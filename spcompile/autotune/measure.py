@@ -439,11 +439,13 @@ class _BoundedCache(dict):
         super().__setitem__(key, value)
 
 
-def build_timed(op: SparseOp, config: Config, pipelines: dict | None = None) -> tuple[CompiledModule, float, float]:
+def build_timed(op: SparseOp, config: Config, pipelines: dict | None = None,
+                deadline: float | None = None) -> tuple[CompiledModule, float, float]:
     """Replay ``config`` like :func:`spcompile.compile.build_from_config`, timing the pass
     pipeline (preprocessing) and the template build (compilation) separately.  ``pipelines``: a
     cache ``{pipeline key: (module, seconds)}`` of this op's pipeline outputs; a hit reuses the
-    module and reports the seconds its pipeline took when it ran."""
+    module and reports the seconds its pipeline took when it ran.  ``deadline`` (perf_counter):
+    :class:`DeadlineExceeded` when it has passed after the pipeline (the build is not started)."""
     tpl = get_template(config.template)
     if tpl.target != config.target:
         raise ValueError(f"template {tpl.name!r} is for target {tpl.target!r}, not {config.target!r}")
@@ -459,6 +461,7 @@ def build_timed(op: SparseOp, config: Config, pipelines: dict | None = None) -> 
         pre_s = time.perf_counter() - t0
         if pipelines is not None:
             pipelines[key] = (mod, pre_s)
+    Timer._check(deadline)
     t1 = time.perf_counter()
     cm = build_from_config(op, config, module=mod)
     return cm, pre_s, time.perf_counter() - t1
@@ -475,7 +478,7 @@ class Runner:
     module call ``mod(X, out=Y)`` with the :class:`Timer` (``mode``: the timer's mode, None for
     the target's default).  Failures come back as data, never as exceptions::
 
-        runner.measure(op, config, *, timeout=None, prune_above=None) -> MeasureResult
+        runner.measure(op, config, *, timeout=None, prune_above=None, stop_after=None) -> MeasureResult
         runner.baseline(op) -> MeasureResult          # .name says what was measured
 
     ``isolate=True`` (the default) measures in a worker process (spawned once and kept across
@@ -522,13 +525,18 @@ class Runner:
         return f"{type(self).__name__}(mode={self.mode!r}, isolate={self.isolate})"
 
     # -- the public protocol ------------------------------------------------------------------
+    #: ``measure`` takes ``stop_after`` (the tuner's deadline cuts without stopping the worker)
+    soft_stops = True
+
     def measure(self, op: SparseOp, config: Config, *, timeout: float | None = None,
-                prune_above: float | None = None) -> MeasureResult:
+                prune_above: float | None = None, stop_after: float | None = None) -> MeasureResult:
+        """``stop_after``: seconds after which the measurement gives up at its next step (after the
+        pass pipeline, after the build, between timing repeats) with a ``timeout`` result, the
+        worker kept; ``timeout`` stops the worker itself."""
         timeout = self.default_timeout if timeout is None else timeout
         if self._isolated():
-            return self._remote(("measure", config, timeout, prune_above), op, config, timeout)
-        deadline = None if timeout is None else time.perf_counter() + timeout
-        return self._measure_here(op, config, deadline, prune_above)
+            return self._remote(("measure", config, timeout, prune_above, stop_after), op, config, timeout)
+        return self._measure_here(op, config, _deadline(timeout, stop_after), prune_above)
 
     def baseline(self, op: SparseOp) -> MeasureResult:
         """The vendor-style reference time (see the target's runner)."""
@@ -538,6 +546,14 @@ class Runner:
                 res.name = "baseline"
             return res
         return self._baseline_here(op)
+
+    def prestart(self) -> None:
+        """Start the measuring worker now without waiting for it (its imports then overlap with the
+        caller's work); the first measurement waits for it.  Nothing to do in-process."""
+        if self._isolated() and (self._worker is None or not self._worker.alive()):
+            if self._worker is not None:
+                self._worker.close()
+            self._worker = _Worker(type(self), self._settings, wait=False)
 
     def close(self) -> None:
         """Stop the worker process (a later measurement starts a new one)."""
@@ -611,7 +627,10 @@ class Runner:
 
     def _measure_here(self, op, config, deadline, prune_above) -> MeasureResult:
         try:
-            cm, pre_s, comp_s = build_timed(op, config, self._pipelines(op))
+            cm, pre_s, comp_s = build_timed(op, config, self._pipelines(op), deadline)
+        except DeadlineExceeded:
+            return MeasureResult(TIMEOUT, error="the pass pipeline ran past the trial's time limit", config=config,
+                                 mode=self.mode)
         except BaseException as e:  # noqa: BLE001 - failures are data
             if isinstance(e, KeyboardInterrupt):
                 raise
@@ -843,6 +862,12 @@ def make_runner(target: str, **kw) -> Runner:
 # ---------------------------------------------------------------------------------------------
 # The measuring worker process
 # ---------------------------------------------------------------------------------------------
+def _deadline(timeout: float | None, stop_after: float | None) -> float | None:
+    """The measurement's deadline (perf_counter) from its limits in seconds (None: none)."""
+    limits = [t for t in (timeout, stop_after) if t is not None]
+    return time.perf_counter() + min(limits) if limits else None
+
+
 def _slack(timeout: float) -> float:
     """Time beyond a measurement's timeout before its worker is stopped (the worker's own deadline
     checks usually answer first, with the build times)."""
@@ -936,13 +961,13 @@ def _worker_main(conn, runner_cls, settings) -> None:
             _register(regs)
             op = ops[token]
             if request[0] == "measure":
-                _, config, timeout, prune_above = request
+                _, config, timeout, prune_above, stop_after = request
                 if config.template not in kbase._TEMPLATES:
                     raise ValueError(f"template {config.template!r} is not registered in the measuring worker "
                                      "process: register it in a module the worker can import (a template class "
                                      "defined at a module's top level is sent over), or measure in-process with "
                                      "Runner(isolate=False)")
-                res = runner.measure(op, config, timeout=timeout, prune_above=prune_above)
+                res = runner.measure(op, config, timeout=timeout, prune_above=prune_above, stop_after=stop_after)
             else:
                 res = runner.baseline(op)
         except BaseException as e:  # noqa: BLE001 - failures are data
@@ -1024,12 +1049,20 @@ class _Worker:
 
     _tokens = itertools.count(1)
 
-    def __init__(self, runner_cls, settings):
+    def __init__(self, runner_cls, settings, wait: bool = True):
         self.proc = _Proc(runner_cls, settings)
         self.conn = self.proc.conn
         self._finalizer = weakref.finalize(self, _Worker._shutdown, self.proc, self.conn)
         self._op = None          # (op, token) the worker holds
         self._registered: set = set()
+        self._started = False
+        if wait:
+            self.wait_started()
+
+    def wait_started(self) -> None:
+        """Wait for the worker's "ready" (its imports done); a worker that does not start is closed."""
+        if self._started:
+            return
         try:
             if not self.conn.poll(_START_S):
                 raise _WorkerTimeout()
@@ -1039,11 +1072,13 @@ class _Worker:
             self.close()
             raise RuntimeError(f"the measuring worker process did not start ({_exit_reason(code)}); "
                                "Runner(isolate=False) measures in this process instead") from None
+        self._started = True
 
     def alive(self) -> bool:
         return self.proc.is_alive()
 
     def request(self, request: tuple, op: SparseOp, config: Config | None, wait: float | None):
+        self.wait_started()
         try:
             if self._op is None or self._op[0] is not op:
                 token = next(self._tokens)

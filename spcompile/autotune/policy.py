@@ -87,6 +87,7 @@ def decide(sop: SparseOp, target: str, storage: str | None = None, tune: bool = 
             mine = rec.study_name == res.study_name
             info = record_info(rec, "tuned" if mine else "database", url, obj, precision)
             info["trials"] = res.n_trials
+            info["tune_seconds"] = dict(res.seconds)
             if not mine:
                 info["tune_note"] = res.store_note
             return rec.config, info, None

@@ -35,6 +35,16 @@ Budgets: ``trials`` counts the trials of the *study* that got a verdict (so a re
 study continues where it stopped, and several workers on one storage share one budget) and
 ``timeout`` bounds this call's wall time.  Workers send heartbeats; a killed worker's trial goes
 stale and is failed by the survivors, which then run the missing trials.
+
+The ``timeout`` keeps room for the end of the run: once this run has measured something, no new
+trial starts when a typical trial (the median of this run's) would not end before the time the
+confirmation, the default's measurement and the winner's build are expected to need; and a trial
+may not run past that point once the run has a working config (its limit is cut to it, never
+below a typical trial; the spcompile runners then stop it at its next step -- after its pass
+pipeline, after its build, between timing repeats -- and keep their worker, whose restart would
+cost more than the wait).  A trial so cut is failed with the reason ``"deadline"`` (not counted as
+a verdict: a later run may measure it again).  Each result says how long its phases took
+(``TuneResult.seconds``).
 """
 from __future__ import annotations
 
@@ -45,6 +55,7 @@ import json
 import math
 import os
 import socket
+import statistics
 import threading
 import time
 import warnings
@@ -67,6 +78,8 @@ __all__ = ["Tuner", "TuneResult", "StopRule", "tune", "objective_name"]
 
 DEFAULT_TRIALS = 24
 FAIL_REASON = "fail_reason"
+#: the fail reason of a trial stopped by the run's ``timeout`` (not by its own time limit)
+DEADLINE = "deadline"
 INTERRUPTED = "interrupted"
 
 
@@ -170,9 +183,32 @@ class _Loop:
     duplicate_streak: int = 0
     wait_since: float | None = None
     scan: _Scan = field(default_factory=_Scan)
+    walls: list = field(default_factory=list)      # seconds of each measurement of this run
+    repeats: list = field(default_factory=list)    # ... less its first-run preprocessing and build
+    builds: list = field(default_factory=list)     # (kernel ms, preprocessing + build s) of good trials
 
     def waited(self) -> float:
         return 0.0 if self.wait_since is None else time.perf_counter() - self.wait_since
+
+    def note(self, wall: float, res: MeasureResult) -> None:
+        """Record what one measurement of this run cost (the deadline's estimates)."""
+        self.walls.append(wall)
+        first = res.preprocess_s + res.compile_s
+        self.repeats.append(max(wall - first, 0.0))
+        if res.ok:
+            self.builds.append((res.kernel_s, first))
+
+    def trial_estimate(self) -> float:
+        """Seconds a next trial is expected to take (median of this run's; 1 s before any)."""
+        return statistics.median(self.walls) if self.walls else 1.0
+
+    def finish_estimate(self, confirm: int) -> float:
+        """Seconds the end of the run is expected to take: ``confirm`` configs and the default
+        measured again (their pipelines and kernels are usually still there), plus the build of the
+        fastest config found so far (its pass pipeline and kernel, as ``build()`` redoes them)."""
+        again = statistics.median(self.repeats) if self.repeats else 1.0
+        build = min(self.builds)[1] if self.builds else 0.0
+        return (confirm + 1) * again + build
 
 
 @dataclass
@@ -216,6 +252,10 @@ class TuneResult:
     nothing_to_do: bool = False
     #: the input's file name when known (``spcompile tune FILE``)
     graph: str | None = None
+    #: wall seconds of this call's phases: "seeds" (choosing them; the measuring worker starts
+    #: meanwhile), "baseline" (measured in the worker: its first measurement), "search", "finish"
+    #: (confirmation, default, store)
+    seconds: dict = field(default_factory=dict)
 
     @property
     def speedup(self) -> float | None:
@@ -235,7 +275,7 @@ class TuneResult:
                 "timing_mode": self.timing_mode, "stored": self.stored, "store_note": self.store_note,
                 "default_ms": self.default_ms, "search_kernel_ms": self.search_kernel_ms,
                 "best_trial": self.best_trial, "n_new": self.n_new, "nothing_to_do": self.nothing_to_do,
-                "graph": self.graph, "fail_reasons": dict(self.fail_reasons)}
+                "graph": self.graph, "fail_reasons": dict(self.fail_reasons), "seconds": dict(self.seconds)}
 
 
 class _Heartbeat:
@@ -617,9 +657,9 @@ class Tuner:
             return "duplicate_of" not in t.user_attrs
         if t.state == TrialState.PRUNED:
             return "duplicate_of" not in t.user_attrs
-        if t.state == TrialState.FAIL:  # stale trials of killed workers and interruptions don't count
+        if t.state == TrialState.FAIL:  # stale trials, interruptions and deadline cuts don't count
             r = t.user_attrs.get(FAIL_REASON)
-            return r is not None and r != INTERRUPTED
+            return r is not None and r not in (INTERRUPTED, DEADLINE)
         return False
 
     def _scan(self) -> "_Scan":
@@ -682,8 +722,10 @@ class Tuner:
             self._emit(event="end", result=result)
             return result
         stored_now = False
+        phases: dict = {}
         try:
-            self._begin(rule)
+            self._begin(rule, phases)
+            started = time.perf_counter()
             while True:
                 reason = self._stop_reason(rule, loop)
                 if reason == _WAIT:
@@ -695,7 +737,10 @@ class Tuner:
                 asked = self._ask()
                 if asked is not None:
                     self._evaluate(*asked, rule, loop)
+            t_finish = time.perf_counter()
+            phases["search"] = t_finish - started
             self._finish()
+            phases["finish"] = time.perf_counter() - t_finish
             stored_now = True
         except KeyboardInterrupt:
             interrupted, reason = True, "interrupted"
@@ -704,17 +749,25 @@ class Tuner:
                 self.runner.close()   # the measuring worker of this study
         result = self.result(reason, interrupted)
         result.n_new = max(0, result.n_trials - done0)
+        result.seconds = phases
         if not stored_now:
             result.stored, result.store_note = None, "interrupted before the winner was confirmed: nothing stored"
         self._emit(event="end", result=result)
         return result
 
-    def _begin(self, rule: StopRule):
+    def _begin(self, rule: StopRule, phases: dict):
+        t0 = time.perf_counter()
+        prestart = getattr(self.runner, "prestart", None)
+        if prestart is not None:
+            prestart()   # the measuring worker imports while the seeds are chosen
         self._check_timing_mode()
         if self.graph:
             self.study.set_user_attr("graph", self.graph)
         self._enqueue_seeds()
+        t1 = time.perf_counter()
+        phases["seeds"] = t1 - t0
         self._baseline_ms, self._baseline_name = self._baseline()
+        phases["baseline"] = time.perf_counter() - t1
         self._emit(event="start", total=rule.trials, study=self.study_name, baseline_ms=self._baseline_ms,
                    baseline_name=self._baseline_name, key=self.key, timing_mode=self.timing_mode)
 
@@ -735,6 +788,8 @@ class Tuner:
         elapsed = time.perf_counter() - loop.started
         if rule.timeout is not None and elapsed >= rule.timeout:
             return "timeout"
+        if rule.timeout is not None and loop.walls and self._time_left(rule, loop) <= loop.trial_estimate():
+            return "timeout"   # a typical trial would end past what the end of the run needs
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # experimental API notice
             optuna.storages.fail_stale_trials(self.study)
@@ -746,6 +801,27 @@ class Tuner:
         else:
             loop.wait_since = None
         return reason
+
+    def _time_left(self, rule: StopRule, loop: "_Loop") -> float:
+        """Seconds left for trials before ``rule.timeout``, keeping what the end of the run is
+        expected to take (:meth:`_Loop.finish_estimate`)."""
+        elapsed = time.perf_counter() - loop.started
+        n_confirm = min(self.confirm, max(len(loop.builds), len(loop.scan.measured)))
+        return rule.timeout - elapsed - loop.finish_estimate(n_confirm)
+
+    def _trial_timeout(self, rule: StopRule, loop: "_Loop") -> tuple[float | None, bool]:
+        """The measurement's time limit: ``trial_timeout``, or less near the run's ``timeout``
+        (never below this run's typical trial; not before this run has a working config, which
+        the end of the run needs); and whether the deadline set it."""
+        if rule.timeout is None or not loop.builds:
+            return self.trial_timeout, False
+        cap = max(self._time_left(rule, loop), loop.trial_estimate(), 1.0)
+        if self.trial_timeout is not None and self.trial_timeout <= cap:
+            return self.trial_timeout, False
+        default = getattr(self.runner, "default_timeout", None)
+        if self.trial_timeout is None and default is not None and default <= cap:
+            return default, False
+        return cap, True
 
     def _ask(self):
         """A new trial and its config; None when the sampler's choice is not a config (told FAIL)."""
@@ -804,7 +880,18 @@ class Tuner:
             loop.duplicate_streak = 0
             prune_above = (scan.best_kernel * 1e-3 if self.prune and self.objective.startswith("kernel_time")
                            and math.isfinite(scan.best_kernel) else None)
-            res = self.runner.measure(self.op, cfg, timeout=self.trial_timeout, prune_above=prune_above)
+            limit, by_deadline = self._trial_timeout(rule, loop)
+            t0 = time.perf_counter()
+            if by_deadline and getattr(self.runner, "soft_stops", False):
+                # the deadline stops the measurement at its next step; the worker (its pipelines,
+                # its kernels) stays for the confirmation
+                res = self.runner.measure(self.op, cfg, timeout=self.trial_timeout, prune_above=prune_above,
+                                          stop_after=limit)
+            else:
+                res = self.runner.measure(self.op, cfg, timeout=limit, prune_above=prune_above)
+            loop.note(time.perf_counter() - t0, res)
+            if by_deadline and res.status == "timeout":
+                res.status = DEADLINE   # cut short by the run's timeout: not a config that hangs
             self._tell(trial, cfg, res, self._baseline_ms, self._baseline_name)
             val = objective_value(res, self.objective, self.expected_calls) if res.ok else None
             if val is not None:
@@ -965,7 +1052,7 @@ class Tuner:
             baseline_ms=b.get("ms"), baseline_name=b.get("name"),
             n_trials=sum(1 for t in trials if self._counted(t)),
             n_complete=sum(1 for t in trials if t.state == TrialState.COMPLETE and "duplicate_of" not in t.user_attrs),
-            n_fail=sum(v for k, v in fails.items() if k != INTERRUPTED), n_pruned=sum(1 for t in trials if t.state == TrialState.PRUNED
+            n_fail=sum(v for k, v in fails.items() if k not in (INTERRUPTED, DEADLINE)), n_pruned=sum(1 for t in trials if t.state == TrialState.PRUNED
                                                                          and "duplicate_of" not in t.user_attrs),
             n_stale=n_stale, interrupted=interrupted, stop_reason=stop, fail_reasons=fails,
             best_trial=best.number if best else None, graph=self.study.user_attrs.get("graph") or self.graph)
