@@ -402,10 +402,23 @@ class Timer:
 def make_inputs(op: SparseOp, n_sets: int, seed: int = 0) -> list[tuple[np.ndarray, ...]]:
     """``n_sets`` independent random input tuples for ``op``: float32 arrays (float64 for a float64
     op) whose values are exactly representable in the op's dtype (so the float64 reference sees
-    the inputs the kernel sees)."""
-    rng = np.random.default_rng(seed)
-    return [tuple(round_to(rng.standard_normal(s, dtype=np.float32), op.dtype) for s in op.input_shapes)
-            for _ in range(n_sets)]
+    the inputs the kernel sees).  Set ``i`` is drawn from the ``i``-th child of ``seed``'s
+    ``SeedSequence`` (so fewer sets are a prefix of more), large sets on several threads."""
+    from ..core.reference import PARALLEL_WORK, host_threads
+
+    def one(child) -> tuple[np.ndarray, ...]:
+        rng = np.random.default_rng(child)
+        return tuple(round_to(rng.standard_normal(s, dtype=np.float32), op.dtype) for s in op.input_shapes)
+
+    children = np.random.SeedSequence(seed).spawn(n_sets)
+    size = sum(int(np.prod(s)) for s in op.input_shapes)
+    threads = min(host_threads(), n_sets)
+    if threads <= 1 or size < PARALLEL_WORK:
+        return [one(c) for c in children]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(threads) as ex:
+        return list(ex.map(one, children))
 
 
 def device_rel_error(out, ref) -> float:
