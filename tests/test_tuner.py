@@ -836,6 +836,31 @@ class Confirming(FakeRunner):
         return res
 
 
+def test_configs_close_to_the_best_are_confirmed_too(db):
+    """The search's best was lucky (its second measurement is 1.3x its first); another config
+    measured within 10 % of it is confirmed too, and wins; one 20 % off is not measured again."""
+    op = make_op(graph(), "spmm", 16)
+    probe = FakeRunner()
+    Tuner(op, "cpu", storage=db + ".probe", runner=probe, seed=0).run(trials=10)
+    order = sorted({json.dumps(c.to_dict(), sort_keys=True): c for c in probe.calls}.values(), key=probe.kernel_s)
+    best, close, far = order[0], order[1], order[2]
+    t_best = probe.kernel_s(best)
+
+    class Runner(Confirming):
+        def kernel_s(self, cfg):
+            if cfg == close:
+                return t_best * 1.05
+            if cfg == far:
+                return t_best * 1.2
+            return FakeRunner.kernel_s(self, cfg) if cfg == best else t_best * 3
+
+    runner = Runner(1.3, only=lambda cfg: cfg == best)
+    res = Tuner(op, "cpu", storage=db, runner=runner, seed=0, confirm=1, callbacks=[runner.events]).run(trials=10)
+    confirmations = runner.calls[runner.confirm_at:]
+    assert best in confirmations and close in confirmations and far not in confirmations
+    assert res.best_config == close and res.stored
+
+
 def test_winner_is_confirmed_before_it_is_stored(db):
     op = make_op(graph(), "spmm", 16)
     runner = Confirming(1.3)

@@ -316,7 +316,9 @@ class Tuner:
     templates whose ``precision`` choices all fall below it are left out of the space.
     ``model_seeds``: how many of the shipped model's first choices are the study's first trials
     (plus the model's best of every other template in the space; 0: none).  ``confirm``: how many
-    of the best configs are measured a second time at the end of a run before one is stored.
+    of the best configs are measured a second time at the end of a run before one is stored; the
+    others measured within ``CONFIRM_MARGIN`` of the best are measured again too (at most
+    ``CONFIRM_MAX`` in all): a first measurement can be a few percent off either way.
     ``graph``: the input's file name, kept with the study and the stored record (provenance)."""
 
     def __init__(self, op: SparseOp, target: str = "cpu", *, storage: str | None = None, runner=None,
@@ -575,6 +577,11 @@ class Tuner:
             self.study.enqueue_trial(params, user_attrs=attrs, skip_if_exists=True)
         self.study.set_user_attr("seeded", True)
 
+    #: the end of a run also confirms the configs measured within this factor of the best ...
+    CONFIRM_MARGIN = 1.10
+    #: ... up to this many confirmed configs in all
+    CONFIRM_MAX = 6
+
     #: seeds measured again behind each other pipeline of their template: the fastest N per template
     REORDER_TOP = 2
     #: the same on matrices of at most ``SMALL_NNZ`` entries, whose trials take milliseconds: a
@@ -806,7 +813,10 @@ class Tuner:
         """Seconds left for trials before ``rule.timeout``, keeping what the end of the run is
         expected to take (:meth:`_Loop.finish_estimate`)."""
         elapsed = time.perf_counter() - loop.started
-        n_confirm = min(self.confirm, max(len(loop.builds), len(loop.scan.measured)))
+        best = min((k for k, _ in loop.builds), default=math.inf)
+        close = sum(1 for k, _ in loop.builds if k <= best * self.CONFIRM_MARGIN)
+        n_confirm = min(max(self.confirm, self.CONFIRM_MAX), max(self.confirm, close),
+                        max(len(loop.builds), len(loop.scan.measured)))
         return rule.timeout - elapsed - loop.finish_estimate(n_confirm)
 
     def _trial_timeout(self, rule: StopRule, loop: "_Loop") -> tuple[float | None, bool]:
@@ -945,12 +955,13 @@ class Tuner:
         trials.sort(key=lambda t: t.value)
         cands, seen = [], set()
         for t in trials:
+            if len(cands) >= self.confirm and (len(cands) >= max(self.confirm, self.CONFIRM_MAX)
+                                               or t.value > trials[0].value * self.CONFIRM_MARGIN):
+                break
             dig = t.user_attrs.get("config_digest") or config_digest(Config.from_dict(t.user_attrs["config"]))
             if dig not in seen:
                 seen.add(dig)
                 cands.append(t)
-            if len(cands) >= self.confirm:
-                break
         self._emit(event="confirm", candidates=len(cands))
         last: dict = {"n_trials": self._scan().done, "time": time.time(), "baseline_ms": self._baseline_ms,
                       "baseline_name": self._baseline_name}
