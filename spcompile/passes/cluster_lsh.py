@@ -70,12 +70,17 @@ def minhash_signatures(A: CSR, siglen: int = 128, seed: int = 0, block: int = 16
     indptr = A.indptr.astype(np.int64)
     lens = np.diff(indptr)
     ind = A.indices
+    # blocks of hash functions on several threads (each writes its own columns), at most
+    # ``threads`` tables of n x block drawn ahead, in the order one thread draws them
+    threads = min(_pass_threads(A.nnz * siglen // 64), max(1, (1 << 29) // max(1, 4 * n * block)))
+    chunk_nnz = max(1 << 16, chunk_nnz // threads)
     # row-aligned chunks of about chunk_nnz entries keep the gathered (chunk, block) array small
     cuts = np.unique(np.clip(np.searchsorted(indptr, np.arange(0, A.nnz + chunk_nnz, chunk_nnz)), 0, m))
     cuts = np.unique(np.concatenate(([0], cuts, [m])))
-    for k0 in range(0, siglen, block):
-        kb = min(block, siglen - k0)
-        H = rng.integers(0, 1 << 32, size=(n, kb), dtype=np.uint32)
+
+    def fill(job):
+        k0, H = job
+        kb = H.shape[1]
         for a, b in zip(cuts[:-1], cuts[1:]):
             s = indptr[a:b]
             nz = lens[a:b] > 0
@@ -83,6 +88,11 @@ def minhash_signatures(A: CSR, siglen: int = 128, seed: int = 0, block: int = 16
                 continue
             g = H[ind[s[0]:indptr[b]]]
             sig[a:b, k0:k0 + kb][nz] = np.minimum.reduceat(g, (s - s[0])[nz], axis=0)
+
+    tables = ((k0, rng.integers(0, 1 << 32, size=(n, min(block, siglen - k0)), dtype=np.uint32))
+              for k0 in range(0, siglen, block))
+    for _ in _in_order(fill, tables, threads):
+        pass
     return sig
 
 
@@ -138,6 +148,64 @@ def _merge_counts(keys, counts, new_keys):
     return u, np.bincount(inv, weights=w, minlength=u.shape[0]).astype(np.int64)
 
 
+def _pass_threads(work: int) -> int:
+    """Threads for a pass step of ``work`` elements: one below 2**20, else the host's."""
+    from ..core.reference import host_threads
+
+    return host_threads() if work >= 1 << 20 else 1
+
+
+def _in_order(fn, items, threads: int):
+    """``fn(item)`` for each item, yielded in order; on ``threads`` > 1 threads computing at most
+    ``threads`` items ahead of the consumer (which may stop early: the rest is not started)."""
+    if threads <= 1:
+        for it in items:
+            yield fn(it)
+        return
+    from collections import deque
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(threads) as ex:
+        it = iter(items)
+        ahead = deque(ex.submit(fn, x) for _, x in zip(range(threads), it))
+        try:
+            while ahead:
+                res = ahead.popleft().result()
+                nxt = next(it, None)
+                if nxt is not None:
+                    ahead.append(ex.submit(fn, nxt))
+                yield res
+        finally:
+            for f in ahead:
+                f.cancel()
+
+
+def _band_pairs(sig: np.ndarray, rows: np.ndarray, b0: int, b1: int, bsize: int, window: int) -> list:
+    """Bands ``b0 <= b < b1``: for each, the keys ``lo * m + hi`` of the pairs of rows it puts in
+    one bucket, each row paired with its next ``window`` rows there (a list of arrays per band).
+    The bands' signature columns are read once, in row order; the keys are then taken in the
+    random order of ``rows``."""
+    m = sig.shape[0]
+    block = np.ascontiguousarray(sig[:, b0 * bsize:b1 * bsize])
+    out = []
+    for b in range(b1 - b0):
+        bk = _band_keys(block, b, bsize)[rows]
+        order = np.argsort(bk, kind="stable")
+        sk = bk[order]
+        ro = rows[order]
+        parts = []
+        for d in range(1, window + 1):
+            if d >= ro.shape[0]:
+                break
+            same = sk[d:] == sk[:-d]
+            if not same.any():
+                break  # no bucket has more than d rows
+            a, c = ro[:-d][same], ro[d:][same]
+            parts.append(np.minimum(a, c) * m + np.maximum(a, c))
+        out.append(parts)
+    return out
+
+
 def lsh_candidate_pairs(sig: np.ndarray, rows: np.ndarray | None = None, bsize: int = 2, window: int = 8,
                         max_pairs: int | None = None, seed: int = 0):
     """Candidate pairs by banding the signatures of ``rows`` (default: all rows).
@@ -156,32 +224,24 @@ def lsh_candidate_pairs(sig: np.ndarray, rows: np.ndarray | None = None, bsize: 
     pending_n = generated = 0
     flush_at = max(1 << 22, 4 * rows.shape[0], 2 * (max_pairs or 0))
     per = max(1, 16 // bsize)   # bands per slice: 16 signature values (one 64-byte line) a row
-    block = None
-    for b in range(siglen // bsize):
-        # a slice of a few bands at a time, read in row order (never a second copy of all the
-        # signatures); the band's keys are then taken in the random order of ``rows``
-        if b % per == 0:
-            block = np.ascontiguousarray(sig[:, b * bsize:(b + per) * bsize])
-        bk = _band_keys(block, b % per, bsize)[rows]
-        order = np.argsort(bk, kind="stable")
-        sk = bk[order]
-        ro = rows[order]
-        for d in range(1, window + 1):
-            if d >= ro.shape[0]:
-                break
-            same = sk[d:] == sk[:-d]
-            if not same.any():
-                break  # no bucket has more than d rows
-            a, c = ro[:-d][same], ro[d:][same]
-            lo, hi = np.minimum(a, c), np.maximum(a, c)
-            pending.append(lo * m + hi)
-            pending_n += lo.shape[0]
-            generated += lo.shape[0]
-        if pending_n > flush_at:
-            keys, counts = _merge_counts(keys, counts, np.concatenate(pending))
-            pending, pending_n = [], 0
-            if max_pairs is not None and (keys.shape[0] >= 2 * max_pairs or generated >= 8 * max_pairs):
-                break  # enough pairs: the most similar ones collide in almost every band anyway
+    nb = siglen // bsize
+    groups = [(g, min(g + per, nb)) for g in range(0, nb, per)]
+    done = False
+    for bands in _in_order(lambda g: _band_pairs(sig, rows, g[0], g[1], bsize, window), groups,
+                           _pass_threads(rows.shape[0] * per)):
+        for parts in bands:
+            pending += parts
+            n = sum(p.shape[0] for p in parts)
+            pending_n += n
+            generated += n
+            if pending_n > flush_at:
+                keys, counts = _merge_counts(keys, counts, np.concatenate(pending))
+                pending, pending_n = [], 0
+                if max_pairs is not None and (keys.shape[0] >= 2 * max_pairs or generated >= 8 * max_pairs):
+                    done = True  # enough pairs: the most similar ones collide in almost every band anyway
+                    break
+        if done:
+            break
     if pending:
         keys, counts = _merge_counts(keys, counts, np.concatenate(pending))
     if keys is None:

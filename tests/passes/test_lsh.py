@@ -338,3 +338,39 @@ def test_pass_permutes_on_random_matrices():
         back = np.empty_like(Y)
         back[p] = Y
         np.testing.assert_array_equal(back, reference.spmm(A, X))
+
+
+@pytest.mark.parametrize("max_pairs", [None, 50])
+def test_signatures_and_bands_on_threads_are_the_same(monkeypatch, max_pairs):
+    """minhash_signatures and lsh_candidate_pairs on several threads give the same bits as on one
+    (hash tables drawn in the same order; bands merged in band order, the early stop included)."""
+    import spcompile.passes.cluster_lsh as L
+
+    A, _ = scrambled_groups(groups=40, size=8, n=900, seed=3)
+    monkeypatch.setattr(L, "_pass_threads", lambda work: 1)
+    sig1 = minhash_signatures(A, 64, seed=2, chunk_nnz=1 << 8)
+    pairs1 = lsh_candidate_pairs(sig1, bsize=2, window=4, max_pairs=max_pairs)
+    monkeypatch.setattr(L, "_pass_threads", lambda work: 3)
+    sig3 = minhash_signatures(A, 64, seed=2, chunk_nnz=1 << 8)
+    pairs3 = lsh_candidate_pairs(sig3, bsize=2, window=4, max_pairs=max_pairs)
+    assert np.array_equal(sig1, sig3)
+    assert all(np.array_equal(a, b) for a, b in zip(pairs1, pairs3)) and pairs1[0].size > 0
+
+
+def test_in_order_yields_in_order_and_stops_early():
+    from spcompile.passes.cluster_lsh import _in_order
+
+    started = []
+
+    def slow(i):
+        started.append(i)
+        import time
+        time.sleep(0.01 * (5 - i % 5))
+        return i * i
+
+    assert list(_in_order(slow, range(12), 3)) == [i * i for i in range(12)]
+    started.clear()
+    gen = _in_order(slow, range(100), 3)
+    assert [next(gen) for _ in range(4)] == [0, 1, 4, 9]
+    gen.close()
+    assert len(started) <= 4 + 3          # at most `threads` items ahead of the consumer
