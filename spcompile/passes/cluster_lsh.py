@@ -302,11 +302,11 @@ class _Similarity:
     """Similarity of representative rows inside the merge rounds (exact Jaccard, or MinHash).
     ``many(i, j)`` scores arrays of pairs at once; ``self(i, j)`` one pair."""
 
-    def __init__(self, A: CSR, sig: np.ndarray | None, exact: bool, pattern=None):
+    def __init__(self, A: CSR, sig: np.ndarray | None, exact: bool):
         self.A = A
         self.sig = sig
         self.exact = exact
-        self._pattern = pattern
+        self._pattern = None   # the rows' column sets (exact), made at the first call
 
     def many(self, i, j) -> np.ndarray:
         i = np.asarray(i, dtype=np.int64)
@@ -465,18 +465,11 @@ def lsh_order(A: CSR, siglen: int = 128, bsize: int = 2, threshold_size: int = 2
     exact = similarity == "exact" or (similarity == "auto" and work <= exact_budget)
     if similarity not in ("auto", "exact", "minhash"):
         raise ValueError(f"similarity must be 'auto', 'exact' or 'minhash', got {similarity!r}")
-    pattern = row_pattern(A) if exact else None
-    if exact:
-        sims = jaccard_pairs(A, pi, pj, pattern)
-    else:
-        sims = np.empty(pi.shape[0])
-        for a in range(0, pi.shape[0], 1 << 16):
-            b = a + (1 << 16)
-            sims[a:b] = np.count_nonzero(sig[pi[a:b]] == sig[pj[a:b]], axis=1) / siglen
+    scorer = _Similarity(A, sig, exact)
+    sims = scorer.many(pi, pj)
     t3 = time.perf_counter()
     rounds: dict = {}
-    order = cluster_rows(m, pi, pj, sims, threshold_size, _Similarity(A, sig, exact, pattern), seed=seed,
-                         max_work=max_work, stats=rounds)
+    order = cluster_rows(m, pi, pj, sims, threshold_size, scorer, seed=seed, max_work=max_work, stats=rounds)
     t4 = time.perf_counter()
     return order, {"candidate_pairs": int(pi.shape[0]), "exact_similarity": bool(exact),
                    "merge_rounds": rounds["rounds"], "pairs_left": rounds["pairs_left"],
