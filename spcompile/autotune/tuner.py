@@ -185,7 +185,7 @@ class _Loop:
     scan: _Scan = field(default_factory=_Scan)
     walls: list = field(default_factory=list)      # seconds of each measurement of this run
     repeats: list = field(default_factory=list)    # ... less its first-run preprocessing and build
-    builds: list = field(default_factory=list)     # (kernel ms, preprocessing + build s) of good trials
+    builds: list = field(default_factory=list)     # (kernel s, preprocessing + build s) of good trials
 
     def waited(self) -> float:
         return 0.0 if self.wait_since is None else time.perf_counter() - self.wait_since
@@ -813,11 +813,16 @@ class Tuner:
         """Seconds left for trials before ``rule.timeout``, keeping what the end of the run is
         expected to take (:meth:`_Loop.finish_estimate`)."""
         elapsed = time.perf_counter() - loop.started
-        best = min((k for k, _ in loop.builds), default=math.inf)
-        close = sum(1 for k, _ in loop.builds if k <= best * self.CONFIRM_MARGIN)
-        n_confirm = min(max(self.confirm, self.CONFIRM_MAX), max(self.confirm, close),
-                        max(len(loop.builds), len(loop.scan.measured)))
+        n_confirm = self._confirm_count(sorted(k for k, _ in loop.builds),
+                                        max(len(loop.builds), len(loop.scan.measured)))
         return rule.timeout - elapsed - loop.finish_estimate(n_confirm)
+
+    def _confirm_count(self, values: list, available: int) -> int:
+        """How many configs the end of a run measures again: the ``confirm`` best, and the others
+        within ``CONFIRM_MARGIN`` of the best (``values``: one per config, ascending), at most
+        ``CONFIRM_MAX`` (or ``confirm``) and the ``available`` configs."""
+        close = sum(1 for v in values if v <= values[0] * self.CONFIRM_MARGIN) if values else 0
+        return min(available, max(self.confirm, min(close, max(self.confirm, self.CONFIRM_MAX))))
 
     def _trial_timeout(self, rule: StopRule, loop: "_Loop") -> tuple[float | None, bool]:
         """The measurement's time limit: ``trial_timeout``, or less near the run's ``timeout``
@@ -954,14 +959,12 @@ class Tuner:
                   if t.state == TrialState.COMPLETE and "duplicate_of" not in t.user_attrs and "config" in t.user_attrs]
         trials.sort(key=lambda t: t.value)
         cands, seen = [], set()
-        for t in trials:
-            if len(cands) >= self.confirm and (len(cands) >= max(self.confirm, self.CONFIRM_MAX)
-                                               or t.value > trials[0].value * self.CONFIRM_MARGIN):
-                break
+        for t in trials:   # the fastest trial of each config
             dig = t.user_attrs.get("config_digest") or config_digest(Config.from_dict(t.user_attrs["config"]))
             if dig not in seen:
                 seen.add(dig)
                 cands.append(t)
+        cands = cands[:self._confirm_count([t.value for t in cands], len(cands))]
         self._emit(event="confirm", candidates=len(cands))
         last: dict = {"n_trials": self._scan().done, "time": time.time(), "baseline_ms": self._baseline_ms,
                       "baseline_name": self._baseline_name}
