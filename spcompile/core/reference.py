@@ -11,13 +11,17 @@ from .formats import CSR
 PARALLEL_WORK = 1 << 22
 
 
+def available_cpus() -> int:
+    """CPUs this process may run on (its affinity where the platform tells it)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
 def host_threads() -> int:
     """CPUs this process may run on (at most 16): the threads of the large host references."""
-    try:
-        n = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        n = os.cpu_count() or 1
-    return max(1, min(16, n))
+    return min(16, available_cpus())
 
 
 def row_blocks(indptr, parts: int) -> list[tuple[int, int]]:

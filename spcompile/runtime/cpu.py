@@ -178,13 +178,12 @@ def num_threads() -> int:
     """Worker threads TVM's pool runs parallel loops on: ``TVM_NUM_THREADS`` when set, else every
     CPU this process may run on (TVM's own default halves the count on x86, assuming SMT, which
     leaves half of a small VM idle)."""
+    from ..core.reference import available_cpus
+
     env = os.environ.get("TVM_NUM_THREADS")
     if env and env.strip().isdigit() and int(env) > 0:
         return int(env)
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):
-        return max(1, os.cpu_count() or 1)
+    return available_cpus()
 
 
 @functools.lru_cache(maxsize=None)
