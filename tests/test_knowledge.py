@@ -511,3 +511,57 @@ def test_build_measures_the_native_order_of_a_degree_ordered_choice(monkeypatch,
     assert native and all(c.pipeline == () for c in native)
     assert dict(native[0].params) == dict(first.params)
     assert [dict(c.params) for c in native[1:]] == [dict(c.params) for c in variants if c.pipeline == first.pipeline]
+
+
+def test_quick_selection_times_over_three_input_sets(monkeypatch):
+    """Quick selection times each candidate rotating over N_INPUT_SETS input sets with one output
+    per set, as the tuner's runner does (one set keeps X hot in L2 on a graph whose X fits there
+    once); results are checked on the first set."""
+    A = random_matrix(250, 180, density=0.04, seed=11)
+    sop = make_op(A, "spmm", 12, "sum", "float32")
+    from spcompile.compile import default_config
+
+    seen = []
+
+    class Recording:
+        def __init__(self, m):
+            self._m, self.config = m, m.config
+
+        def __call__(self, X, out):
+            seen.append((X.ctypes.data, out.ctypes.data))
+            return self._m(X, out=out)
+
+    real = select.build_from_config
+    monkeypatch.setattr(select, "build_from_config",
+                        lambda op, c, ctx=None, module=None: Recording(real(op, c, ctx, module=module)))
+    n_sets_seen = []
+    real_timer = select.Timer
+
+    class CountingTimer(real_timer):
+        def time(self, fn, n_sets=1, **k):
+            n_sets_seen.append(n_sets)
+            return super().time(fn, n_sets, **k)
+
+    monkeypatch.setattr(select, "Timer", CountingTimer)
+    mod, info = select.quick_select(sop, "cpu", [(default_config(sop, "cpu"), None)], budget_s=0.5, vendor=False)
+    assert select.N_INPUT_SETS == 3 and n_sets_seen and set(n_sets_seen) == {3}
+    pairs = set(seen)
+    assert len({x for x, _ in pairs}) == 3 and len({o for _, o in pairs}) == 3 and len(pairs) == 3
+    assert info["candidates"][0]["kernel_ms"] > 0
+    # the inputs: the sets are the runner's kind (independent draws), the first one is checked
+    hosts, ins, outs, *_ = select._framework_inputs(sop, "cpu")
+    assert len(hosts) == len(ins) == len(outs) == 3
+    assert not np.array_equal(hosts[0][0], hosts[1][0])
+
+
+def test_quick_selection_input_sets_fit_the_free_memory():
+    sop = make_op(random_matrix(100, 80, density=0.05, seed=3), "spmm", 16, "sum", "float32")
+    hosts = select.make_inputs(sop, 3, seed=1)
+    per_set = (80 * 16 + 100 * 16) * 4
+    frac = select.SETS_MEMORY_FRACTION
+    assert select._sets_that_fit(hosts, sop, int(10 * per_set / frac)) == 3
+    assert select._sets_that_fit(hosts, sop, int(2 * per_set / frac)) == 2
+    assert select._sets_that_fit(hosts, sop, int(1.5 * per_set / frac)) == 1
+    assert select._sets_that_fit(hosts, sop, 0) == 1
+    half = make_op(random_matrix(100, 80, density=0.05, seed=3), "spmm", 16, "sum", "bfloat16")
+    assert select._sets_that_fit(hosts, half, int(2 * per_set / 2 / frac)) == 2
