@@ -83,12 +83,12 @@ def _sets_that_fit(hosts, op: SparseOp, free_bytes: int) -> int:
     return int(max(1, min(len(hosts), SETS_MEMORY_FRACTION * free_bytes // max(1, per_set))))
 
 
-def _framework_inputs(op: SparseOp, target: str = "cuda", n_sets: int = N_INPUT_SETS):
-    """``n_sets`` host input tuples, the same inputs on the target (a list of tuples), one output
-    buffer per set there, ``to64(a)``: a float64 copy of an array where it lives, ``upload(ref)``:
+def _framework_inputs(op: SparseOp, target: str = "cuda", n_sets: int | None = None):
+    """``n_sets`` (default ``N_INPUT_SETS``) host input tuples, the same inputs on the target (a
+    list of tuples), one output buffer per set there, ``to64(a)``: a float64 copy of an array where it lives, ``upload(ref)``:
     a host float64 array moved there, and ``rel_err(out, ref64)``: the relative error of an output
     computed where it lives (a large graph's outputs are never copied to the host)."""
-    hosts = make_inputs(op, max(1, int(n_sets)), seed=12345)
+    hosts = make_inputs(op, max(1, int(N_INPUT_SETS if n_sets is None else n_sets)), seed=12345)
     if target == "cpu":
         from ..core.reference import rel_error
 

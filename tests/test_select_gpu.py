@@ -1,0 +1,77 @@
+"""Quick selection on a GPU (``build()`` on a database miss): the candidates and cuSPARSE are
+built, checked on the first input set and timed over three input sets with one output each; the
+kept module is the fastest timed one and computes the float64 result.  Skipped without a GPU."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+
+import spcompile
+from spcompile.autotune import select
+from spcompile.core import reference
+from spcompile.runtime import cuda_available
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not cuda_available(), reason="no usable CUDA GPU")]
+
+
+def _matrix(seed, m=700, n=500):
+    rng = np.random.default_rng(seed)
+    A = sp.random(m, n, density=0.02, format="lil", random_state=seed, dtype=np.float32)
+    A[3, :] = 0                                            # an empty row
+    A[9, :] = rng.standard_normal(n).astype(np.float32)    # a full row
+    return A.tocsr()
+
+
+@pytest.mark.parametrize("op, K, dtype", [("spmm", 37, "float32"), ("spmm", 1, "float32"),
+                                          ("spmm", 64, "float16"), ("sddmm", 40, "float32")])
+def test_quick_selection_on_the_gpu(monkeypatch, no_tuning_db, op, K, dtype):
+    import torch
+
+    sets_timed = []
+    real = select.Timer
+
+    class Counting(real):
+        def time(self, fn, n_sets=1, **k):
+            sets_timed.append(n_sets)
+            return super().time(fn, n_sets, **k)
+
+    monkeypatch.setattr(select, "Timer", Counting)
+    A = _matrix(K)
+    mod = spcompile.build(A, op, K, target="cuda", dtype=dtype)
+    t = mod.tuning
+    assert t["source"] == "quick" and set(sets_timed) == {select.N_INPUT_SETS}
+    timed = [r for r in t["candidates"] if "kernel_ms" in r]
+    assert len(timed) >= 2 and any(r["source"] == "vendor" for r in timed)
+    assert t["kernel_ms"] == pytest.approx(min(r["kernel_ms"] for r in timed))
+    rng = np.random.default_rng(5)
+    tdt = getattr(torch, dtype)
+    m, n = A.shape
+    if op == "spmm":
+        X = torch.from_numpy(rng.standard_normal((n, K)).astype(np.float32)).to(tdt).cuda()
+        Y = torch.full((m, K), float("nan"), dtype=tdt, device="cuda")
+        mod(X, out=Y)
+        ref = A.astype(np.float64) @ X.double().cpu().numpy()
+    else:
+        X = torch.from_numpy(rng.standard_normal((m, K)).astype(np.float32)).to(tdt).cuda()
+        W = torch.from_numpy(rng.standard_normal((n, K)).astype(np.float32)).to(tdt).cuda()
+        Y = torch.full((A.nnz,), float("nan"), dtype=tdt, device="cuda")
+        mod(X, W, out=Y)
+        ref = reference.run("sddmm", None, A, X.double().cpu().numpy(), W.double().cpu().numpy())
+    err = reference.rel_error(Y.double().cpu().numpy(), np.asarray(ref, dtype=np.float64))
+    assert err < (2e-3 if dtype == "float16" else 1e-5)
+
+
+def test_quick_selection_inputs_on_the_gpu():
+    import torch
+
+    from spcompile.compile import make_op
+
+    sop = make_op(_matrix(2), "spmm", 24, "sum", "float32")
+    hosts, ins, outs, to64, upload, rel_err = select._framework_inputs(sop, "cuda")
+    assert len(hosts) == len(ins) == len(outs) == 3
+    assert all(isinstance(x, torch.Tensor) and x.is_cuda for s in ins for x in s)
+    assert len({o.data_ptr() for o in outs}) == 3
+    for h, s in zip(hosts, ins):
+        assert np.array_equal(s[0].cpu().numpy(), h[0].astype(np.float32))
+    assert not torch.equal(ins[0][0], ins[1][0])
