@@ -248,6 +248,22 @@ def test_flat_nnz_spmm_balanced_groups(dtype, tol, K):
                                    for i, p in enumerate(FLAT_NNZ_SPMM_PARAMS)], balanced)
 
 
+#: eight row segments per row group, one after another (rows_per_warp=8 is in the tuner's space)
+ROWS_PER_WARP_SPMM_PARAMS = (
+    {"group": 16, "vec": 4, "cf": 1, "warps_per_block": 4, "rows_per_warp": 8, "max_seg": 32, "unroll": 2},
+    {"group": 32, "vec": 4, "cf": 2, "warps_per_block": 8, "rows_per_warp": 8, "max_seg": 0, "unroll": 1})
+
+
+@pytest.mark.parametrize("dtype, tol", [("float32", 1e-5), ("float16", 2e-2)])
+@pytest.mark.parametrize("K", [1, 33, 128])
+def test_eight_rows_per_warp_spmm(dtype, tol, K):
+    """csr.crc_cwm with rows_per_warp=8 (without flat): every reduction, split long rows, empty
+    rows, with and without a degree order; the NaN-poisoned output fully written and equal to the
+    float64 reference, twice."""
+    _check_crc_cwm(dtype, tol, K, [(p, ["reorder.degree"] if i == 1 else [])
+                                   for i, p in enumerate(ROWS_PER_WARP_SPMM_PARAMS)])
+
+
 MIN_BLOCKS_SPMM_PARAMS = (
     {"group": 32, "vec": 4, "cf": 1, "warps_per_block": 8, "rows_per_warp": 1, "max_seg": 64, "unroll": 1, "min_blocks": 8},
     {"group": 16, "vec": 2, "cf": 2, "warps_per_block": 4, "rows_per_warp": 2, "max_seg": 16, "unroll": 4, "min_blocks": 6},

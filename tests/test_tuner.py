@@ -1189,3 +1189,41 @@ def test_trials_stand_for_their_search_params(db, monkeypatch):
     assert crc.search_params({**p, "flat": 1}) == {"flat": 1, "flat_nnz": 64, "rows_per_warp": 1}
     assert crc.search_params({**p, "flat": 1, "flat_nnz": 0}) == {"flat": 1, "flat_nnz": 0, "rows_per_warp": 4}
     assert crc.search_params({"cf": 2}) == {"cf": 2}          # parameter sets without them untouched
+
+
+def _seed_graphs():
+    """Matrices that switch on each kind of seed: short even rows (flat streams), sparse rows
+    around a hub (flat_nnz groups, full occupancy), a small dense-ish graph."""
+    rng = np.random.default_rng(3)
+    n = 3000
+    short = sp.random(n, n, density=3.0 / n, format="csr", random_state=1, dtype=np.float32)
+    hub = sp.random(n, n, density=5.0 / n, format="lil", random_state=2, dtype=np.float32)
+    hub[5, rng.choice(n, 900, replace=False)] = 1.0
+    dense = sp.random(400, 400, density=0.2, format="csr", random_state=3, dtype=np.float32)
+    return [short, hub.tocsr(), dense]
+
+
+@pytest.mark.parametrize("target, dtype", [("cuda", "float32"), ("cuda", "float16"), ("cpu", "float32")])
+def test_every_seed_is_measured_as_given(db, target, dtype):
+    """Each seed a study enqueues (defaults, heuristics, the model's choices and the variants
+    quick selection measures) lies inside its template's search space: enqueued, it is measured
+    with exactly its own parameters.  A value outside the space (rows_per_warp=8 of the flat
+    seeds was once) cannot be enqueued as it is, so such a seed is left out, never measured with
+    a value the sampler draws instead."""
+    for A in _seed_graphs():
+        for K in (16, 128):
+            op = make_op(A, "spmm", K, dtype=dtype)
+            try:
+                tn = Tuner(op, target, storage=db, runner=FakeRunner())
+            except RuntimeError:
+                continue   # no template of this target here
+            seeds = tn.seed_configs()
+            assert seeds
+            for source, cfg in seeds:
+                params = tn.params_from_config(cfg)
+                if cfg.template not in tn.space or cfg.precision not in tn.allowed:
+                    continue   # not enqueued (_enqueue_seeds)
+                assert params is not None, (source, cfg)
+                for k, v in cfg.params.items():
+                    if k in tn._dists[cfg.template]:
+                        assert params[f"{cfg.template}:{k}"] == v, (source, cfg.template, k, v)

@@ -443,7 +443,8 @@ class Tuner:
         return tpl.make_config(tpl.search_params(params), pipes[label], self.target, self.op.dtype)
 
     def params_from_config(self, cfg: Config) -> dict | None:
-        """Optuna params (for ``enqueue_trial``) reproducing ``cfg``; None if outside the space.  A
+        """Optuna params (for ``enqueue_trial``) reproducing ``cfg``; None if outside the space (a
+        template, pipeline or parameter value the space does not hold).  A
         parameter of the space that ``cfg`` lacks takes the template's ``absent_params`` value
         (what the kernel does without it), else its default's: a seed is measured as given, never
         with a value the sampler draws at random."""
@@ -474,8 +475,11 @@ class Tuner:
                     except Exception:  # noqa: BLE001 - a default that needs a pipeline's formats
                         fill = {}
                 v = fill.get(pname)
-            if v is not None and contains(dist, v):
-                out[f"{cfg.template}:{pname}"] = v
+            if v is None:
+                continue
+            if not contains(dist, v):
+                return None   # not in the space: it could only be measured with a drawn value
+            out[f"{cfg.template}:{pname}"] = v
         return out
 
     def seed_configs(self) -> list[tuple[str, Config]]:

@@ -102,7 +102,7 @@ class CrcCwm(NvccTemplate):
         from optuna.distributions import CategoricalDistribution as C
 
         return {"cf": C([1, 2, 4, 8]), "vec": C(_vec_choices(mod.op.dtype)), "group": C([4, 8, 16, 32]),
-                "warps_per_block": C([2, 4, 8]), "rows_per_warp": C([1, 2, 4]),
+                "warps_per_block": C([2, 4, 8]), "rows_per_warp": C([1, 2, 4, 8]),
                 "max_seg": C([0, 8, 16, 32, 64, 256, 1024, 4096]), "unroll": C([1, 2, 4, 8]), "flat": C([0, 1]),
                 "min_blocks": C(list(self.MIN_BLOCKS)), "flat_nnz": C(list(self.FLAT_NNZ))}
 
