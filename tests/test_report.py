@@ -103,5 +103,9 @@ def test_report_errors_are_clear(tmp_path):
     bad.write_text(json.dumps({"name": "something else"}))
     with pytest.raises(ValueError, match="not a benchmarks/bench.py result"):
         report.render(bench=[str(bad)], include_db=False)
+    sweep = tmp_path / "sweep.json"   # rows, but not of (graph, K): another script's output
+    sweep.write_text(json.dumps({"rows": [{"graph": "g", "variant": "a", "us": 1.0}]}))
+    with pytest.raises(ValueError, match="not a benchmarks/bench.py result"):
+        report.render(bench=[str(sweep)], include_db=False)
     with pytest.raises(FileNotFoundError, match="no tuning database"):
         report.render(storage=str(tmp_path / "absent.db"))

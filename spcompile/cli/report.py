@@ -267,8 +267,8 @@ def bench_section(path: str) -> str:
     if doc.get("mode") in ("cold_start", "call_overhead") and isinstance(doc.get("result"), dict):
         return _mode_section(doc)
     rows = doc.get("rows")
-    if not isinstance(rows, list):
-        raise ValueError(f"{path}: not a benchmarks/bench.py result (no 'rows', no --cold-start / "
+    if not isinstance(rows, list) or not all(isinstance(r, dict) and "K" in r and "graph" in r for r in rows):
+        raise ValueError(f"{path}: not a benchmarks/bench.py result (no 'rows' of graph and K, no --cold-start / "
                          "--call-overhead result)")
     s = doc.get("settings", {})
     env = doc.get("env", {})
