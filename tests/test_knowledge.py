@@ -548,20 +548,21 @@ def test_quick_selection_times_over_three_input_sets(monkeypatch):
     pairs = set(seen)
     assert len({x for x, _ in pairs}) == 3 and len({o for _, o in pairs}) == 3 and len(pairs) == 3
     assert info["candidates"][0]["kernel_ms"] > 0
-    # the inputs: the sets are the runner's kind (independent draws), the first one is checked
-    hosts, ins, outs, *_ = select._framework_inputs(sop, "cpu")
-    assert len(hosts) == len(ins) == len(outs) == 3
-    assert not np.array_equal(hosts[0][0], hosts[1][0])
+    # the inputs: independent draws, the first one (the checked one) also on the host
+    host, ins, outs, *_ = select._framework_inputs(sop, "cpu")
+    assert len(ins) == len(outs) == 3
+    assert np.array_equal(ins[0][0], host[0]) and not np.array_equal(ins[0][0], ins[1][0])
 
 
 def test_quick_selection_input_sets_fit_the_free_memory():
     sop = make_op(random_matrix(100, 80, density=0.05, seed=3), "spmm", 16, "sum", "float32")
-    hosts = select.make_inputs(sop, 3, seed=1)
+    first = select.make_inputs(sop, 1, seed=1)[0]
     per_set = (80 * 16 + 100 * 16) * 4
     frac = select.SETS_MEMORY_FRACTION
-    assert select._sets_that_fit(hosts, sop, int(10 * per_set / frac)) == 3
-    assert select._sets_that_fit(hosts, sop, int(2 * per_set / frac)) == 2
-    assert select._sets_that_fit(hosts, sop, int(1.5 * per_set / frac)) == 1
-    assert select._sets_that_fit(hosts, sop, 0) == 1
+    assert select._sets_that_fit(first, sop, int(10 * per_set / frac), 3) == 3
+    assert select._sets_that_fit(first, sop, int(2 * per_set / frac), 3) == 2
+    assert select._sets_that_fit(first, sop, int(1.5 * per_set / frac), 3) == 1
+    assert select._sets_that_fit(first, sop, 0, 3) == 1
+    assert select._sets_that_fit(first, sop, int(10 * per_set / frac), 2) == 2
     half = make_op(random_matrix(100, 80, density=0.05, seed=3), "spmm", 16, "sum", "bfloat16")
-    assert select._sets_that_fit(hosts, half, int(2 * per_set / 2 / frac)) == 2
+    assert select._sets_that_fit(first, half, int(2 * per_set / 2 / frac), 3) == 2

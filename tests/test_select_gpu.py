@@ -63,15 +63,20 @@ def test_quick_selection_on_the_gpu(monkeypatch, no_tuning_db, op, K, dtype):
 
 
 def test_quick_selection_inputs_on_the_gpu():
+    """Three sets on the GPU, the first one the host set results are checked on; the other two
+    drawn on the GPU (timed only), finite and different from it; an output per set."""
     import torch
 
     from spcompile.compile import make_op
 
-    sop = make_op(_matrix(2), "spmm", 24, "sum", "float32")
-    hosts, ins, outs, to64, upload, rel_err = select._framework_inputs(sop, "cuda")
-    assert len(hosts) == len(ins) == len(outs) == 3
-    assert all(isinstance(x, torch.Tensor) and x.is_cuda for s in ins for x in s)
-    assert len({o.data_ptr() for o in outs}) == 3
-    for h, s in zip(hosts, ins):
-        assert np.array_equal(s[0].cpu().numpy(), h[0].astype(np.float32))
-    assert not torch.equal(ins[0][0], ins[1][0])
+    for dtype in ("float32", "float16", "bfloat16"):
+        sop = make_op(_matrix(2), "spmm", 24, "sum", dtype)
+        host, ins, outs, to64, upload, rel_err = select._framework_inputs(sop, "cuda")
+        assert len(ins) == len(outs) == 3
+        assert all(isinstance(x, torch.Tensor) and x.is_cuda and x.dtype == getattr(torch, dtype)
+                   and x.shape == (500, 24) for s in ins for x in s)
+        assert len({o.data_ptr() for o in outs}) == 3 and all(o.shape == (700, 24) for o in outs)
+        assert np.array_equal(ins[0][0].double().cpu().numpy(), host[0].astype(np.float64))
+        for s in ins[1:]:
+            assert bool(torch.isfinite(s[0]).all()) and not torch.equal(s[0], ins[0][0])
+        assert not torch.equal(ins[1][0], ins[2][0])

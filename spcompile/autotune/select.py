@@ -75,41 +75,54 @@ N_INPUT_SETS = 3
 SETS_MEMORY_FRACTION = 0.25
 
 
-def _sets_that_fit(hosts, op: SparseOp, free_bytes: int) -> int:
-    """How many of ``hosts`` (with one output each, in ``op.dtype``) fit in
-    ``SETS_MEMORY_FRACTION`` of ``free_bytes``; at least one."""
+def _sets_that_fit(first, op: SparseOp, free_bytes: int, n_sets: int) -> int:
+    """How many of ``n_sets`` input sets shaped like ``first`` (with one output each, in
+    ``op.dtype``) fit in ``SETS_MEMORY_FRACTION`` of ``free_bytes``; at least one."""
     item = 2 if op.dtype == "bfloat16" else np.dtype(op.dtype).itemsize
-    per_set = (sum(x.size for x in hosts[0]) + int(np.prod(op.output_shape))) * item
-    return int(max(1, min(len(hosts), SETS_MEMORY_FRACTION * free_bytes // max(1, per_set))))
+    per_set = (sum(x.size for x in first) + int(np.prod(op.output_shape))) * item
+    return int(max(1, min(n_sets, SETS_MEMORY_FRACTION * free_bytes // max(1, per_set))))
 
 
 def _framework_inputs(op: SparseOp, target: str = "cuda", n_sets: int | None = None):
-    """``n_sets`` (default ``N_INPUT_SETS``) host input tuples, the same inputs on the target (a
-    list of tuples), one output buffer per set there, ``to64(a)``: a float64 copy of an array where it lives, ``upload(ref)``:
-    a host float64 array moved there, and ``rel_err(out, ref64)``: the relative error of an output
-    computed where it lives (a large graph's outputs are never copied to the host)."""
-    hosts = make_inputs(op, max(1, int(N_INPUT_SETS if n_sets is None else n_sets)), seed=12345)
+    """``(host, ins, outs, to64, upload, rel_err)``: ``host``, the first input set on the host
+    (the one results are checked on); ``ins``, ``n_sets`` (default ``N_INPUT_SETS``) input sets
+    on the target, the first one ``host``'s values (on a GPU the others are drawn there: they are
+    only timed, and need no host work or copy); ``outs``, an output buffer per set; ``to64(a)``: a
+    float64 copy of an array where it lives; ``upload(ref)``: a host float64 array moved there;
+    ``rel_err(out, ref64)``: the relative error of an output computed where it lives (a large
+    graph's outputs are never copied to the host)."""
+    n = max(1, int(N_INPUT_SETS if n_sets is None else n_sets))
     if target == "cpu":
         from ..core.reference import rel_error
 
+        hosts = make_inputs(op, n, seed=12345)
         ins = [tuple(np.ascontiguousarray(x.astype(op.dtype)) for x in h) for h in hosts]
         outs = [np.empty(op.output_shape, dtype=op.dtype) for _ in hosts]
-        return hosts, ins, outs, (lambda a: a.astype(np.float64)), (lambda r: r), rel_error
+        return hosts[0], ins, outs, (lambda a: a.astype(np.float64)), (lambda r: r), rel_error
+    host = make_inputs(op, 1, seed=12345)[0]
     try:
         import torch
-
-        tdt = getattr(torch, op.dtype)
-        hosts = hosts[:_sets_that_fit(hosts, op, torch.cuda.mem_get_info()[0])]
-        ins = [tuple(torch.from_numpy(x).cuda().to(tdt) for x in h) for h in hosts]
-        outs = [torch.empty(op.output_shape, dtype=tdt, device="cuda") for _ in hosts]
-        return hosts, ins, outs, (lambda a: a.double()), (lambda r: torch.from_numpy(r).cuda()), device_rel_error
     except ImportError:
-        import cupy
+        torch = None
+    if torch is not None:
+        tdt = getattr(torch, op.dtype)
+        n = _sets_that_fit(host, op, torch.cuda.mem_get_info()[0], n)
+        first = tuple(torch.from_numpy(x).cuda().to(tdt) for x in host)
+        gen = torch.Generator(device="cuda")
+        gen.manual_seed(12345)
+        ins = [first] + [tuple(torch.randn(x.shape, generator=gen, device="cuda").to(tdt) for x in first)
+                         for _ in range(n - 1)]
+        outs = [torch.empty(op.output_shape, dtype=tdt, device="cuda") for _ in ins]
+        return host, ins, outs, (lambda a: a.double()), (lambda r: torch.from_numpy(r).cuda()), device_rel_error
+    import cupy
 
-        hosts = hosts[:_sets_that_fit(hosts, op, cupy.cuda.runtime.memGetInfo()[0])]
-        ins = [tuple(cupy.asarray(x.astype(op.dtype)) for x in h) for h in hosts]
-        outs = [cupy.empty(op.output_shape, dtype=op.dtype) for _ in hosts]
-        return hosts, ins, outs, (lambda a: a.astype(cupy.float64)), cupy.asarray, device_rel_error
+    n = _sets_that_fit(host, op, cupy.cuda.runtime.memGetInfo()[0], n)
+    first = tuple(cupy.asarray(x.astype(op.dtype)) for x in host)
+    rs = cupy.random.RandomState(12345)
+    ins = [first] + [tuple(rs.standard_normal(x.shape, dtype=cupy.float32).astype(op.dtype) for x in first)
+                     for _ in range(n - 1)]
+    outs = [cupy.empty(op.output_shape, dtype=op.dtype) for _ in ins]
+    return host, ins, outs, (lambda a: a.astype(cupy.float64)), cupy.asarray, device_rel_error
 
 
 def _host_reference(op: SparseOp, host):
@@ -162,12 +175,12 @@ def quick_select(op: SparseOp, target: str, ranked: list[tuple[Config, float | N
             except Exception as e:  # noqa: BLE001
                 built.append((item, None, f"{type(e).__name__}: {e}"[:200]))
     t_built = time.perf_counter()
-    hosts, sets, outs, to64, upload, rel_err = _framework_inputs(op, target)
+    host, sets, outs, to64, upload, rel_err = _framework_inputs(op, target)
     # results are checked on the first set: against float64 on the host when that is cheap, else
     # against the vendor library's (else the first candidate that runs) result when it is finite;
     # each result is compared with it as soon as it is computed (one float64 copy where the outputs
     # live)
-    host, ins, out = hosts[0], sets[0], outs[0]
+    ins, out = sets[0], outs[0]
     ref = None
     if op.A.nnz * op.K <= HOST_REFERENCE_MAX_WORK:
         ref = upload(_host_reference(op, host))
