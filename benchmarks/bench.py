@@ -867,11 +867,12 @@ def _model_candidates(a, A, sop) -> list:
     default column)."""
     from spcompile.autotune import knowledge
     from spcompile.autotune.knowledge import unranked_variants
-    from spcompile.autotune.select import DEFAULT_CANDIDATES
+    from spcompile.autotune.select import DEFAULT_CANDIDATES, MORE_CANDIDATES, pick_candidates
 
     with (knowledge.excluded(A) if a.loo else contextlib.nullcontext()):
         try:
-            got = knowledge.ranked_configs(sop, "cuda", a.precision, k=DEFAULT_CANDIDATES)
+            got = pick_candidates(knowledge.ranked_configs(sop, "cuda", a.precision, k=8), DEFAULT_CANDIDATES,
+                                  MORE_CANDIDATES, lambda x: (repr(x[0].pipeline), [p["name"] for p in x[0].pipeline]))
             got += knowledge.cross_dtype_configs(sop, "cuda", a.precision)
             got += [(c, None) for c in unranked_variants(got, "cuda", sop.dtype, sop)]
         except Exception as e:  # noqa: BLE001

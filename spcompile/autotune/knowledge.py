@@ -420,11 +420,21 @@ def _arch(target: str) -> str | None:
 
 
 # -- evaluation ------------------------------------------------------------------------------
-def cross_validate(kn: Knowledge, quick: int = 3, k: int = 5) -> dict:
+def cross_validate(kn: Knowledge, quick: int | None = None, k: int = 5, more: int | None = None) -> dict:
     """Leave-one-graph-out: for each class and graph, rank with that graph's measurements left
     out, and report the held-out graph's real time of the model's first choice ("model") and of
-    the fastest of its first ``quick`` choices plus the baseline ("quick"), against the graph's
-    oracle (fastest candidate) and baseline."""
+    the fastest of the choices quick selection measures (its first ``quick`` and up to ``more``
+    of the next, :func:`spcompile.autotune.select.pick_candidates`; defaults as ``build()``)
+    plus the baseline ("quick"), against the graph's oracle (fastest candidate) and baseline."""
+    from .select import DEFAULT_CANDIDATES, MORE_CANDIDATES, pick_candidates
+
+    quick = DEFAULT_CANDIDATES if quick is None else quick
+    more = MORE_CANDIDATES if more is None else more
+
+    def pipeline_of(cid):
+        pipe = cid.split("|")[1]
+        return pipe, ([p["name"] for p in _PIPES[pipe]] if pipe in _PIPES else None)
+
     out = {}
     for cls, t in kn.tables.items():
         rows = []
@@ -436,7 +446,7 @@ def cross_validate(kn: Knowledge, quick: int = 3, k: int = 5) -> dict:
             order = [c for c, _, _ in Knowledge.rank(t, t.X[i], exclude=[i], k=k)]
             idx = {c: j for j, c in enumerate(t.candidates)}
             first = next((tt[idx[c]] for c in order if np.isfinite(tt[idx[c]])), np.nan)
-            picks = [tt[idx[c]] for c in order[:quick]] + [tt[j] for j in base_idx]
+            picks = [tt[idx[c]] for c in pick_candidates(order, quick, more, pipeline_of)] + [tt[j] for j in base_idx]
             picks = [p for p in picks if np.isfinite(p)]
             qk = min(picks) if picks else np.nan
             oracle = np.nanmin(tt)
