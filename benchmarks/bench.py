@@ -872,7 +872,7 @@ def _model_candidates(a, A, sop) -> list:
     with (knowledge.excluded(A) if a.loo else contextlib.nullcontext()):
         try:
             got = pick_candidates(knowledge.ranked_configs(sop, "cuda", a.precision, k=8), DEFAULT_CANDIDATES,
-                                  MORE_CANDIDATES, lambda x: (repr(x[0].pipeline), [p["name"] for p in x[0].pipeline]))
+                                  MORE_CANDIDATES)
             got += knowledge.cross_dtype_configs(sop, "cuda", a.precision)
             got += [(c, None) for c in unranked_variants(got, "cuda", sop.dtype, sop)]
         except Exception as e:  # noqa: BLE001

@@ -222,6 +222,22 @@ def no_tuning_db(monkeypatch, tmp_path_factory):
     monkeypatch.setenv("SPCOMPILE_TUNING_DB", str(tmp_path_factory.getbasetemp() / "absent" / "none.db"))
 
 
+@pytest.fixture
+def timed_sets(monkeypatch):
+    """The ``n_sets`` of every timing quick selection makes (its ``Timer.time`` calls), in order."""
+    from spcompile.autotune import select
+
+    seen: list[int] = []
+
+    class Counting(select.Timer):
+        def time(self, fn, n_sets=1, **k):
+            seen.append(n_sets)
+            return super().time(fn, n_sets, **k)
+
+    monkeypatch.setattr(select, "Timer", Counting)
+    return seen
+
+
 def captured_steps_match_eager(eager, graphed, x, y) -> None:
     """PyTorch's whole-network CUDA-graph recipe on two copies of a model: ``graphed``'s training
     step (forward, cross-entropy loss, backward, capturable Adam) captured once -- after one eager

@@ -517,7 +517,7 @@ def test_build_measures_the_native_order_of_a_degree_ordered_choice(monkeypatch,
     assert [dict(c.params) for c in native[1:]] == [dict(c.params) for c in variants if c.pipeline == first.pipeline]
 
 
-def test_quick_selection_times_over_three_input_sets(monkeypatch):
+def test_quick_selection_times_over_three_input_sets(monkeypatch, timed_sets):
     """Quick selection times each candidate rotating over N_INPUT_SETS input sets with one output
     per set, as the tuner's runner does (one set keeps X hot in L2 on a graph whose X fits there
     once); results are checked on the first set."""
@@ -538,17 +538,8 @@ def test_quick_selection_times_over_three_input_sets(monkeypatch):
     real = select.build_from_config
     monkeypatch.setattr(select, "build_from_config",
                         lambda op, c, ctx=None, module=None: Recording(real(op, c, ctx, module=module)))
-    n_sets_seen = []
-    real_timer = select.Timer
-
-    class CountingTimer(real_timer):
-        def time(self, fn, n_sets=1, **k):
-            n_sets_seen.append(n_sets)
-            return super().time(fn, n_sets, **k)
-
-    monkeypatch.setattr(select, "Timer", CountingTimer)
     mod, info = select.quick_select(sop, "cpu", [(default_config(sop, "cpu"), None)], budget_s=0.5, vendor=False)
-    assert select.N_INPUT_SETS == 3 and n_sets_seen and set(n_sets_seen) == {3}
+    assert select.N_INPUT_SETS == 3 and timed_sets and set(timed_sets) == {3}
     pairs = set(seen)
     assert len({x for x, _ in pairs}) == 3 and len({o for _, o in pairs}) == 3 and len(pairs) == 3
     assert info["candidates"][0]["kernel_ms"] > 0

@@ -25,22 +25,13 @@ def _matrix(seed, m=700, n=500):
 
 @pytest.mark.parametrize("op, K, dtype", [("spmm", 37, "float32"), ("spmm", 1, "float32"),
                                           ("spmm", 64, "float16"), ("sddmm", 40, "float32")])
-def test_quick_selection_on_the_gpu(monkeypatch, no_tuning_db, op, K, dtype):
+def test_quick_selection_on_the_gpu(no_tuning_db, timed_sets, op, K, dtype):
     import torch
 
-    sets_timed = []
-    real = select.Timer
-
-    class Counting(real):
-        def time(self, fn, n_sets=1, **k):
-            sets_timed.append(n_sets)
-            return super().time(fn, n_sets, **k)
-
-    monkeypatch.setattr(select, "Timer", Counting)
     A = _matrix(K)
     mod = spcompile.build(A, op, K, target="cuda", dtype=dtype)
     t = mod.tuning
-    assert t["source"] == "quick" and set(sets_timed) == {select.N_INPUT_SETS}
+    assert t["source"] == "quick" and set(timed_sets) == {select.N_INPUT_SETS}
     timed = [r for r in t["candidates"] if "kernel_ms" in r]
     assert len(timed) >= 2 and any(r["source"] == "vendor" for r in timed)
     assert t["kernel_ms"] == pytest.approx(min(r["kernel_ms"] for r in timed))

@@ -5,9 +5,9 @@ model-ranked candidates (or the heuristic default) and the vendor library on thi
 The candidates are built first (in parallel threads: nvcc runs outside the GIL; kernels already
 in the kernel cache cost no compilation), each result is checked against the vendor library's
 (or, without one, the first candidate's) on the same random inputs, then each is timed with the
-one timing rule (``Timer``, a short setting, rotating over ``N_INPUT_SETS`` input sets as the tuner's
-runner and the benchmarks do, so a graph whose X fits in L2 once is not timed hot) until the budget is spent; the model's
-first choice and the vendor library are always timed.  Candidates within ``FINALIST_MARGIN`` of
+one timing rule (``Timer``, a short setting, rotating over ``N_INPUT_SETS`` input sets as the
+tuner's runner and the benchmarks do, so a graph whose X fits in L2 once is not timed hot) until
+the budget is spent; the model's first choice and the vendor library are always timed.  Candidates within ``FINALIST_MARGIN`` of
 the fastest are timed again, in turn, and the one with the fastest median timing is kept.
 """
 from __future__ import annotations
@@ -20,12 +20,12 @@ import numpy as np
 from ..compile import build_from_config
 from ..core.config import Config
 from ..core.ir import SparseModule, SparseOp
-from ..core.numerics import result_tolerance
+from ..core.numerics import DTYPES, result_tolerance
 from ..kernels import get_template
 from ..passes import Pipeline
 from .measure import Timer, device_rel_error, make_inputs
 
-__all__ = ["quick_select", "vendor_config", "pick_candidates", "VENDOR", "DEFAULT_BUDGET_S", "DEFAULT_CANDIDATES",
+__all__ = ["quick_select", "vendor_config", "pick_candidates", "config_pipeline", "VENDOR", "DEFAULT_BUDGET_S", "DEFAULT_CANDIDATES",
            "MORE_CANDIDATES", "CHEAP_PASSES", "N_INPUT_SETS"]
 
 #: seconds of measurement ``build()`` may spend choosing on a database miss (``select_budget``)
@@ -43,10 +43,17 @@ MORE_CANDIDATES = 2
 CHEAP_PASSES = frozenset({"reorder.degree"})
 
 
-def pick_candidates(ranked: list, n: int, more: int, pipeline_of) -> list:
+def config_pipeline(item) -> tuple[str, list[str]]:
+    """``(identity, pass names)`` of the pipeline of a ``(config, ...)`` item of a ranking."""
+    pipeline = item[0].pipeline
+    return repr(pipeline), [p["name"] for p in pipeline]
+
+
+def pick_candidates(ranked: list, n: int, more: int, pipeline_of=config_pipeline) -> list:
     """The first ``n`` of ``ranked``, then up to ``more`` of the rest whose pipeline is one of
     theirs or runs only ``CHEAP_PASSES``.  ``pipeline_of(item)``: ``(identity, pass names)`` of an
-    item's pipeline (``pass names`` None when unknown: not cheap)."""
+    item's pipeline (``pass names`` None when unknown: not cheap); by default the items are
+    ``(config, ...)`` tuples."""
     first = list(ranked[:max(1, n)])
     known = {pipeline_of(x)[0] for x in first}
 
@@ -102,7 +109,7 @@ SETS_MEMORY_FRACTION = 0.25
 def _sets_that_fit(first, op: SparseOp, free_bytes: int, n_sets: int) -> int:
     """How many of ``n_sets`` input sets shaped like ``first`` (with one output each, in
     ``op.dtype``) fit in ``SETS_MEMORY_FRACTION`` of ``free_bytes``; at least one."""
-    item = 2 if op.dtype == "bfloat16" else np.dtype(op.dtype).itemsize
+    item = DTYPES[op.dtype].bytes
     per_set = (sum(x.size for x in first) + int(np.prod(op.output_shape))) * item
     return int(max(1, min(n_sets, SETS_MEMORY_FRACTION * free_bytes // max(1, per_set))))
 
@@ -157,18 +164,15 @@ def _host_reference(op: SparseOp, host):
 
 def quick_select(op: SparseOp, target: str, ranked: list[tuple[Config, float | None]], *,
                  budget_s: float = DEFAULT_BUDGET_S, n: int | None = None, more: int | None = None, ctx=None,
-                 label: str = "model",
-                 vendor: bool = True, extra: list[tuple[str, Config, float | None]] = ()):
+                 label: str = "model", vendor: bool = True, extra: list[tuple[str, Config, float | None]] = ()):
     """Build and time the first ``n`` (default ``DEFAULT_CANDIDATES``) of ``ranked`` and up to
-    ``more`` (``MORE_CANDIDATES``) of the rest (:func:`pick_candidates`), the ``extra`` candidates (``(label, config,
-    expected speed-up)``) and the vendor library; returns ``(module, info)`` of the fastest
+    ``more`` (``MORE_CANDIDATES``) of the rest (:func:`pick_candidates`), the ``extra`` candidates
+    (``(label, config, expected speed-up)``) and the vendor library; returns ``(module, info)`` of the fastest
     correct one, or ``(None, info)`` when none worked."""
     t0 = time.perf_counter()
     n = DEFAULT_CANDIDATES if n is None else n
     more = MORE_CANDIDATES if more is None else more
-    picked = pick_candidates(ranked, n, more,
-                             lambda item: (repr(item[0].pipeline), [p["name"] for p in item[0].pipeline]))
-    cands: list[tuple[str, Config, float | None]] = [(label, c, sp) for c, sp in picked]
+    cands: list[tuple[str, Config, float | None]] = [(label, c, sp) for c, sp in pick_candidates(ranked, n, more)]
     cands += [(str(src), c, sp) for src, c, sp in extra]
     vcfg = vendor_config(op, target) if vendor else None
     if vcfg is not None:
