@@ -39,6 +39,9 @@ def main(argv=None) -> int:
     ap.add_argument("--vary", type=_vary, action="append", required=True)
     ap.add_argument("--tuned", action="append", default=None)
     ap.add_argument("--K", type=int, default=128)
+    ap.add_argument("--pipelines", nargs="+", default=None,
+                    help="replace the tuned pipeline by each of these in turn: none, or pass names "
+                         "joined by '+' (e.g. reorder.degree, reorder.community)")
     ap.add_argument("--build-only", action="store_true")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     ap.add_argument("--name", default="param_sweep")
@@ -66,42 +69,47 @@ def main(argv=None) -> int:
         A = common.load_matrix(path)
         cfg = Config.from_dict(tuned[name])
         tpl = get_template(cfg.template)
-        spec = [dict(s) for s in cfg.pipeline]
         p0 = dict(cfg.params)
         variants = [p0] + [v for v in ({**p0, **dict(zip(names, g))} for g in grid) if v != p0]
+        specs = ([[dict(s) for s in cfg.pipeline]] if not a.pipelines else
+                 [[] if pl == "none" else [{"name": n, "options": {}} for n in pl.split("+")] for pl in a.pipelines])
         if a.build_only:
             sop = bench.make_op(A, "spmm", a.K, "sum", "float32")
-            module = bench.PipelineCache().get(sop, spec) if spec else None
             refused = 0
-            for p in variants:
-                try:
-                    bench.build_from_config(sop, tpl.make_config(p, spec, "cuda"), module=module)
-                except ValueError as e:              # a combination the template refuses
-                    refused += 1
-                    print(f"    refused {({k: p.get(k) for k in names})}: {e}", flush=True)
-            print(f"{name}: {len(variants) - refused} configurations built, {refused} refused", flush=True)
+            for spec in specs:
+                module = bench.PipelineCache().get(sop, spec) if spec else None
+                for p in variants:
+                    try:
+                        bench.build_from_config(sop, tpl.make_config(p, spec, "cuda"), module=module)
+                    except ValueError as e:              # a combination the template refuses
+                        refused += 1
+                        print(f"    refused {({k: p.get(k) for k in names})}: {e}", flush=True)
+            print(f"{name}: {len(variants) * len(specs) - refused} configurations built, {refused} refused", flush=True)
             continue
         w = bench.Workload(A, "spmm", "sum", a.K, "float32", "cuda")
         b = timer.time(bench.col_baseline(w).call, n_sets=w.n_sets).seconds * 1e6
-        module = bench.PipelineCache().get(w.sop, spec) if spec else None
-        res = {"graph": name, "nnz": int(A.nnz), "K": a.K, "template": cfg.template, "pipeline": spec,
+        res = {"graph": name, "nnz": int(A.nnz), "K": a.K, "template": cfg.template, "pipeline": specs[0],
                "baseline_us": b, "cells": []}
-        for p in variants:
-            try:
-                mod = bench.build_from_config(w.sop, tpl.make_config(p, spec, "cuda"), module=module)
-            except ValueError as e:                  # a combination the template refuses
-                res["cells"].append({"params": p, "us": None, "status": "refused", "error": str(e)[:200]})
-                continue
-            col = bench._checked(w, "x", mod, {})
-            us = timer.time(col.call, n_sets=w.n_sets).seconds * 1e6 if col.call else None
-            res["cells"].append({"params": p, "us": us, "status": col.rec.get("status")})
+        for spec in specs:
+            module = bench.PipelineCache().get(w.sop, spec) if spec else None
+            for p in variants:
+                try:
+                    mod = bench.build_from_config(w.sop, tpl.make_config(p, spec, "cuda"), module=module)
+                except ValueError as e:                  # a combination the template refuses
+                    res["cells"].append({"params": p, "pipeline": spec, "us": None, "status": "refused",
+                                         "error": str(e)[:200]})
+                    continue
+                col = bench._checked(w, "x", mod, {})
+                us = timer.time(col.call, n_sets=w.n_sets).seconds * 1e6 if col.call else None
+                res["cells"].append({"params": p, "pipeline": spec, "us": us, "status": col.rec.get("status")})
         t0 = res["cells"][0]["us"]
         best = min((c for c in res["cells"] if c["us"]), key=lambda c: c["us"])
-        shown = {k: best["params"].get(k) for k in names}
+        shown = {**{k: best["params"].get(k) for k in names}, "pipeline": "+".join(x["name"] for x in best["pipeline"])}
         print(f"{name:24s} cuSPARSE {b:7.1f} tuned {t0:7.1f} best {best['us']:7.1f} ({t0 / best['us']:.3f}x the "
               f"tuned speed) {shown}", flush=True)
         for c in res["cells"][1:]:
-            print(f"    {c['us'] if c['us'] else float('nan'):7.1f} {({k: c['params'].get(k) for k in names})}", flush=True)
+            print(f"    {c['us'] if c['us'] else float('nan'):7.1f} {({k: c['params'].get(k) for k in names})} "
+                  f"{'+'.join(x['name'] for x in c['pipeline']) or 'none'}", flush=True)
         out.append(res)
         w.release()
         os.makedirs(a.out, exist_ok=True)        # after every graph: a run cut short keeps its rows
