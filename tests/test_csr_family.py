@@ -239,7 +239,6 @@ def test_partition_covers_every_nonzero_once():
 # ------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("template,op,extra", [("csr.crc_cwm", "spmm", {}), ("csr.crc_cwm", "spmm", {"flat": 1}),
                                                ("csr.crc_cwm", "spmm", {"flat": 1, "flat_nnz": 32}),
-                                               ("csr.crc_cwm", "spmm", {"sm_local": 1}),
                                                ("csr.sddmm", "sddmm", {})])
 @pytest.mark.parametrize("K", [1, 33, 64])
 def test_plan_arguments_follow_the_signature(template, op, extra, K):
@@ -262,15 +261,7 @@ def test_plan_arguments_follow_the_signature(template, op, extra, K):
         assert k.arrays["grp_seg"][0] == 0 and k.arrays["grp_seg"][-1] == nseg and np.all(np.diff(k.arrays["grp_seg"]) > 0)
         if "flat_nnz" not in extra:
             assert np.all(np.diff(k.arrays["grp_seg"])[:-1] == 2)
-    sm_local = bool(extra.get("sm_local"))
-    nq = int(k.arrays["q_ptr"].size) - 1 if sm_local else 0
-    if sm_local:   # one queue per SM (no GPU here: the H100's 132), over every row group
-        assert nq == 132 and k.arrays["q_ptr"][0] == 0 and k.arrays["q_ptr"][-1] == ngroups
-        assert np.all(np.diff(k.arrays["q_ptr"]) >= 0)
-        assert "_sml" in k.meta["instances"][0][0] and k.meta["instances"][0][1][6] == 2
-    else:
-        assert "q_ptr" not in k.arrays or k.arrays["q_ptr"].size == 0
-    scalars = {"nseg": nseg, "ngroups": ngroups, "K": K, "segs_per_group": params.get("rows_per_warp"), "nq": nq}
+    scalars = {"nseg": nseg, "ngroups": ngroups, "K": K, "segs_per_group": params.get("rows_per_warp")}
     for plan, (iname, _) in zip(plans, k.meta["instances"]):
         args = plan.arguments(calls)
         assert [(n, t_) for n, t_, _ in args] == list(rt.kernel_signature(src, iname).params)
@@ -285,9 +276,7 @@ def test_plan_arguments_follow_the_signature(template, op, extra, K):
         # every array and workspace reaches the kernel; the grid covers every segment
         assert {n for n, _, _ in args} >= set(names)
         spec = plan.block[0] // 32 * (32 // int(params.get("group", 32)) if op == "spmm" else 1)
-        if sm_local:   # a persistent grid: at most what the SMs hold, never more blocks than groups need
-            assert plan.grid[0] == min(-(-ngroups // spec), nq * (2048 // plan.block[0]))
-        elif op == "spmm":
+        if op == "spmm":
             assert plan.grid[0] * spec >= ngroups > (plan.grid[0] - 1) * spec
         else:
             assert plan.grid[0] * spec >= nseg
@@ -340,8 +329,7 @@ def test_launch_spec_shapes():
                       "rows_per_warp": 2, "max_seg": 32}, compile=False)
     nseg = k.arrays["seg_out"].size
     assert k.launch_spec(4) == LaunchSpec((-(-nseg // 32), 2, 1), (128, 1, 1), 1024,
-                                          {"nseg": nseg, "ngroups": -(-nseg // 2), "nq": 0, "K": 100,
-                                           "segs_per_group": 2})
+                                          {"nseg": nseg, "ngroups": -(-nseg // 2), "K": 100, "segs_per_group": 2})
     assert k.launch_spec(1).grid[1] == 7
     # flat, nnz-balanced row groups: the grid covers grp_seg's groups (16 per block of 4 warps of
     # 8-lane groups), whatever rows_per_warp says
@@ -351,16 +339,6 @@ def test_launch_spec_shapes():
     ws = k.workspaces()
     assert ws["part"] == (k.arrays["slot_grp"].size * 100, "float32")
     assert ws["counters"] == (k.arrays["grp_len"].size * 7, "int32") and k.arrays["grp_len"].size > 0
-    assert ws["qctr"] == (0, "int32")
-    # SM-local queues: a persistent grid of at most 16 blocks of 128 threads per queue, and per column
-    # tile (VEC = 1: 7) the queue counters plus a finished-groups count, 32 ints apart
-    ks = t.build(mod, {**k.params, "sm_local": 1}, compile=False)
-    nq = ks.arrays["q_ptr"].size - 1
-    assert nq == 132 and ks.launch_spec(4).grid == (min(-(-nseg // 32), 132 * 16), 2, 1)
-    assert ks.launch_spec(4).args["nq"] == nq and ks.workspaces()["qctr"] == ((nq + 1) * 32 * 7, "int32")
-    big = _mod(random_matrix(40000, 300, density=0.01, seed=2), "spmm", 100, "sum")
-    kb = t.build(big, {**k.params, "sm_local": 1, "rows_per_warp": 1}, compile=False)
-    assert kb.launch_spec(4).grid[0] == 132 * 16 < -(-kb.arrays["seg_out"].size // 16)
 
 
 # ------------------------------------------------------------------------------------------
@@ -408,11 +386,11 @@ def test_binary_rebuilt_for_another_arch(monkeypatch):
 #: sha256 of the rendered source (the on-disk kernel cache key) of csr instances; a change here
 #: invalidates every cached csr kernel binary -- update only for an intended kernel change
 RENDER_SHA256 = {
-    ("csr.crc_cwm", ("sum", 1, 4, 32, 2, "float32")): "5e2a551773c1c446992d2456e9d4e5703e51768c2577e7951c6818ab0c1b0c33",
-    ("csr.crc_cwm", ("mean", 4, 8, 4, 8, "bfloat16")): "225899d813288c7828bc4780b76f4f2d43d1139ff0a93ffa9baecc60c74bdf9e",
-    ("csr.crc_cwm", ("max", 2, 1, 8, 4, "float16")): "d02455b9734c29b74682470487deb98d58dc0343ac7f910ff8874f86a19fcba0",
-    ("csr.crc_cwm", ("sum", 1, 4, 32, 2, "float32", 1)): "8ac4cfcabf52ad08953fad1835bd2777d239849fa513d2d6f35a1d08c3019927",
-    ("csr.crc_cwm", ("sum", 1, 4, 32, 1, "float32", 0, 8)): "eba4226f3c01ae4fac826c1841f588eb4c03fffb3a2ae30aec253fb10fec39c5",
+    ("csr.crc_cwm", ("sum", 1, 4, 32, 2, "float32")): "2b3c4d273853ee13798ad6d11bf79b1bfb7cad782de83f277113e5e67541b0d0",
+    ("csr.crc_cwm", ("mean", 4, 8, 4, 8, "bfloat16")): "9e357f730f3f6b0fc1da1e1033fec55a880299cb949502f6e8b4dc25fae6ca2b",
+    ("csr.crc_cwm", ("max", 2, 1, 8, 4, "float16")): "c24d982b3a124d321e27aa404906eab26a9f74ec279f81b35a28cf0972c9a1d4",
+    ("csr.crc_cwm", ("sum", 1, 4, 32, 2, "float32", 1)): "0fa8d6f7da8ddc1fd4f38d7c98d7debbe7502b485301ae2383c1f77d8c7d0f87",
+    ("csr.crc_cwm", ("sum", 1, 4, 32, 1, "float32", 0, 8)): "e802beda8b060235adaf1657759136af7fff3c307d42321d1f6d3c9e488ece2b",
     ("csr.sddmm", (32, 4, 4, "float32")): "51a4d13079f8fec170194599cae6e7d294e5178dd72e3a27a41d515fc1df0431",
     ("csr.sddmm", (8, 2, 2, "float16")): "b7ffe729baddfe3fae189b1cfe8b22e89a946dc2016342dbde43ba2f7cc619c1",
     ("csr.sddmm", (16, 8, 1, "bfloat16", 1)): "2b4f832bd22e7d7165e7c519a50b9c9d583b2553b8b366cdcf4cb79bcdc4da31",

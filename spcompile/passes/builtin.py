@@ -2,7 +2,7 @@
 from . import reorder_simple  # noqa: F401
 
 # The papers' passes register here when present (issue: preprocessing passes).
-for _name in ("reorder_vnm", "reorder_community", "cluster_lsh", "tile_aspt", "tile_sgt", "vnm_window"):
+for _name in ("reorder_vnm", "cluster_lsh", "tile_aspt", "tile_sgt", "vnm_window"):
     try:
         __import__(f"{__package__}.{_name}")
     except ModuleNotFoundError as e:  # only a missing module is tolerated, not a broken one

@@ -116,20 +116,6 @@ def _device_arch(device: int) -> int:
     return 10 * major + minor
 
 
-#: streaming multiprocessors assumed without a GPU (the H100 SXM's)
-DEFAULT_SM_COUNT = 132
-
-
-def device_sm_count(device: int | None = None) -> int:
-    """Streaming multiprocessors of ``device`` (the current one when None); DEFAULT_SM_COUNT
-    without a GPU."""
-    from .target import cuda_available
-
-    if not cuda_available():
-        return DEFAULT_SM_COUNT
-    return driver.multiprocessor_count(current_device() if device is None else int(device))
-
-
 _COMPILE_LOCK = threading.Lock()
 
 

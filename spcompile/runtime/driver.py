@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 __all__ = ["CudaError", "init", "device_count", "compute_capability", "primary_context", "context",
-           "multiprocessor_count", "make_current", "ensure_current", "load_module", "Module", "Function", "DeviceArray", "stream_synchronize",
+           "make_current", "ensure_current", "load_module", "Module", "Function", "DeviceArray", "stream_synchronize",
            "warm_up", "raw_launch", "current_device", "INVALID_CONTEXT"]
 
 _c_int, _c_uint, _c_size, _c_void_p, _c_u64 = ctypes.c_int, ctypes.c_uint, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_uint64
@@ -31,7 +31,6 @@ _P = ctypes.POINTER
 
 #: driver API attributes used here
 _CC_MAJOR, _CC_MINOR = 75, 76                      # CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_*
-_SM_COUNT = 16                                     # CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT
 _FUNC_MAX_DYNAMIC_SMEM = 8                         # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 INVALID_CONTEXT = 201                              # CUDA_ERROR_INVALID_CONTEXT
 
@@ -131,13 +130,6 @@ def compute_capability(device: int) -> tuple[int, int]:
     _check(api.cuDeviceGetAttribute(ctypes.byref(major), _CC_MAJOR, int(device)), "cuDeviceGetAttribute")
     _check(api.cuDeviceGetAttribute(ctypes.byref(minor), _CC_MINOR, int(device)), "cuDeviceGetAttribute")
     return major.value, minor.value
-
-
-@functools.lru_cache(maxsize=None)
-def multiprocessor_count(device: int) -> int:
-    api, n = _ready_api(), _c_int()
-    _check(api.cuDeviceGetAttribute(ctypes.byref(n), _SM_COUNT, int(device)), "cuDeviceGetAttribute")
-    return n.value
 
 
 _CTX_LOCK = threading.Lock()

@@ -143,10 +143,8 @@ def emulate_kernel(kernel, *inputs, fallback: bool = False) -> np.ndarray:
         reduce = {0: "sum", 1: "max", 2: "min", 3: "mean"}[int(meta["instances"][0][1][1])]
         spec = kernel.launch_spec(vec)
         cols = spmm_columns(K, int(p["group"]), vec, int(p["cf"]), spec.grid[1])
-        # the SM-local schedule (FL = 2) hands every row group out through its queues, whatever the grid
-        sm_local = int(meta["instances"][0][1][6]) == 2
-        segs = None if sm_local else spmm_segments(kernel.arrays, spec.grid[0] * (spec.block[0] // int(p["group"])),
-                                                   int(p["rows_per_warp"]))
+        segs = spmm_segments(kernel.arrays, spec.grid[0] * (spec.block[0] // int(p["group"])),
+                             int(p["rows_per_warp"]))
         return emulate_spmm(kernel.arrays, inputs[0], reduce, int(meta["m"]), cols, dtype, segs)
     cols = sddmm_columns(K, int(p["group"]), vec, int(p["k_chunks"]))
     flat = bool(int(meta["instances"][0][1][4]))        # the compiled FLAT argument

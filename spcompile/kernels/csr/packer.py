@@ -8,7 +8,7 @@ import numpy as np
 from ...core.ir import SparseModule
 from ..base import csr_kernel_arrays
 
-__all__ = ["spmm_partition", "flat_groups", "sm_queues", "sddmm_partition", "pack_spmm", "pack_sddmm"]
+__all__ = ["spmm_partition", "flat_groups", "sddmm_partition", "pack_spmm", "pack_sddmm"]
 
 
 def _i32(a) -> np.ndarray:
@@ -69,26 +69,6 @@ def flat_groups(seg_ptr: np.ndarray, segs_per_group: int, group_nnz: int = 0) ->
     return _i32(np.append(starts, nseg))
 
 
-def sm_queues(seg_ptr: np.ndarray, segs_per_group: int, nq: int) -> np.ndarray:
-    """The queues of the SM-local schedule (``q_ptr``, ``nq + 1`` pointers over row groups of
-    ``segs_per_group`` consecutive segments): queue s holds the row groups ``q_ptr[s] ..
-    q_ptr[s + 1] - 1``, consecutive rows of the locality order, about equal in weight (nonzeros
-    plus one per segment, its output row).  Queues may be empty (fewer row groups than queues)."""
-    seg_ptr = np.asarray(seg_ptr, dtype=np.int64)
-    nseg = seg_ptr.size - 1
-    nq = max(1, int(nq))
-    spg = max(1, int(segs_per_group))
-    ngroups = -(-max(nseg, 0) // spg)
-    if ngroups == 0:
-        return np.zeros(nq + 1, np.int32)
-    first = np.arange(0, nseg, spg, dtype=np.int64)                       # first segment of each group
-    before = seg_ptr[first] - seg_ptr[0] + first                            # weight of the groups before
-    total = int(seg_ptr[-1] - seg_ptr[0]) + nseg
-    q_ptr = np.searchsorted(before, np.arange(nq + 1, dtype=np.int64) * total / nq, side="left")
-    q_ptr[0], q_ptr[-1] = 0, ngroups
-    return _i32(np.maximum.accumulate(q_ptr))
-
-
 def sddmm_partition(indptr: np.ndarray, row_ids: np.ndarray, nnz_per_warp: int,
                     flat: bool = False) -> dict[str, np.ndarray]:
     """The segments of ``sddmm_csr.cu``: seg_ptr, seg_xrow, nnz_row.  Default: segments of at
@@ -110,17 +90,13 @@ def sddmm_partition(indptr: np.ndarray, row_ids: np.ndarray, nnz_per_warp: int,
 
 
 def pack_spmm(mod: SparseModule, max_seg: int, flat: bool = False, segs_per_group: int = 1,
-              group_nnz: int = 0, sm_queues_of: int = 0) -> dict[str, np.ndarray]:
-    """Arrays of ``csr.crc_cwm``: the CSR columns / values, the row partition, for the flat
-    layout the row groups (``grp_seg``, :func:`flat_groups`; empty otherwise) and with
-    ``sm_queues_of`` > 0 the SM-local queues of that many SMs (``q_ptr``, :func:`sm_queues`;
-    empty otherwise)."""
+              group_nnz: int = 0) -> dict[str, np.ndarray]:
+    """Arrays of ``csr.crc_cwm``: the CSR columns / values, the row partition and, for the flat
+    layout, the row groups (``grp_seg``, :func:`flat_groups`; empty otherwise)."""
     ka = csr_kernel_arrays(mod, np.int32)
     part = spmm_partition(ka["indptr"], ka["row_ids"], max_seg)
     grp_seg = flat_groups(part["seg_ptr"], segs_per_group, group_nnz) if flat else np.zeros(0, np.int32)
-    q_ptr = (sm_queues(part["seg_ptr"], segs_per_group, sm_queues_of) if sm_queues_of > 0
-             else np.zeros(0, np.int32))
-    return {"indices": _i32(ka["indices"]), "data": ka["data"], **part, "grp_seg": grp_seg, "q_ptr": q_ptr}
+    return {"indices": _i32(ka["indices"]), "data": ka["data"], **part, "grp_seg": grp_seg}
 
 
 def pack_sddmm(mod: SparseModule, nnz_per_warp: int, flat: bool = False) -> dict[str, np.ndarray]:

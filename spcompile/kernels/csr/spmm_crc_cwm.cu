@@ -23,10 +23,7 @@
 //        grp_seg[g] .. grp_seg[g+1]-1 are one run of nonzeros, cached G at a time, with the U X
 //        loads in flight across segment ends and the segment bounds / outputs read G at a time
 //        (the packer makes the groups either `segs_per_group` segments each, or runs of about
-//        equal nonzeros: many short rows or one slice of a long one); 2 (SM-local): as 0, but
-//        the row groups come from per-SM queues of consecutive rows (q_ptr, qctr, nq): a
-//        persistent grid whose warps on one SM work on neighbouring rows of the locality order,
-//        so the X rows they share are gathered while still in that SM's L1
+//        equal nonzeros: many short rows or one slice of a long one)
 // Launch bounds (the instance macro, not the body): SPC_SPMM_INSTANCE_MB's MB resident 256-thread
 // blocks per SM cap the registers at 65536 / (256 MB) a thread, so more warps keep gathers in
 // flight (parameter min_blocks; graphs of sparse rows wait on DRAM latency)
@@ -46,9 +43,6 @@
 #include <math_constants.h>
 
 namespace spc {
-
-// ints between two counters of the SM-local queues (one 128-byte line each)
-constexpr int QSTRIDE = 32;
 
 template <int R> __device__ __forceinline__ float red_init() {
   return R == 1 ? -CUDART_INF_F : (R == 2 ? CUDART_INF_F : 0.0f);
@@ -179,8 +173,7 @@ __device__ __forceinline__ void spmm_crc_cwm(
     const int* __restrict__ indices, const float* __restrict__ data, const T* __restrict__ X,
     T* __restrict__ Y, float* part, int* counters, const int* __restrict__ grp_ptr,
     const int* __restrict__ slot_grp, const int* __restrict__ grp_out, const int* __restrict__ grp_len,
-    const int* __restrict__ grp_seg, const int* __restrict__ q_ptr, int* qctr, int nseg, int ngroups,
-    int nq, int K, int segs_per_group) {
+    const int* __restrict__ grp_seg, int nseg, int ngroups, int K, int segs_per_group) {
   extern __shared__ int smem[];
   const int lane = threadIdx.x % G;
   const int gib = threadIdx.x / G;                 // group in block
@@ -262,7 +255,7 @@ __device__ __forceinline__ void spmm_crc_cwm(
     }
   };
 
-  if constexpr (FL == 1) {
+  if constexpr (FL != 0) {
     // flat: the group's segments [s0, s0 + ns) are one stream of nonzeros (consecutive in
     // seg_ptr), cached G at a time with U X loads in flight across segment boundaries; a segment
     // is finished when the stream passes its end.  The segment pointers are read G at a time: lane
@@ -324,58 +317,9 @@ __device__ __forceinline__ void spmm_crc_cwm(
       if (cur + 1 < ns) seg_hi = ptr_at(cur + 2);
     }
   } else {
-    // FL = 0: row group `group` (block order); FL = 2 (SM-local): row groups taken from per-SM
-    // queues, see the loop below
-    long long gq = group;
-    int q = 0, taken = 0;
-    int* qc = nullptr;
-    const int gl = (threadIdx.x % 32) / G * G;      // first lane of the group in its warp
-    if constexpr (FL == 2) {
-      // The row groups [q_ptr[s], q_ptr[s+1]) form queue s (consecutive rows: one part of the
-      // locality order, nnz-balanced by the packer); a row group works first on the queue of the
-      // SM it runs on, so the warps of an SM gather the X rows of neighbouring rows while they are
-      // in its L1, then takes what other queues have left (every group index is handed out
-      // exactly once by its queue's counter, whatever SMs exist or which blocks run).  qctr holds
-      // per column tile nq counters and a count of finished row groups, each on its own 128-byte
-      // line (QSTRIDE ints: atomics on one line serialise); the last group resets them for the
-      // next call.
-      qc = qctr + (size_t)blockIdx.y * (nq + 1) * QSTRIDE;
-      unsigned smid;
-      asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
-      q = (int)(smid % (unsigned)nq);
-    }
-    // lane 0: the group's next ticket of queue q, taken one row group ahead (the atomic's round
-    // trip overlaps the current group's gathers)
-    int ticket = 0;
-    if constexpr (FL == 2) {
-      if (lane == 0) ticket = atomicAdd(qc + q * QSTRIDE, 1);
-    }
-    while (true) {
-      if constexpr (FL == 2) {
-        const int w = __shfl_sync(gmask, ticket, gl);
-        if (q_ptr[q] + w >= q_ptr[q + 1]) {         // queue q is done: the next one with work
-          int found = -1;
-          for (int b = 1; b < nq + 1 && found < 0; b += G) {
-            const int j = b + lane;
-            const int s = (q + j) % nq;
-            const bool open = j <= nq && __ldcg(qc + s * QSTRIDE) < q_ptr[s + 1] - q_ptr[s];
-            const unsigned bits = (__ballot_sync(gmask, open) >> gl) & (G == 32 ? 0xffffffffu : ((1u << G) - 1u));
-            if (bits) found = (q + b + __ffs(bits) - 1) % nq;
-          }
-          if (found < 0) break;
-          q = found;
-          if (lane == 0) ticket = atomicAdd(qc + q * QSTRIDE, 1);
-          continue;
-        }
-        gq = q_ptr[q] + w;
-        if (lane == 0) ticket = atomicAdd(qc + q * QSTRIDE, 1);
-      } else {
-        if (taken) break;
-      }
-      ++taken;
     for (int r = 0; r < segs_per_group; ++r) {
-      const long long s = gq * segs_per_group + r;
-      if (s >= nseg) break;                           // uniform within the group
+      const long long s = group * segs_per_group + r;
+      if (s >= nseg) return;                          // uniform within the group
       const int lo = seg_ptr[s], hi = seg_ptr[s + 1];
       float acc[CF][VEC];
       reset_acc<R>(acc);
@@ -407,18 +351,6 @@ __device__ __forceinline__ void spmm_crc_cwm(
 
       finish(seg_slot[s], seg_out[s], acc, hi - lo);
     }
-    }
-    if constexpr (FL == 2) {                        // last row group of this column tile resets
-      __threadfence();
-      __syncwarp(gmask);
-      if (lane == 0) {
-        const int done = atomicAdd(qc + nq * QSTRIDE, 1);
-        if (done == (int)(gridDim.x * groups_per_block) - 1) {
-          __threadfence();
-          for (int s = 0; s <= nq; ++s) qc[s * QSTRIDE] = 0;
-        }
-      }
-    }
   }
 }
 
@@ -439,12 +371,11 @@ __device__ __forceinline__ void spmm_crc_cwm(
       const int* seg_ptr, const int* seg_out, const int* seg_slot, const int* indices,               \
       const float* data, const SPC_ELEM(TN)* X, SPC_ELEM(TN)* Y, float* part, int* counters,         \
       const int* grp_ptr, const int* slot_grp, const int* grp_out, const int* grp_len,               \
-      const int* grp_seg, const int* q_ptr, int* qctr, int nseg, int ngroups, int nq, int K,         \
-      int segs_per_group) {                                                                          \
+      const int* grp_seg, int nseg, int ngroups, int K, int segs_per_group) {                        \
     spc::spmm_crc_cwm<SPC_ELEM(TN), R, CF, VEC, G, U, FL>(seg_ptr, seg_out, seg_slot, indices, data, X,  \
                                                       Y, part, counters, grp_ptr, slot_grp, grp_out, \
-                                                      grp_len, grp_seg, q_ptr, qctr, nseg, ngroups,  \
-                                                      nq, K, segs_per_group);                        \
+                                                      grp_len, grp_seg, nseg, ngroups, K,            \
+                                                      segs_per_group);                               \
   }
 #define SPC_SPMM_INSTANCE(NAME, TN, R, CF, VEC, G, U, FL) \
   SPC_SPMM_INSTANCE_LB(NAME, __launch_bounds__(256), TN, R, CF, VEC, G, U, FL)

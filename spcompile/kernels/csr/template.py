@@ -56,20 +56,10 @@ class CrcCwmKernel(NvccKernel):
         p = self.params
         return -(-int(self.meta["K"]) // (int(p["group"]) * vec * int(p["cf"])))
 
-    def _nq(self) -> int:
-        """Queues of the SM-local schedule (0: blocks take row groups in grid order)."""
-        q = self.arrays.get("q_ptr")
-        return int(q.size) - 1 if q is not None and q.size else 0
-
     def workspaces(self):
         K, a = int(self.meta["K"]), self.arrays
-        nq = self._nq()
         return {"part": (a["slot_grp"].size * K, "float32"),
-                "counters": (a["grp_len"].size * self._tiles(1), "int32"),  # VEC = 1 has the most tiles
-                "qctr": ((nq + 1) * self.QSTRIDE * self._tiles(1) if nq else 0, "int32")}
-
-    #: ints between two SM-local queue counters (QSTRIDE of spmm_crc_cwm.cu: a 128-byte line each)
-    QSTRIDE = 32
+                "counters": (a["grp_len"].size * self._tiles(1), "int32")}   # VEC = 1 has the most tiles
 
     def launch_spec(self, vec):
         p = self.params
@@ -78,18 +68,9 @@ class CrcCwmKernel(NvccKernel):
         groups = threads // int(p["group"])
         # flat layout: the row groups of grp_seg; else rows_per_warp segments per group
         ngroups = int(self.arrays["grp_seg"].size) - 1 if self.arrays["grp_seg"].size else -(-nseg // rpw)
-        blocks = -(-ngroups // groups)
-        nq = self._nq()
-        if nq:
-            # SM-local schedule: a persistent grid, as many blocks as the SMs of the queues hold
-            # (warp slots permitting; blocks beyond what is resident find the queues empty)
-            blocks = max(1, min(blocks, nq * max(1, self.MAX_THREADS_PER_SM // threads)))
-        return LaunchSpec(grid=(blocks, self._tiles(vec), 1), block=(threads, 1, 1),
-                          smem=threads * 8, args={"nseg": nseg, "ngroups": ngroups, "nq": nq,
-                                                  "K": int(self.meta["K"]), "segs_per_group": rpw})
-
-    #: resident threads per SM (sm_80 / sm_90): the SM-local schedule's grid fills them
-    MAX_THREADS_PER_SM = 2048
+        return LaunchSpec(grid=(-(-ngroups // groups), self._tiles(vec), 1), block=(threads, 1, 1),
+                          smem=threads * 8, args={"nseg": nseg, "ngroups": ngroups, "K": int(self.meta["K"]),
+                                                  "segs_per_group": rpw})
 
     def empty(self):
         return self.arrays["seg_out"].size == 0
@@ -115,7 +96,7 @@ class CrcCwm(NvccTemplate):
     instance_macro = "SPC_SPMM_INSTANCE"
     kernel_class = CrcCwmKernel
     fallback_param = "vec"
-    absent_params = {"flat": 0, "min_blocks": 1, "flat_nnz": 0, "sm_local": 0}
+    absent_params = {"flat": 0, "min_blocks": 1, "flat_nnz": 0}
 
     def space(self, mod):
         from optuna.distributions import CategoricalDistribution as C
@@ -123,8 +104,7 @@ class CrcCwm(NvccTemplate):
         return {"cf": C([1, 2, 4, 8]), "vec": C(_vec_choices(mod.op.dtype)), "group": C([4, 8, 16, 32]),
                 "warps_per_block": C([2, 4, 8]), "rows_per_warp": C([1, 2, 4, 8]),
                 "max_seg": C([0, 8, 16, 32, 64, 256, 1024, 4096]), "unroll": C([1, 2, 4, 8]), "flat": C([0, 1]),
-                "min_blocks": C(list(self.MIN_BLOCKS)), "flat_nnz": C(list(self.FLAT_NNZ)),
-                "sm_local": C([0, 1])}
+                "min_blocks": C(list(self.MIN_BLOCKS)), "flat_nnz": C(list(self.FLAT_NNZ))}
 
     @staticmethod
     def heuristic(K: int, max_row: int, mean_row: float, dtype: str = "float32") -> dict:
@@ -243,11 +223,8 @@ class CrcCwm(NvccTemplate):
 
     def search_params(self, params):
         """``flat_nnz`` has no effect without ``flat`` (0 then), ``rows_per_warp`` none with
-        ``flat_nnz`` > 0 (1 then); the SM-local schedule is one of the one-segment-after-another
-        layout (``sm_local`` 0 with ``flat``)."""
+        ``flat_nnz`` > 0 (1 then)."""
         p = dict(params)
-        if int(p.get("flat", 0)) and "sm_local" in p:
-            p["sm_local"] = 0
         if not int(p.get("flat", 0)) and "flat_nnz" in p:
             p["flat_nnz"] = 0
         if int(p.get("flat", 0)) and int(p.get("flat_nnz", 0)) > 0 and "rows_per_warp" in p:
@@ -257,26 +234,11 @@ class CrcCwm(NvccTemplate):
     def checks(self, mod):
         return {"cf": (1, 2, 4, 8), "vec": _vec_choices(mod.op.dtype), "group": (4, 8, 16, 32),
                 "unroll": (1, 2, 4, 8), "warps_per_block": (1, 2, 4, 8), "rows_per_warp": AtLeast(1),
-                "max_seg": AtLeast(0), "flat": (0, 1), "min_blocks": self.MIN_BLOCKS, "flat_nnz": AtLeast(0),
-                "sm_local": (0, 1)}
-
-    @staticmethod
-    def _layout(p) -> int:
-        """The FL template argument: 0 row groups in grid order, 1 flat, 2 SM-local queues;
-        ValueError for ``flat`` with ``sm_local`` (the queues hand out one-after-another groups)."""
-        flat, sl = int(p.get("flat", 0)), int(p.get("sm_local", 0))
-        if flat and sl:
-            raise ValueError("csr.crc_cwm: 'sm_local' schedules the one-segment-after-another layout; "
-                             "it cannot be combined with 'flat'")
-        return 2 if sl else flat
+                "max_seg": AtLeast(0), "flat": (0, 1), "min_blocks": self.MIN_BLOCKS, "flat_nnz": AtLeast(0)}
 
     def pack(self, mod, params):
-        from ...runtime.cuda import device_sm_count
-
         p = {**self.absent_params, **params}
-        nq = device_sm_count() if self._layout(p) == 2 else 0
-        return pack_spmm(mod, int(p["max_seg"]), bool(int(p["flat"])), int(p["rows_per_warp"]), int(p["flat_nnz"]),
-                         sm_queues_of=nq)
+        return pack_spmm(mod, int(p["max_seg"]), bool(int(p["flat"])), int(p["rows_per_warp"]), int(p["flat_nnz"]))
 
     def check_arrays(self, key, params, arrays, meta, values=None):
         """Every index the kernel follows stays in its array or in X / Y, and the entries rebuild
@@ -286,7 +248,7 @@ class CrcCwm(NvccTemplate):
         meta_int(meta, "m", m)
         meta_int(meta, "K", key.K)
         _kernel_types(arrays, ("indices", "seg_ptr", "seg_out", "seg_slot", "grp_ptr", "slot_grp", "grp_out", "grp_len",
-                               "grp_seg", "q_ptr"))
+                               "grp_seg"))
         indices = index_array(arrays, "indices", 0, max(n, 1), nnz)
         data = float_array(arrays, "data", nnz)
         seg_out = index_array(arrays, "seg_out", 0, max(m, 1))
@@ -315,44 +277,33 @@ class CrcCwm(NvccTemplate):
         inst = meta.get("instances")
         if not (isinstance(inst, (list, tuple)) and inst and all(
                 isinstance(i, (list, tuple)) and len(i) == 2 and isinstance(i[1], (list, tuple)) and len(i[1]) >= 7
-                and isinstance(i[1][6], (int, np.integer)) and int(i[1][6]) in (0, 1, 2) for i in inst)):
+                and isinstance(i[1][6], (int, np.integer)) and int(i[1][6]) in (0, 1) for i in inst)):
             raise ValueError(f"kernel meta 'instances' must be SPC_SPMM_INSTANCE arguments, got {inst!r}")
         if len({int(i[1][6]) for i in inst}) != 1:
-            raise ValueError("kernel meta 'instances' mix the flat, SM-local and one-segment-after-another layouts")
-        layout = int(inst[0][1][6])
-        if layout == 1:
+            raise ValueError("kernel meta 'instances' mix the flat and the one-segment-after-another layouts")
+        if int(inst[0][1][6]):
             grp_seg = pointer_array(arrays, "grp_seg", seg_out.size)
             if np.any(np.diff(grp_seg) <= 0):
                 raise ValueError("array 'grp_seg' must rise strictly (every flat row group holds a segment)")
         else:
             index_array(arrays, "grp_seg", 0, 1, 0)
-        # the SM-local queues (FL = 2): pointers over every row group of rows_per_warp segments
-        if layout == 2:
-            rpw = params.get("rows_per_warp")
-            if rpw not in AtLeast(1):
-                raise ValueError(f"parameter 'rows_per_warp' must be an integer >= 1, got {rpw!r}")
-            q_ptr = pointer_array(arrays, "q_ptr", -(-seg_out.size // int(rpw)))
-            if q_ptr.size < 2:
-                raise ValueError("array 'q_ptr' must hold at least one queue")
-        else:
-            index_array(arrays, "q_ptr", 0, 1, 0)
         check_entries(np.repeat(row, lens), indices, data, m, n, key.pattern, values)
 
     def instance_args(self, mod, params):
         p = {**self.absent_params, **params}
         return {"reduce": mod.op.reduce, "cf": int(p["cf"]), "vec": _largest_vec(mod.op.K, int(p["vec"])),
                 "group": int(p["group"]), "unroll": int(p["unroll"]), "dtype": mod.op.dtype,
-                "flat": self._layout(p), "min_blocks": int(p["min_blocks"])}
+                "flat": int(p["flat"]), "min_blocks": int(p["min_blocks"])}
 
     @staticmethod
     def instance_name(TN, R, CF, VEC, G, U, FL=0, MB=1) -> str:
-        return (f"spmm_crc_cwm_{_SHORT[TN]}_r{R}_cf{CF}_v{VEC}_g{G}_u{U}" + {0: "", 1: "_flat", 2: "_sml"}[int(FL)]
+        return (f"spmm_crc_cwm_{_SHORT[TN]}_r{R}_cf{CF}_v{VEC}_g{G}_u{U}" + ("_flat" if FL else "")
                 + (f"_mb{MB}" if MB > 1 else ""))
 
     def instance(self, reduce: str, cf: int, vec: int, group: int, unroll: int = 4, dtype: str = "float32",
                  flat: int = 0, min_blocks: int = 1):
         R, TN, MB = _REDUCE[reduce], DTYPES[dtype].code, int(min_blocks)
-        args = (TN, R, cf, vec, group, unroll, int(flat)) + ((MB,) if MB > 1 else ())   # flat: the FL layout
+        args = (TN, R, cf, vec, group, unroll, int(flat)) + ((MB,) if MB > 1 else ())
         return self.instance_name(TN, R, cf, vec, group, unroll, flat, MB), args
 
     def instance_macro_of(self, name: str) -> str:
