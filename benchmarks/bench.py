@@ -864,7 +864,7 @@ def mode_markdown(doc) -> str:
 def _model_candidates(a, A, sop) -> list:
     """What quick selection in ``build()`` builds for ``sop``: the model's first choices, their
     unranked variants and, for 16-bit inputs, the float32 shape (with ``--loo`` the graph's own records left out, as in the
-    default column)."""
+    default column), and the second round's neighbours of each."""
     from spcompile.autotune import knowledge
     from spcompile.autotune.knowledge import unranked_variants
     from spcompile.autotune.select import DEFAULT_CANDIDATES, MORE_CANDIDATES, pick_candidates
@@ -875,6 +875,9 @@ def _model_candidates(a, A, sop) -> list:
                                   MORE_CANDIDATES)
             got += knowledge.cross_dtype_configs(sop, "cuda", a.precision)
             got += [(c, None) for c in unranked_variants(got, "cuda", sop.dtype, sop)]
+            # the second round's neighbours of whichever of them is fastest
+            got += [(get_template(c.template).make_config(p, c.pipeline, "cuda", sop.dtype), None)
+                    for c, _ in list(got) for p in get_template(c.template).probe_variants(dict(c.params), sop)]
         except Exception as e:  # noqa: BLE001
             print(f"  K={sop.K}: no model candidates: {_err(e)}", flush=True)
             return []

@@ -186,7 +186,9 @@ def write_cv(path, command):
              "For every workload class and every graph measured, the k-NN model ranks the portfolio with "
              "that graph's own measurements left out; the table compares the graph's measured kernel "
              f"times of the model's first choice (*model*) and of the fastest of its first {DEFAULT_CANDIDATES} "
-             f"and up to {MORE_CANDIDATES} of its next that need no other pipeline or only a degree sort, plus "
+             f"and up to {MORE_CANDIDATES} of its next that need no other pipeline or only a degree sort, "
+             "then, in a second round, the portfolio members next to the fastest of those (csr.crc_cwm: "
+             "the next shorter and longer `max_seg`, the other block shapes, same pipeline), plus "
              "the vendor library (*quick*: what `build()` measures on a database miss) with the "
              "fastest portfolio member (*oracle*) and the vendor library (cuSPARSE of the same dtype; "
              "none for max and for 16-bit SDDMM). Geometric means over graphs.", "",

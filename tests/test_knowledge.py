@@ -92,9 +92,13 @@ def test_leave_one_graph_out_quality(shipped):
     choice and the best of its first DEFAULT_CANDIDATES plus the vendor library, against the
     graph's best; the more candidates quick selection measures, the closer to the best."""
     cv = kn.cross_validate(shipped)
-    fewer = kn.cross_validate(shipped, more=0)
+    fewer = kn.cross_validate(shipped, more=0, probe=False)
+    first = kn.cross_validate(shipped, probe=False)
     for cls, r in cv.items():
-        assert r["quick_over_oracle"] >= fewer[cls]["quick_over_oracle"] - 1e-12, cls
+        assert r["quick_over_oracle"] >= first[cls]["quick_over_oracle"] - 1e-12, cls
+        assert first[cls]["quick_over_oracle"] >= fewer[cls]["quick_over_oracle"] - 1e-12, cls
+    # the second round (neighbours of the fastest) gains where the portfolio has such neighbours
+    assert cv["spmm/sum/float32/128"]["quick_over_oracle"] > first["spmm/sum/float32/128"]["quick_over_oracle"]
     for K in (64, 128, 256):
         r = cv[f"spmm/sum/float32/{K}"]
         assert r["graphs"] >= 50
@@ -604,3 +608,87 @@ def test_quick_selection_measures_the_next_candidates_behind_known_pipelines():
     mod, info = select.quick_select(sop, "cpu", ranked2, budget_s=5.0, vendor=False)
     assert [(r["pipeline"], r["params"]["parallel"]) for r in info["candidates"]] == [
         (["reorder.rcm"], False), ([], False), (["reorder.degree"], False), ([], True), (["reorder.rcm"], True)]
+
+
+def test_probe_ids_are_the_templates_probe_variants(shipped):
+    """The second round the cross-validation scores (portfolio ids) is the one quick selection
+    measures (the template's ``probe_variants`` of the member's parameters), for every csr.crc_cwm
+    member of the fp32 and fp16 SpMM portfolios at K = 64 / 256."""
+    from spcompile.kernels import get_template
+
+    A = random_matrix(200, 200, density=0.05, seed=4)
+    for dt in ("float32", "float16"):
+        for K in (64, 256):
+            sop = make_op(A, "spmm", K, "sum", dt)
+            members = kn.portfolio("spmm", "sum", dt)
+            for cid in members:
+                cfg = kn.candidate_config(cid, sop)
+                if cfg.template != "csr.crc_cwm":
+                    assert kn.probe_ids(cid) == []
+                    continue
+                tpl = get_template(cfg.template)
+                want = sorted(json.dumps(p, sort_keys=True) for p in tpl.probe_variants(dict(cfg.params), sop))
+                got = sorted(json.dumps(dict(kn.candidate_config(c, sop).params), sort_keys=True)
+                             for c in kn.probe_ids(cid))
+                assert got == want, cid
+                assert set(kn.probe_ids(cid)) <= set(members) or dt == "float16"
+
+
+def test_quick_selection_second_round_measures_the_leaders_neighbours(monkeypatch):
+    """After the first round, quick selection measures the fastest candidate's ``probe_variants``
+    on its pipeline (source "probe", checked and timed like the others); PROBE=False or
+    probe=False leaves them out, as does a template without neighbours."""
+    A = random_matrix(300, 300, density=0.03, seed=12)
+    sop = make_op(A, "spmm", 16, "sum", "float32")
+    from spcompile.compile import default_config
+    from spcompile.kernels import get_template
+
+    d = default_config(sop, "cpu")
+    tpl = get_template(d.template)
+    deg = [{"name": "reorder.degree", "options": {}}]
+    lead = tpl.make_config({**dict(d.params), "parallel": False}, deg, "cpu", sop.dtype)
+    asked = []
+
+    def neighbours(params, op=None):
+        asked.append(dict(params))
+        return [{**dict(params), "parallel": True}, dict(params)]   # the second is the lead itself
+
+    monkeypatch.setattr(type(tpl), "probe_variants", lambda self, params, op=None: neighbours(params, op))
+    mod, info = select.quick_select(sop, "cpu", [(lead, None)], budget_s=5.0, vendor=False)
+    assert asked == [dict(lead.params)]
+    rows = info["candidates"]
+    assert [(r["source"], r["pipeline"], r["params"]["parallel"]) for r in rows] == [
+        ("model", ["reorder.degree"], False), ("probe", ["reorder.degree"], True)]
+    assert all("kernel_ms" in r for r in rows)
+    assert mod is not None and info["chosen"] in ("model", "probe")
+    for off in ({"probe": False}, {}):
+        if not off:
+            monkeypatch.setattr(select, "PROBE", False)
+        _, info = select.quick_select(sop, "cpu", [(lead, None)], budget_s=5.0, vendor=False, **off)
+        assert [r["source"] for r in info["candidates"]] == ["model"]
+
+
+def test_crc_cwm_probe_variants():
+    """csr.crc_cwm's second-round neighbours: max_seg one step shorter and longer in
+    PROBE_MAX_SEG (0, whole rows, is the longest), the other block shapes at the same max_seg;
+    none next to a flat or launch-bounded parameter set; every one valid for the template."""
+    from spcompile.core.ir import SparseModule
+    from spcompile.kernels import get_template
+
+    t = get_template("csr.crc_cwm")
+    sop = make_op(random_matrix(200, 200, density=0.05, seed=4), "spmm", 128, "sum", "float32")
+    mod = SparseModule.from_op(sop)
+    base = {**t.default_params(mod), "max_seg": 64, **t.shape_params("u2", 1)}
+    got = t.probe_variants(base, sop)
+    assert [p["max_seg"] for p in got[:2]] == [32, 256]
+    assert {(p["warps_per_block"], p["rows_per_warp"], p["unroll"]) for p in got[2:]} == {(4, 1, 8), (8, 2, 2)}
+    assert all(p["max_seg"] == 64 for p in got[2:]) and base not in got and len(got) == 4
+    assert [p["max_seg"] for p in t.probe_variants({**base, "max_seg": 0}, sop)][:1] == [256]
+    assert [p["max_seg"] for p in t.probe_variants({**base, "max_seg": 16}, sop)][:1] == [32]
+    assert [p["max_seg"] for p in t.probe_variants({**base, "max_seg": 1024}, sop)] == [1024, 1024]   # shapes only
+    assert t.probe_variants({**base, "flat": 1}, sop) == []
+    assert t.probe_variants({**base, "min_blocks": 8}, sop) == []
+    for p in got:
+        t.check_params(mod, p)
+    with pytest.raises(ValueError, match="shape"):
+        t.shape_params("u4", 1)

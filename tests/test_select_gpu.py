@@ -71,3 +71,37 @@ def test_quick_selection_inputs_on_the_gpu():
         for s in ins[1:]:
             assert bool(torch.isfinite(s[0]).all()) and not torch.equal(s[0], ins[0][0])
         assert not torch.equal(ins[1][0], ins[2][0])
+
+
+def test_second_round_on_the_gpu(no_tuning_db):
+    """The second round next to the fastest csr.crc_cwm candidate: max_seg one step shorter and
+    longer and the two other block shapes, on its pipeline, each built, checked against the
+    reference and timed within the budget; the kept module is the fastest timed one and its
+    NaN-poisoned output matches float64."""
+    import torch
+
+    from spcompile.compile import make_op
+    from spcompile.kernels import get_template
+
+    A = _matrix(11, m=2000, n=1500)
+    K = 128
+    sop = make_op(A, "spmm", K, "sum", "float32")
+    tpl = get_template("csr.crc_cwm")
+    from spcompile.core.ir import SparseModule
+
+    p = {**tpl.default_params(SparseModule.from_op(sop)), "max_seg": 64, **tpl.shape_params("u2", 1)}
+    deg = [{"name": "reorder.degree", "options": {"descending": True}}]
+    lead = tpl.make_config(p, deg, "cuda", "float32")
+    mod, info = select.quick_select(sop, "cuda", [(lead, None)], budget_s=30.0, vendor=False)
+    rows = info["candidates"]
+    probes = [r for r in rows if r["source"] == "probe"]
+    assert [r["params"]["max_seg"] for r in probes[:2]] == [32, 256]
+    assert {(r["params"]["warps_per_block"], r["params"]["rows_per_warp"], r["params"]["unroll"]) for r in probes[2:]} \
+        == {(4, 1, 8), (8, 2, 2)}
+    assert all(r["pipeline"] == ["reorder.degree"] and "kernel_ms" in r for r in probes)
+    assert info["kernel_ms"] == pytest.approx(min(r["kernel_ms"] for r in rows if "kernel_ms" in r))
+    X = torch.randn(A.shape[1], K, device="cuda")
+    Y = torch.full((A.shape[0], K), float("nan"), device="cuda")
+    mod(X, out=Y)
+    ref = A.astype(np.float64) @ X.double().cpu().numpy()
+    assert reference.rel_error(Y.double().cpu().numpy(), ref) < 1e-5

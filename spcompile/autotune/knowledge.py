@@ -124,16 +124,10 @@ def portfolio(op: str, reduce: str | None, dtype: str) -> list[str]:
 def _crc_params(tpl, mod, variant: str) -> dict:
     ms, shape = variant.split("-")
     d = dict(tpl.default_params(mod))
-    cf = int(d["cf"])
     d["max_seg"] = int(ms[2:])
-    if shape == "u2":
-        d.update(warps_per_block=4, rows_per_warp=1, unroll=2 if cf <= 2 else 1)
-    elif shape == "u8":
-        d.update(warps_per_block=4, rows_per_warp=1, unroll={1: 8, 2: 4}.get(cf, 2))
-    elif shape == "w8r2":
-        d.update(warps_per_block=8, rows_per_warp=2, unroll=2 if cf <= 2 else 1)
-    else:
+    if shape not in tpl.SHAPES:
         raise ValueError(f"unknown csr.crc_cwm variant {variant!r}")
+    d.update(tpl.shape_params(shape, int(d["cf"])))
     return d
 
 
@@ -420,16 +414,40 @@ def _arch(target: str) -> str | None:
 
 
 # -- evaluation ------------------------------------------------------------------------------
-def cross_validate(kn: Knowledge, quick: int | None = None, k: int = 5, more: int | None = None) -> dict:
+def probe_ids(cid: str) -> list[str]:
+    """The portfolio members that quick selection's second round measures when ``cid`` is the
+    fastest of its first (the template's ``probe_variants``, in portfolio ids: csr.crc_cwm's
+    neighbouring ``max_seg`` and other block shapes on the same pipeline; none for the others)."""
+    from ..kernels import get_template
+
+    tname, pipe, variant = cid.split("|")
+    if tname != "csr.crc_cwm":
+        return []
+    tpl = get_template(tname)
+    ms, shape = variant.split("-")
+    ms = int(ms[2:])
+    out = []
+    if ms in tpl.PROBE_MAX_SEG:
+        i = tpl.PROBE_MAX_SEG.index(ms)
+        out += [f"{tname}|{pipe}|ms{tpl.PROBE_MAX_SEG[j]}-{shape}" for j in (i - 1, i + 1)
+                if 0 <= j < len(tpl.PROBE_MAX_SEG)]
+    out += [f"{tname}|{pipe}|ms{ms}-{s}" for s in tpl.SHAPES if s != shape]
+    return out
+
+
+def cross_validate(kn: Knowledge, quick: int | None = None, k: int = 5, more: int | None = None,
+                   probe: bool | None = None) -> dict:
     """Leave-one-graph-out: for each class and graph, rank with that graph's measurements left
     out, and report the held-out graph's real time of the model's first choice ("model") and of
     the fastest of the choices quick selection measures (its first ``quick`` and up to ``more``
-    of the next, :func:`spcompile.autotune.select.pick_candidates`; defaults as ``build()``)
-    plus the baseline ("quick"), against the graph's oracle (fastest candidate) and baseline."""
-    from .select import DEFAULT_CANDIDATES, MORE_CANDIDATES, pick_candidates
+    of the next, :func:`spcompile.autotune.select.pick_candidates`, then with ``probe`` the
+    second round next to the fastest of those, :func:`probe_ids`; defaults as ``build()``) plus
+    the baseline ("quick"), against the graph's oracle (fastest candidate) and baseline."""
+    from .select import DEFAULT_CANDIDATES, MORE_CANDIDATES, PROBE, pick_candidates
 
     quick = DEFAULT_CANDIDATES if quick is None else quick
     more = MORE_CANDIDATES if more is None else more
+    probe = PROBE if probe is None else probe
 
     def pipeline_of(cid):
         pipe = cid.split("|")[1]
@@ -446,7 +464,11 @@ def cross_validate(kn: Knowledge, quick: int | None = None, k: int = 5, more: in
             order = [c for c, _, _ in Knowledge.rank(t, t.X[i], exclude=[i], k=k)]
             idx = {c: j for j, c in enumerate(t.candidates)}
             first = next((tt[idx[c]] for c in order if np.isfinite(tt[idx[c]])), np.nan)
-            picks = [tt[idx[c]] for c in pick_candidates(order, quick, more, pipeline_of)] + [tt[j] for j in base_idx]
+            first_round = [c for c in pick_candidates(order, quick, more, pipeline_of) if np.isfinite(tt[idx[c]])]
+            picks = [tt[idx[c]] for c in first_round] + [tt[j] for j in base_idx]
+            if probe and first_round:
+                best = min(first_round, key=lambda c: tt[idx[c]])
+                picks += [tt[idx[c]] for c in probe_ids(best) if c in idx]
             picks = [p for p in picks if np.isfinite(p)]
             qk = min(picks) if picks else np.nan
             oracle = np.nanmin(tt)

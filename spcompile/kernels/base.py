@@ -137,6 +137,11 @@ class Template:
         model's portfolio never measured (none by default)."""
         return []
 
+    def probe_variants(self, params, op=None) -> list:
+        """Parameter sets next to ``params`` (the fastest candidate quick selection measured) that
+        it measures in a second round, on the same pipeline (none by default)."""
+        return []
+
     def requires(self, mod: SparseModule) -> tuple[str, ...]:
         """Format data (``mod.formats`` names) this template needs from passes."""
         return ()
