@@ -1075,6 +1075,40 @@ def test_best_seeds_are_measured_again_behind_the_other_pipelines(db):
     assert len(again2) == len(again)
 
 
+def test_fastest_seed_neighbours_are_measured_after_the_seeds(db, monkeypatch):
+    """Once the enqueued seeds are measured, the fastest config of each template gets its
+    template's ``probe_variants`` enqueued on its pipeline (seed "probe"), as quick selection's
+    second round measures them; once per study."""
+    from spcompile.kernels import get_template
+
+    op = make_op(graph(), "spmm", 16)
+    tu = Tuner(op, "cpu", storage=db, runner=FakeRunner(), seed=0)
+    tname = next(iter(tu.space))
+    tpl = get_template(tname)
+    asked = []
+
+    def near(self, params, op=None):
+        asked.append(dict(params))
+        return [{**dict(params), "parallel": not params.get("parallel", False)}]
+
+    monkeypatch.setattr(type(tpl), "probe_variants", near)
+    tu._enqueue_seeds()
+    n_seeds = len(tu.study.get_trials(deepcopy=False))
+    tu.run(trials=n_seeds + 12)
+    trials = tu.study.get_trials(deepcopy=False)
+    probes = [t for t in trials if t.user_attrs.get("seed") == "probe"]
+    assert asked and probes and min(t.number for t in probes) >= n_seeds
+    done = [t for t in trials[:n_seeds] if t.value is not None and "config" in t.user_attrs
+            and t.user_attrs["config"]["template"] == tname]
+    lead = min(done, key=lambda t: t.value).user_attrs["config"]
+    assert asked[0] == lead["params"]
+    got = probes[0].user_attrs.get("config") or {}
+    if got:   # measured (not a duplicate of a seed)
+        assert got["pipeline"] == lead["pipeline"] and got["params"]["parallel"] != lead["params"]["parallel"]
+    Tuner(op, "cpu", storage=db, runner=FakeRunner(), seed=0).run(more=3)
+    assert len([t for t in tu.study.get_trials(deepcopy=False) if t.user_attrs.get("seed") == "probe"]) == len(probes)
+
+
 def test_cli_tune_dtype(tmp_path, capsys, monkeypatch):
     """`spcompile tune --dtype`: the workloads' dtype reaches the study and the record; 'auto'
     tunes float64 on the CPU (no CUDA template computes it), even with a GPU; a dtype the target
