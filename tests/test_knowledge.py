@@ -651,7 +651,7 @@ def test_quick_selection_second_round_measures_the_leaders_neighbours(monkeypatc
 
     def neighbours(params, op=None):
         asked.append(dict(params))
-        return [{**dict(params), "parallel": True}, dict(params)]   # the second is the lead itself
+        return [{**dict(params), "parallel": not params["parallel"]}, dict(params)]   # the second: the lead
 
     monkeypatch.setattr(type(tpl), "probe_variants", lambda self, params, op=None: neighbours(params, op))
     mod, info = select.quick_select(sop, "cpu", [(lead, None)], budget_s=5.0, vendor=False)
@@ -661,6 +661,18 @@ def test_quick_selection_second_round_measures_the_leaders_neighbours(monkeypatc
         ("model", ["reorder.degree"], False), ("probe", ["reorder.degree"], True)]
     assert all("kernel_ms" in r for r in rows)
     assert mod is not None and info["chosen"] in ("model", "probe")
+    # two leads (within PROBE_MARGIN of each other): the neighbours of both
+    other = tpl.make_config({**dict(d.params), "parallel": True}, [], "cpu", sop.dtype)
+    asked.clear()
+    monkeypatch.setattr(select, "PROBE_MARGIN", 1e9)
+    _, info = select.quick_select(sop, "cpu", [(lead, None), (other, None)], budget_s=5.0, vendor=False)
+    assert sorted(json.dumps(a, sort_keys=True) for a in asked) == sorted(
+        json.dumps(dict(c.params), sort_keys=True) for c in (lead, other))
+    assert {tuple(r["pipeline"]) for r in info["candidates"] if r["source"] == "probe"} == {("reorder.degree",), ()}
+    monkeypatch.setattr(select, "PROBE_LEADS", 1)
+    asked.clear()
+    select.quick_select(sop, "cpu", [(lead, None), (other, None)], budget_s=5.0, vendor=False)
+    assert len(asked) == 1
     for off in ({"probe": False}, {}):
         if not off:
             monkeypatch.setattr(select, "PROBE", False)
@@ -692,3 +704,14 @@ def test_crc_cwm_probe_variants():
         t.check_params(mod, p)
     with pytest.raises(ValueError, match="shape"):
         t.shape_params("u4", 1)
+
+
+def test_probe_leads():
+    """The second round's leads: the fastest, and up to PROBE_LEADS in all within PROBE_MARGIN."""
+    t = {"a": 1.0, "b": 1.04, "c": 1.2, "d": 1.01}
+    assert select.probe_leads(t, 2, 1.05) == ["a", "d"]
+    assert select.probe_leads(t, 3, 1.05) == ["a", "d", "b"]
+    assert select.probe_leads(t, 1, 1.05) == ["a"]
+    assert select.probe_leads(t, 3, 1.0) == ["a"]
+    assert select.probe_leads({}, 2, 1.05) == []
+    assert select.probe_leads(t) == ["a", "d"][:select.PROBE_LEADS]

@@ -441,9 +441,10 @@ def cross_validate(kn: Knowledge, quick: int | None = None, k: int = 5, more: in
     out, and report the held-out graph's real time of the model's first choice ("model") and of
     the fastest of the choices quick selection measures (its first ``quick`` and up to ``more``
     of the next, :func:`spcompile.autotune.select.pick_candidates`, then with ``probe`` the
-    second round next to the fastest of those, :func:`probe_ids`; defaults as ``build()``) plus
+    second round next to the fastest of those, :func:`~spcompile.autotune.select.probe_leads` and
+    :func:`probe_ids`; defaults as ``build()``) plus
     the baseline ("quick"), against the graph's oracle (fastest candidate) and baseline."""
-    from .select import DEFAULT_CANDIDATES, MORE_CANDIDATES, PROBE, pick_candidates
+    from .select import DEFAULT_CANDIDATES, MORE_CANDIDATES, PROBE, pick_candidates, probe_leads
 
     quick = DEFAULT_CANDIDATES if quick is None else quick
     more = MORE_CANDIDATES if more is None else more
@@ -467,8 +468,8 @@ def cross_validate(kn: Knowledge, quick: int | None = None, k: int = 5, more: in
             first_round = [c for c in pick_candidates(order, quick, more, pipeline_of) if np.isfinite(tt[idx[c]])]
             picks = [tt[idx[c]] for c in first_round] + [tt[j] for j in base_idx]
             if probe and first_round:
-                best = min(first_round, key=lambda c: tt[idx[c]])
-                picks += [tt[idx[c]] for c in probe_ids(best) if c in idx]
+                for lead in probe_leads({c: tt[idx[c]] for c in first_round}):
+                    picks += [tt[idx[c]] for c in probe_ids(lead) if c in idx]
             picks = [p for p in picks if np.isfinite(p)]
             qk = min(picks) if picks else np.nan
             oracle = np.nanmin(tt)

@@ -8,8 +8,8 @@ in the kernel cache cost no compilation), each result is checked against the ven
 one timing rule (``Timer``, a short setting, rotating over ``N_INPUT_SETS`` input sets as the
 tuner's runner and the benchmarks do, so a graph whose X fits in L2 once is not timed hot) until
 the budget is spent; the model's first choice and the vendor library are always timed.  A
-second round (``PROBE``), within the same budget, measures the fastest candidate's neighbours on
-its pipeline (its template's ``probe_variants``).  Candidates within ``FINALIST_MARGIN`` of the
+second round (``PROBE``), within the same budget, measures the fastest candidates' neighbours on
+their pipelines (their template's ``probe_variants``).  Candidates within ``FINALIST_MARGIN`` of the
 fastest are timed again, in turn, and the one with the fastest median timing is kept.
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ from ..passes import Pipeline
 from .measure import Timer, device_rel_error, make_inputs
 
 __all__ = ["quick_select", "vendor_config", "pick_candidates", "config_pipeline", "VENDOR", "DEFAULT_BUDGET_S", "DEFAULT_CANDIDATES",
-           "MORE_CANDIDATES", "CHEAP_PASSES", "N_INPUT_SETS", "PROBE"]
+           "MORE_CANDIDATES", "CHEAP_PASSES", "N_INPUT_SETS", "PROBE", "PROBE_LEADS", "PROBE_MARGIN", "probe_leads"]
 
 #: seconds of measurement ``build()`` may spend choosing on a database miss (``select_budget``)
 DEFAULT_BUDGET_S = 1.0
@@ -40,12 +40,18 @@ DEFAULT_CANDIDATES = 3
 #: (geomean; below 0.9 on 63 rows) with the first 3, 0.986 (33) with these 2 more, 0.986 (32)
 #: with the first 5, which adds a new RCM run on 215 rows (3.3 s more build() on tu_collab)
 MORE_CANDIDATES = 2
-#: a second round measures the neighbours of the first round's fastest candidate on its pipeline
-#: (its template's ``probe_variants``: for csr.crc_cwm the next shorter and longer ``max_seg`` and
-#: the other block shapes).  Leave-one-graph-out over the shipped measurements (767 graph x class
-#: rows) the fastest measured reaches 0.986 -> 0.992 of the fastest portfolio member (geomean;
-#: below 0.9 on 33 -> 16 rows), for 1.2 more builds per row on average (2.2 in fp32 SpMM)
+#: a second round measures the neighbours of the first round's fastest candidates on their
+#: pipelines (their template's ``probe_variants``: for csr.crc_cwm the next shorter and longer
+#: ``max_seg`` and the other block shapes) ...
 PROBE = True
+#: ... of up to ``PROBE_LEADS`` of them, those within ``PROBE_MARGIN`` of the fastest: one short
+#: timing can order two near-equal candidates either way (H100, fb100_cornell5 at K=128: two
+#: leaders 0.1% apart, and only the neighbours of one of them reach 96.5 us against 114 us).
+#: Leave-one-graph-out over the shipped measurements (767 graph x class rows) the fastest measured
+#: reaches 0.986 -> 0.994 of the fastest portfolio member (geomean; below 0.9 on 33 -> 14 rows), for
+#: 2.0 more builds per row on average (one lead: 0.993, 16 rows, 1.2 builds)
+PROBE_LEADS = 2
+PROBE_MARGIN = 1.05
 #: passes cheap next to a build (a sort of the rows by length): a candidate behind them alone
 #: may be one of the ``MORE_CANDIDATES``
 CHEAP_PASSES = frozenset({"reorder.degree"})
@@ -170,6 +176,18 @@ def _host_reference(op: SparseOp, host):
     return np.asarray(reference.run(op.op, op.reduce, op.A, *host), dtype=np.float64)
 
 
+def probe_leads(times: dict, leads: int | None = None, margin: float | None = None) -> list:
+    """The keys of ``times`` (``{key: seconds}``) whose neighbours the second round measures: the
+    fastest, and up to ``leads`` (``PROBE_LEADS``) in all within ``margin`` (``PROBE_MARGIN``) of
+    it, fastest first."""
+    leads = PROBE_LEADS if leads is None else leads
+    margin = PROBE_MARGIN if margin is None else margin
+    order = sorted(times, key=lambda k: times[k])
+    if not order:
+        return []
+    return [k for k in order if times[k] <= margin * times[order[0]]][:max(1, int(leads))]
+
+
 def quick_select(op: SparseOp, target: str, ranked: list[tuple[Config, float | None]], *,
                  budget_s: float = DEFAULT_BUDGET_S, n: int | None = None, more: int | None = None, ctx=None,
                  label: str = "model", vendor: bool = True, extra: list[tuple[str, Config, float | None]] = (),
@@ -177,8 +195,8 @@ def quick_select(op: SparseOp, target: str, ranked: list[tuple[Config, float | N
     """Build and time the first ``n`` (default ``DEFAULT_CANDIDATES``) of ``ranked`` and up to
     ``more`` (``MORE_CANDIDATES``) of the rest (:func:`pick_candidates`), the ``extra`` candidates
     (``(label, config, expected speed-up)``) and the vendor library; then, with ``probe`` (default
-    ``PROBE``), a second round: the fastest candidate's template's ``probe_variants`` on its
-    pipeline (source ``"probe"``).  Returns ``(module, info)`` of the fastest correct one, or
+    ``PROBE``), a second round: the ``probe_variants`` of the fastest candidates (:func:`probe_leads`)
+    on their pipelines (source ``"probe"``).  Returns ``(module, info)`` of the fastest correct one, or
     ``(None, info)`` when none worked."""
     t0 = time.perf_counter()
     n = DEFAULT_CANDIDATES if n is None else n
@@ -306,14 +324,16 @@ def quick_select(op: SparseOp, target: str, ranked: list[tuple[Config, float | N
             timed[i], rows[i] = [sec], row
 
     time_all(round1)
-    # second round: the neighbours of the fastest candidate (not the vendor library) on its pipeline
-    lead = min((i for i in timed if built[i][0][0] != "vendor"), key=lambda i: timed[i][0], default=None)
-    if probe and lead is not None and time.perf_counter() <= deadline:
-        (_, lc, _), _, _ = built[lead]
-        tpl = get_template(lc.template)
-        probes = unique([("probe", tpl.make_config(p, lc.pipeline, lc.target, op.dtype), None)
-                         for p in tpl.probe_variants(dict(lc.params), op)])
-        round2 = build_all(probes)
+    # second round: the neighbours of the fastest candidates (not the vendor library) on their pipelines
+    leads = probe_leads({i: timed[i][0] for i in timed if built[i][0][0] != "vendor"})
+    if probe and leads and time.perf_counter() <= deadline:
+        probes = []
+        for lead in leads:
+            (_, lc, _), _, _ = built[lead]
+            tpl = get_template(lc.template)
+            probes += [("probe", tpl.make_config(p, lc.pipeline, lc.target, op.dtype), None)
+                       for p in tpl.probe_variants(dict(lc.params), op)]
+        round2 = build_all(unique(probes))
         check(round2)
         time_all(round2)
     del state["ref"]

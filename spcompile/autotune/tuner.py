@@ -600,8 +600,9 @@ class Tuner:
         return self.REORDER_TOP_SMALL if self.op.A.nnz <= self.SMALL_NNZ else self.REORDER_TOP
 
     def _reseed_reorders(self, scan: "_Scan") -> None:
-        """Once the enqueued seeds are all measured: each template's fastest measured config's
-        ``probe_variants`` on its pipeline (what quick selection's second round measures), then the
+        """Once the enqueued seeds are all measured: the ``probe_variants`` of each template's
+        fastest measured configs (:func:`~spcompile.autotune.select.probe_leads`) on their pipelines
+        (what quick selection's second round measures), then the
         :meth:`reorder_top` fastest measured configs of each template again behind each of its other
         pipelines (the same parameters on another row order: a kernel's best shape is often the
         same, its input order decides; the seeds themselves run on each template's first
@@ -631,19 +632,22 @@ class Tuner:
 
         for tname, found in best.items():
             found.sort(key=lambda x: x[0])
-            # the neighbours of the template's fastest config on its pipeline (quick selection's
-            # second round, so that a study measures what build() would)
-            lead = found[0][1]
-            try:
-                near = get_template(tname).probe_variants(dict(lead.params), self.op)
-            except Exception:  # noqa: BLE001 - an optimisation, never a reason to fail
-                near = []
-            for p in near:
-                params = self.params_from_config(dataclasses.replace(lead, params=dict(p)))
-                if params is None or params in seen:
-                    continue
-                seen.append(params)
-                self.study.enqueue_trial(params, user_attrs={"seed": "probe"}, skip_if_exists=True)
+            # the neighbours of the template's fastest configs on their pipelines (quick
+            # selection's second round, so that a study measures what build() would)
+            from .select import probe_leads
+
+            for k in probe_leads({k: v for k, (v, _) in enumerate(found)}):
+                lead = found[k][1]
+                try:
+                    near = get_template(tname).probe_variants(dict(lead.params), self.op)
+                except Exception:  # noqa: BLE001 - an optimisation, never a reason to fail
+                    near = []
+                for p in near:
+                    params = self.params_from_config(dataclasses.replace(lead, params=dict(p)))
+                    if params is None or params in seen:
+                        continue
+                    seen.append(params)
+                    self.study.enqueue_trial(params, user_attrs={"seed": "probe"}, skip_if_exists=True)
             tops, digests = [], set()
             for _, cfg in found:
                 if config_digest(cfg) not in digests:

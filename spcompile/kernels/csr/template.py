@@ -244,8 +244,8 @@ class CrcCwm(NvccTemplate):
         """Next to a one-row-at-a-time parameter set (``flat`` 0, ``min_blocks`` 1): ``max_seg``
         one step shorter and longer in ``PROBE_MAX_SEG`` (same shape), and the other block shapes
         of ``SHAPES`` (same ``max_seg``).  Leave-one-graph-out over the shipped measurements this
-        second round lifts the fastest measured from 0.978 to 0.994 of the fastest portfolio member
-        in fp32 SpMM at K=128 (rows below 0.9: 5 -> 1 of 58), for about 2 more builds."""
+        second round lifts the fastest measured from 0.978 to 0.995 of the fastest portfolio member
+        in fp32 SpMM at K=128 (rows below 0.9: 5 -> 1 of 58)."""
         p = {**self.absent_params, **params}
         if int(p["flat"]) or int(p["min_blocks"]) > 1:
             return []
