@@ -661,6 +661,7 @@ def test_quick_selection_second_round_measures_the_leaders_neighbours(monkeypatc
         ("model", ["reorder.degree"], False), ("probe", ["reorder.degree"], True)]
     assert all("kernel_ms" in r for r in rows)
     assert mod is not None and info["chosen"] in ("model", "probe")
+    assert 0 < info["second_round_s"] <= info["measure_s"]
     # two leads (within PROBE_MARGIN of each other): the neighbours of both
     other = tpl.make_config({**dict(d.params), "parallel": True}, [], "cpu", sop.dtype)
     asked.clear()

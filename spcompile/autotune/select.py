@@ -326,7 +326,9 @@ def quick_select(op: SparseOp, target: str, ranked: list[tuple[Config, float | N
     time_all(round1)
     # second round: the neighbours of the fastest candidates (not the vendor library) on their pipelines
     leads = probe_leads({i: timed[i][0] for i in timed if built[i][0][0] != "vendor"})
+    second_s = 0.0
     if probe and leads and time.perf_counter() <= deadline:
+        t2 = time.perf_counter()
         probes = []
         for lead in leads:
             (_, lc, _), _, _ = built[lead]
@@ -336,6 +338,7 @@ def quick_select(op: SparseOp, target: str, ranked: list[tuple[Config, float | N
         round2 = build_all(unique(probes))
         check(round2)
         time_all(round2)
+        second_s = time.perf_counter() - t2
     del state["ref"]
     if len(timed) > 1:
         fastest = min(v[0] for v in timed.values())
@@ -352,7 +355,7 @@ def quick_select(op: SparseOp, target: str, ranked: list[tuple[Config, float | N
             rows[i]["timings_ms"] = [t * 1e3 for t in timed[i]]
     best = min(((rows[i]["kernel_ms"] / 1e3, i) for i in timed), default=None)
     info = {"build_s": round(t_built - t0, 4), "check_s": round(t_checked - t_built, 4),
-            "measure_s": round(time.perf_counter() - t_checked, 4),
+            "measure_s": round(time.perf_counter() - t_checked, 4), "second_round_s": round(second_s, 4),
             "budget_s": budget_s, "candidates": report}
     if best is None:
         return None, info
