@@ -867,11 +867,11 @@ def _model_candidates(a, A, sop) -> list:
     default column), and the second round's neighbours of each."""
     from spcompile.autotune import knowledge
     from spcompile.autotune.knowledge import unranked_variants
-    from spcompile.autotune.select import DEFAULT_CANDIDATES, MORE_CANDIDATES, pick_candidates
+    from spcompile.autotune.select import DEFAULT_CANDIDATES, MORE_CANDIDATES, RANKED, pick_candidates
 
     with (knowledge.excluded(A) if a.loo else contextlib.nullcontext()):
         try:
-            got = pick_candidates(knowledge.ranked_configs(sop, "cuda", a.precision, k=8), DEFAULT_CANDIDATES,
+            got = pick_candidates(knowledge.ranked_configs(sop, "cuda", a.precision, k=RANKED), DEFAULT_CANDIDATES,
                                   MORE_CANDIDATES)
             got += knowledge.cross_dtype_configs(sop, "cuda", a.precision)
             got += [(c, None) for c in unranked_variants(got, "cuda", sop.dtype, sop)]

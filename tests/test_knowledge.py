@@ -716,3 +716,33 @@ def test_probe_leads():
     assert select.probe_leads(t, 3, 1.0) == ["a"]
     assert select.probe_leads({}, 2, 1.05) == []
     assert select.probe_leads(t) == ["a", "d"][:select.PROBE_LEADS]
+
+
+def test_build_and_the_benchmark_draw_from_the_same_ranked_count(no_tuning_db, monkeypatch):
+    """``build()`` (policy.decide) ranks ``select.RANKED`` configs, the count the benchmark's
+    prebuild (bench._model_candidates) also reads."""
+    import inspect
+    import os
+    import sys
+
+    seen = []
+    real = kn.ranked_configs
+
+    def spy(sop, target, precision="fp32", k=5):
+        seen.append(k)
+        return real(sop, target, precision, k=k)
+
+    monkeypatch.setattr(kn, "ranked_configs", spy)
+    monkeypatch.setattr(select, "RANKED", 5)
+    decide(make_op(random_matrix(300, 300, density=0.02, seed=2), "spmm", 16, "sum", "float32"), "cpu")
+    assert seen and seen[0] == 5
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    import bench
+
+    class Args:
+        loo, precision = False, "fp32"
+
+    A = random_matrix(300, 300, density=0.02, seed=3)
+    seen.clear()
+    assert bench._model_candidates(Args(), A, make_op(A, "spmm", 64, "sum", "float32"))
+    assert seen and seen[0] == 5

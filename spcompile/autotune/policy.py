@@ -101,8 +101,9 @@ def decide(sop: SparseOp, target: str, storage: str | None = None, tune: bool = 
     if obj == "kernel_time":
         try:
             from .knowledge import ranked_configs
+            from .select import RANKED
 
-            ranked = [r for r in ranked_configs(sop, target, precision, k=8) if takes_values(r[0])]
+            ranked = [r for r in ranked_configs(sop, target, precision, k=RANKED) if takes_values(r[0])]
             if ranked:
                 from .knowledge import cross_dtype_configs, native_order_variants, unranked_variants
 

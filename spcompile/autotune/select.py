@@ -28,7 +28,7 @@ from ..passes import Pipeline
 from .measure import Timer, device_rel_error, make_inputs
 
 __all__ = ["quick_select", "vendor_config", "pick_candidates", "config_pipeline", "VENDOR", "DEFAULT_BUDGET_S", "DEFAULT_CANDIDATES",
-           "MORE_CANDIDATES", "CHEAP_PASSES", "N_INPUT_SETS", "PROBE", "PROBE_LEADS", "PROBE_MARGIN", "probe_leads"]
+           "MORE_CANDIDATES", "CHEAP_PASSES", "N_INPUT_SETS", "RANKED", "PROBE", "PROBE_LEADS", "PROBE_MARGIN", "probe_leads"]
 
 #: seconds of measurement ``build()`` may spend choosing on a database miss (``select_budget``)
 DEFAULT_BUDGET_S = 1.0
@@ -52,6 +52,9 @@ PROBE = True
 #: 2.0 more builds per row on average (one lead: 0.993, 16 rows, 1.2 builds)
 PROBE_LEADS = 2
 PROBE_MARGIN = 1.05
+#: how many of the model's ranked configs ``build()`` draws its candidates from (the first
+#: ``DEFAULT_CANDIDATES`` and up to ``MORE_CANDIDATES`` of the rest)
+RANKED = 8
 #: passes cheap next to a build (a sort of the rows by length): a candidate behind them alone
 #: may be one of the ``MORE_CANDIDATES``
 CHEAP_PASSES = frozenset({"reorder.degree"})
