@@ -876,8 +876,10 @@ def _model_candidates(a, A, sop) -> list:
             got += knowledge.cross_dtype_configs(sop, "cuda", a.precision)
             got += [(c, None) for c in unranked_variants(got, "cuda", sop.dtype, sop)]
             # the second round's neighbours of whichever of them is fastest
-            got += [(get_template(c.template).make_config(p, c.pipeline, "cuda", sop.dtype), None)
-                    for c, _ in list(got) for p in get_template(c.template).probe_variants(dict(c.params), sop)]
+            for c, _ in list(got):
+                tpl = get_template(c.template)
+                got += [(tpl.make_config(p, c.pipeline, "cuda", sop.dtype), None)
+                        for p in tpl.probe_variants(dict(c.params), sop)]
         except Exception as e:  # noqa: BLE001
             print(f"  K={sop.K}: no model candidates: {_err(e)}", flush=True)
             return []

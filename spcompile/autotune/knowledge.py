@@ -426,13 +426,8 @@ def probe_ids(cid: str) -> list[str]:
     tpl = get_template(tname)
     ms, shape = variant.split("-")
     ms = int(ms[2:])
-    out = []
-    if ms in tpl.PROBE_MAX_SEG:
-        i = tpl.PROBE_MAX_SEG.index(ms)
-        out += [f"{tname}|{pipe}|ms{tpl.PROBE_MAX_SEG[j]}-{shape}" for j in (i - 1, i + 1)
-                if 0 <= j < len(tpl.PROBE_MAX_SEG)]
-    out += [f"{tname}|{pipe}|ms{ms}-{s}" for s in tpl.SHAPES if s != shape]
-    return out
+    return ([f"{tname}|{pipe}|ms{m}-{shape}" for m in tpl.probe_max_segs(ms)]
+            + [f"{tname}|{pipe}|ms{ms}-{s}" for s in tpl.SHAPES if s != shape])
 
 
 def cross_validate(kn: Knowledge, quick: int | None = None, k: int = 5, more: int | None = None,

@@ -267,10 +267,11 @@ def quick_select(op: SparseOp, target: str, ranked: list[tuple[Config, float | N
     # each result is compared with it as soon as it is computed (one float64 copy where the outputs
     # live)
     ins, out = sets[0], outs[0]
-    state = {"ref": upload(_host_reference(op, host)) if op.A.nnz * op.K <= HOST_REFERENCE_MAX_WORK else None}
+    ref = upload(_host_reference(op, host)) if op.A.nnz * op.K <= HOST_REFERENCE_MAX_WORK else None
     checked: dict = {}
 
     def check(indices):
+        nonlocal ref
         order = sorted(indices, key=lambda i: built[i][0][0] != "vendor")
         for i in order:
             (src, c, _), mod, err = built[i]
@@ -279,13 +280,13 @@ def quick_select(op: SparseOp, target: str, ranked: list[tuple[Config, float | N
             try:
                 out.fill_(float("nan")) if hasattr(out, "fill_") else out.fill(np.nan)
                 mod(*ins, out=out)
-                if state["ref"] is None:
+                if ref is None:
                     r = to64(out)
                     if bool((abs(r) < float("inf")).all()):  # NaN compares False too
-                        state["ref"], checked[i] = r, 0.0
+                        ref, checked[i] = r, 0.0
                         continue
-                    state["ref"] = upload(_host_reference(op, host))  # the library's own result is not finite
-                checked[i] = rel_err(out, state["ref"])
+                    ref = upload(_host_reference(op, host))  # the library's own result is not finite
+                checked[i] = rel_err(out, ref)
             except Exception as e:  # noqa: BLE001
                 built[i] = (built[i][0], None, f"{type(e).__name__}: {e}"[:200])
 
@@ -342,7 +343,7 @@ def quick_select(op: SparseOp, target: str, ranked: list[tuple[Config, float | N
         check(round2)
         time_all(round2)
         second_s = time.perf_counter() - t2
-    del state["ref"]
+    del ref
     if len(timed) > 1:
         fastest = min(v[0] for v in timed.values())
         finalists = [i for i, v in timed.items() if v[0] <= FINALIST_MARGIN * fastest]

@@ -626,16 +626,15 @@ class Tuner:
             cfg = Config.from_dict(t.user_attrs["config"])
             if cfg.template in self.space:
                 best.setdefault(cfg.template, []).append((t.value, cfg))
+        from ..kernels import get_template
+        from .select import probe_leads
+
         seen = []
         top = self.reorder_top()
-        from ..kernels import get_template
-
         for tname, found in best.items():
             found.sort(key=lambda x: x[0])
             # the neighbours of the template's fastest configs on their pipelines (quick
             # selection's second round, so that a study measures what build() would)
-            from .select import probe_leads
-
             for k in probe_leads({k: v for k, (v, _) in enumerate(found)}):
                 lead = found[k][1]
                 try:

@@ -227,6 +227,15 @@ class CrcCwm(NvccTemplate):
     #: the neighbours of the fastest candidate's value in this order
     PROBE_MAX_SEG = (16, 32, 64, 256, 0)
 
+    @classmethod
+    def probe_max_segs(cls, max_seg: int) -> list[int]:
+        """The ``max_seg`` values one step shorter and longer than ``max_seg`` in
+        ``PROBE_MAX_SEG`` (none for a value outside it)."""
+        if max_seg not in cls.PROBE_MAX_SEG:
+            return []
+        i = cls.PROBE_MAX_SEG.index(max_seg)
+        return [cls.PROBE_MAX_SEG[j] for j in (i - 1, i + 1) if 0 <= j < len(cls.PROBE_MAX_SEG)]
+
     @staticmethod
     def shape_params(shape: str, cf: int) -> dict:
         """The block shape ``shape`` (one of ``SHAPES``) for ``cf`` column slices per lane: u2 = 4
@@ -249,13 +258,7 @@ class CrcCwm(NvccTemplate):
         p = {**self.absent_params, **params}
         if int(p["flat"]) or int(p["min_blocks"]) > 1:
             return []
-        out = []
-        ms = int(p["max_seg"])
-        if ms in self.PROBE_MAX_SEG:
-            i = self.PROBE_MAX_SEG.index(ms)
-            for j in (i - 1, i + 1):
-                if 0 <= j < len(self.PROBE_MAX_SEG):
-                    out.append({**dict(params), "max_seg": self.PROBE_MAX_SEG[j]})
+        out = [{**dict(params), "max_seg": ms} for ms in self.probe_max_segs(int(p["max_seg"]))]
         cf = int(p["cf"])
         for shape in self.SHAPES:
             out.append({**dict(params), **self.shape_params(shape, cf)})
