@@ -498,6 +498,16 @@ def make_row(a, name, path, m, n, nnz, K, columns) -> dict:
 # -------------------------------------------------------------------------------------------------
 # summary, JSON, markdown
 # -------------------------------------------------------------------------------------------------
+def at_bound(row, baseline: str | None = None) -> float | None:
+    """Baseline time / the larger floor (``bound_s``): the speed-up over ``baseline`` (default: the
+    baseline column) of a kernel that ran exactly at the bound; None without gather rates or
+    without a good baseline time."""
+    rec = row["columns"].get(baseline or "baseline")
+    if not row.get("bound_s") or not _ok(rec):
+        return None
+    return rec["seconds"] / row["bound_s"]
+
+
 def summarize(rows) -> dict:
     out = {}
     for K in sorted({r["K"] for r in rows}):
@@ -518,6 +528,18 @@ def summarize(rows) -> dict:
                     "below_1x": sum(1 for x, _, _ in pairs if x < 1.0),
                     "geomean_floor_fraction": _finite(common.geomean(ff)),
                     **({"geomean_bound_fraction": _finite(common.geomean(bf))} if bf else {})}
+        # a kernel running exactly at the larger floor, over the same baselines: the speed-up the
+        # floors leave room for (below 1.0: the baseline already runs faster than the floor)
+        for kind, bcol in (("speedup", None), ("speedup_vs_fp32", "baseline_fp32")):
+            pairs = [(x, r["graph"], r["nnz"]) for r in rk if (x := at_bound(r, bcol)) is not None]
+            if pairs and any(kind in r for r in rk):
+                big = [x for x, _, nz in pairs if nz > BIG_NNZ]
+                worst = min(pairs)
+                d.setdefault("at_bound", {})[kind] = {
+                    "graphs": len(pairs), "geomean": _finite(common.geomean([x for x, _, _ in pairs])),
+                    "graphs_over_200k": len(big), "geomean_over_200k": _finite(common.geomean(big)),
+                    "worst": {"graph": worst[1], "speedup": worst[0]},
+                    "below_1x": sum(1 for x, _, _ in pairs if x < 1.0)}
         # each template alone (its fastest oracle configuration) over the same-run baseline
         per_t: dict = {}
         for r in rk:
@@ -602,7 +624,8 @@ def markdown(doc) -> str:
          f"kernel time."
          + (f"  l2 floor = nnz*K*e bytes (a row of the dense operand per nonzero) at the measured L2 gather rate "
             f"{s['l2_gather_Bps'] / 1e12:.2f} TB/s (`benchmarks/l2_gather.py`); bound frac = the larger floor / "
-            f"kernel time." if s.get("l2_gather_Bps") else ""), ""]
+            f"kernel time; x at bound = baseline time / the larger floor, the speed-up of a kernel that ran "
+            f"exactly at it." if s.get("l2_gather_Bps") else ""), ""]
     summ = doc["summary"]
     with_l2 = any("l2_floor_s" in r for r in rows)
     srows = []
@@ -614,6 +637,12 @@ def markdown(doc) -> str:
                               f"{_f(v['worst']['speedup'])} ({v['worst']['graph']})", v["below_1x"],
                               _f(v["geomean_floor_fraction"])]
                              + ([_f(v.get("geomean_bound_fraction"))] if with_l2 else []))
+        for kind, label in (("speedup", "baseline"), ("speedup_vs_fp32", "cuSPARSE fp32")):
+            v = d.get("at_bound", {}).get(kind)
+            if v:
+                srows.append([K, "a kernel at the larger floor", label, v["graphs"], _f(v["geomean"]),
+                              f"{_f(v['geomean_over_200k'])} ({v['graphs_over_200k']})",
+                              f"{_f(v['worst']['speedup'])} ({v['worst']['graph']})", v["below_1x"], "-", "1.00"])
         for t, v in d.get("oracle_per_template", {}).items():
             srows.append([K, f"{t} alone (oracle)", "baseline", v["graphs"], _f(v["geomean"]), "-",
                           f"{_f(v['worst']['speedup'])} ({v['worst']['graph']})", v["graphs"] - v["wins"], "-"]
@@ -632,7 +661,7 @@ def markdown(doc) -> str:
                               "graphs < 1.0x", "geomean floor frac"] + (["geomean bound frac"] if with_l2 else []),
                              srows)
         L.append("")
-    head = ["graph", "nnz", "K", "floor us"] + (["l2 floor us"] if with_l2 else []) \
+    head = ["graph", "nnz", "K", "floor us"] + (["l2 floor us", "x at bound"] if with_l2 else []) \
         + [c for c in cols if c.startswith("baseline")]
     for c in ours:
         head += [c, "x"] + (["tune s", "tuned from"] if c == "tuned" else [])
@@ -642,7 +671,7 @@ def markdown(doc) -> str:
     for r in rows:
         cells = [r["graph"], r["nnz"], r["K"], _f(r["floor_s"] * 1e6, ".1f")]
         if with_l2:
-            cells.append(_f(r["l2_floor_s"] * 1e6, ".1f") if "l2_floor_s" in r else "-")
+            cells += [_f(r["l2_floor_s"] * 1e6, ".1f") if "l2_floor_s" in r else "-", _f(at_bound(r))]
         cells += [_us(r["columns"].get(c)) for c in cols if c.startswith("baseline")]
         for c in ours:
             rec = r["columns"].get(c)

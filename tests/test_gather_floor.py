@@ -65,8 +65,19 @@ def test_bench_reports_both_floors(tmp_path):
     # few nonzeros: the compulsory traffic binds
     row2 = bench.make_row(a, "g", "g.npz", m, n, 1000, 64, cols)
     assert row2["bound_s"] == row2["floor_s"] > row2["l2_floor_s"]
+    # a kernel at the bound: the baseline's time over the larger floor, per row and in the summary
+    assert bench.at_bound(row) == pytest.approx(4e-5 / row["bound_s"])
+    fp16 = {**cols, "baseline_fp32": {"status": "ok", "seconds": 8e-5}}
+    assert bench.at_bound(bench.make_row(a, "g", "g.npz", m, n, 200_000, 64, fp16), "baseline_fp32") == \
+        pytest.approx(8e-5 / row["bound_s"])
+    failed = bench.make_row(a, "g", "g.npz", m, n, 200_000, 64, {**cols, "baseline": {"status": "error"}})
+    assert bench.at_bound(failed) is None
+    s = bench.summarize([row, row2])["64"]["at_bound"]["speedup"]
+    assert s["graphs"] == 2 and s["geomean"] == pytest.approx((4e-5 / row["bound_s"] * 4e-5 / row2["bound_s"]) ** 0.5)
+    assert s["worst"]["speedup"] == pytest.approx(min(4e-5 / row["bound_s"], 4e-5 / row2["bound_s"]))
     # without a rate: no gather columns
     a.l2_gather_rate = None
+    assert bench.at_bound(bench.make_row(a, "g", "g.npz", m, n, 1000, 64, cols)) is None
     assert "l2_floor_s" not in bench.make_row(a, "g", "g.npz", m, n, 1000, 64, cols)
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"summary": {"l2_gather_Bps": None}}))
@@ -94,6 +105,7 @@ def test_bench_markdown_has_the_gather_columns(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     md = (out / "t.md").read_text()
     assert "l2 floor us" in md and "bound frac default" in md and "geomean bound frac" in md
+    assert "x at bound" in md and "a kernel at the larger floor" in md
     assert "5.00 TB/s" in md
     doc = json.loads((out / "t.json").read_text())
     row = doc["rows"][0]
