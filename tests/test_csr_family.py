@@ -386,11 +386,12 @@ def test_binary_rebuilt_for_another_arch(monkeypatch):
 #: sha256 of the rendered source (the on-disk kernel cache key) of csr instances; a change here
 #: invalidates every cached csr kernel binary -- update only for an intended kernel change
 RENDER_SHA256 = {
-    ("csr.crc_cwm", ("sum", 1, 4, 32, 2, "float32")): "2b3c4d273853ee13798ad6d11bf79b1bfb7cad782de83f277113e5e67541b0d0",
-    ("csr.crc_cwm", ("mean", 4, 8, 4, 8, "bfloat16")): "9e357f730f3f6b0fc1da1e1033fec55a880299cb949502f6e8b4dc25fae6ca2b",
-    ("csr.crc_cwm", ("max", 2, 1, 8, 4, "float16")): "c24d982b3a124d321e27aa404906eab26a9f74ec279f81b35a28cf0972c9a1d4",
-    ("csr.crc_cwm", ("sum", 1, 4, 32, 2, "float32", 1)): "0fa8d6f7da8ddc1fd4f38d7c98d7debbe7502b485301ae2383c1f77d8c7d0f87",
-    ("csr.crc_cwm", ("sum", 1, 4, 32, 1, "float32", 0, 8)): "e802beda8b060235adaf1657759136af7fff3c307d42321d1f6d3c9e488ece2b",
+    ("csr.crc_cwm", ("sum", 1, 4, 32, 2, "float32")): "91690dc3044c1e2055d273f9778f9d6b8cb09514c08c811186dd4c647dbc8dd2",
+    ("csr.crc_cwm", ("mean", 4, 8, 4, 8, "bfloat16")): "53138e49bcca050995b7274bd9e63a542289398c747564017bfdf357157f405f",
+    ("csr.crc_cwm", ("max", 2, 1, 8, 4, "float16")): "b5c982195f918a9c3fee2794887c0524c854a49f93d262f9202d58fb44f0232e",
+    ("csr.crc_cwm", ("sum", 1, 4, 32, 2, "float32", 1)): "d5cdf831da9565d7db8c8c890c52c572e8d6b1abfa4fd3333296046fdf737e43",
+    ("csr.crc_cwm", ("sum", 1, 4, 32, 1, "float32", 0, 8)): "927ae87513a1b2c8577544c7e6526da3c8850f009d6534e24db8bd3b1e83d27a",
+    ("csr.crc_cwm", ("sum", 1, 8, 8, 8, "float16", 0, 1, 16)): "9c8c2358aa3c985fa30394ae5a7ccea60db89410bcf6c6fa106c27155d095c1b",
     ("csr.sddmm", (32, 4, 4, "float32")): "51a4d13079f8fec170194599cae6e7d294e5178dd72e3a27a41d515fc1df0431",
     ("csr.sddmm", (8, 2, 2, "float16")): "b7ffe729baddfe3fae189b1cfe8b22e89a946dc2016342dbde43ba2f7cc619c1",
     ("csr.sddmm", (16, 8, 1, "bfloat16", 1)): "2b4f832bd22e7d7165e7c519a50b9c9d583b2553b8b366cdcf4cb79bcdc4da31",

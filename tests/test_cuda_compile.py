@@ -31,6 +31,11 @@ def _spmm_instances():
             inst.update(t.instances(r, 1, 4, 32, 1 if mb == 8 else 4, "float32", 0, mb))
     inst.update(t.instances("sum", 2, 8, 16, 4, "float16", 1))
     inst.update(t.instances("mean", 1, 8, 32, 1, "bfloat16", 0, 8))
+    # the split-row combine capped at 16 values a lane: 16-bit and fp32, flat, with launch bounds
+    inst.update(t.instances("sum", 1, 8, 8, 8, "float16", 0, 1, 16))
+    inst.update(t.instances("max", 2, 8, 16, 4, "bfloat16", 1, 1, 16))
+    inst.update(t.instances("mean", 1, 8, 8, 8, "float16", 0, 4, 16))
+    inst.update(t.instances("min", 2, 4, 32, 8, "float32", 0, 1, 16))
     return t, sorted(inst)
 
 
@@ -251,25 +256,43 @@ def test_gat_compiles_through_the_runtime_cache(tmp_path, monkeypatch):
     assert os.path.isfile(path) and rt.compile_cuda(src, arch=90, name="gat_f32_v4_g8_c1") == path
 
 
+def _ptxas_registers(tmp_path, t, inst, arch: int) -> dict:
+    """Registers a thread of each entry of ``inst`` (rendered into one unit) on ``sm_<arch>`` (ptxas -v)."""
+    src = tmp_path / "regs.cu"
+    src.write_text(t.render(inst))
+    r = subprocess.run([rt.nvcc_path(), "-cubin", "-O3", "-std=c++17", f"-arch=sm_{arch}", "-Xptxas", "-v",
+                        "-o", str(tmp_path / "regs.cubin"), str(src)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-4000:]
+    regs = {}
+    for part in (r.stdout + r.stderr).split("Compiling entry function '")[1:]:
+        regs[part.split("'", 1)[0]] = int(re.search(r"Used (\d+) registers", part).group(1))
+    return regs
+
+
+def test_capped_combine_takes_fewer_registers(tmp_path):
+    """csr.crc_cwm ``combine_vals`` 16: the split-row combine of a 16-bit kernel with VEC 8 and
+    unroll 8 holds 16 fp32 values a lane instead of 64, and the kernel takes at most 96 registers a
+    thread on sm_90 instead of more than 128 (16 -> 20 or more warps an SM); a parameter set
+    without it keeps its kernel and name."""
+    t = get_template("csr.crc_cwm")
+    inst = [t.instances("sum", 1, 8, 8, 8, dt, 0, 1, cq)[0] for dt in ("float16", "bfloat16") for cq in (0, 16)]
+    assert [n for n, _ in inst] == ["spmm_crc_cwm_f16_r0_cf1_v8_g8_u8", "spmm_crc_cwm_f16_r0_cf1_v8_g8_u8_cq16",
+                                    "spmm_crc_cwm_bf16_r0_cf1_v8_g8_u8", "spmm_crc_cwm_bf16_r0_cf1_v8_g8_u8_cq16"]
+    regs = _ptxas_registers(tmp_path, t, inst, 90)
+    for n, _ in inst:
+        assert (regs[n] <= 96) == n.endswith("_cq16") and (n.endswith("_cq16") or regs[n] > 128), regs
+
+
 @pytest.mark.parametrize("arch", [90, 80])
 def test_spmm_min_blocks_caps_registers(tmp_path, arch):
     """csr.crc_cwm ``min_blocks`` MB reaches ptxas as launch bounds: every instance of MB = 4 / 6 /
     8 uses at most 65536 / (256 MB) registers a thread (64 / 40 / 32 after the allocation
     granularity), the same kernel without them more than 32 (the cap is what changes it)."""
-    import re
-
     t = get_template("csr.crc_cwm")
     inst = []
     for mb in (1, 4, 6, 8):
         inst += t.instances("sum", 1, 4, 32, 4, "float32", 0, mb)
-    src = tmp_path / "mb.cu"
-    src.write_text(t.render(inst))
-    r = subprocess.run([rt.nvcc_path(), "-cubin", "-O3", "-std=c++17", f"-arch=sm_{arch}", "-Xptxas", "-v",
-                        "-o", str(tmp_path / "mb.cubin"), str(src)], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-4000:]
-    regs = {}
-    for part in (r.stdout + r.stderr).split("Compiling entry function '")[1:]:
-        regs[part.split("'", 1)[0]] = int(re.search(r"Used (\d+) registers", part).group(1))
+    regs = _ptxas_registers(tmp_path, t, inst, arch)
     assert set(regs) == {n for n, _ in inst}, regs
     for n, _ in inst:
         mb = int(n.rsplit("_mb", 1)[1]) if "_mb" in n else 1

@@ -284,6 +284,30 @@ def test_min_blocks_spmm(dtype, tol, K):
     _check_crc_cwm(dtype, tol, K, [(p, None) for p in MIN_BLOCKS_SPMM_PARAMS], launch_bounded)
 
 
+#: the split-row combine capped at 16 values a lane (combine_vals): unroll x vec above 16 with a
+#: row split into many slices (max_seg 16: 94 slices of the full row), a flat stream, launch bounds
+CAPPED_COMBINE_SPMM_PARAMS = (
+    {"group": 8, "vec": 8, "cf": 1, "warps_per_block": 4, "rows_per_warp": 1, "max_seg": 16, "unroll": 8},
+    {"group": 16, "vec": 8, "cf": 2, "warps_per_block": 4, "rows_per_warp": 2, "max_seg": 64, "unroll": 4},
+    {"group": 8, "vec": 4, "cf": 1, "warps_per_block": 2, "rows_per_warp": 4, "max_seg": 32, "unroll": 8, "flat": 1},
+    {"group": 32, "vec": 8, "cf": 1, "warps_per_block": 8, "rows_per_warp": 1, "max_seg": 32, "unroll": 8,
+     "min_blocks": 4})
+
+
+@pytest.mark.parametrize("dtype, tol", [("float16", 2e-2), ("bfloat16", 5e-2)])
+@pytest.mark.parametrize("K", [1, 33, 128])
+def test_capped_combine_spmm(dtype, tol, K):
+    """csr.crc_cwm with combine_vals=16 (quick selection's second-round variant for 16-bit X / Y):
+    every reduction, a row holding every column combined from tens of slices, empty rows, one-row,
+    two-row, flat and launch-bounded groups; the instances are the _cq16 ones; the NaN-poisoned
+    output fully written and equal to the float64 reference, twice in a row."""
+    def capped(mod, p):
+        assert all(n.endswith("_cq16") for n, _ in mod.kernel.meta["instances"])
+
+    _check_crc_cwm(dtype, tol, K, [({**p, "combine_vals": 16}, ["reorder.degree"] if i == 1 else [])
+                                   for i, p in enumerate(CAPPED_COMBINE_SPMM_PARAMS)], capped)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("K", [1, 33, 128, 256])
 def test_window_matches_reference(dtype, K):

@@ -24,6 +24,8 @@
 //        loads in flight across segment ends and the segment bounds / outputs read G at a time
 //        (the packer makes the groups either `segs_per_group` segments each, or runs of about
 //        equal nonzeros: many short rows or one slice of a long one)
+//   CQ   0: the split-row combine loads U partials of VEC fp32 values per lane at a time; > 0: at
+//        most CQ values (parameter combine_vals; instance macros *_CQ)
 // Launch bounds (the instance macro, not the body): SPC_SPMM_INSTANCE_MB's MB resident 256-thread
 // blocks per SM cap the registers at 65536 / (256 MB) a thread, so more warps keep gathers in
 // flight (parameter min_blocks; graphs of sparse rows wait on DRAM latency)
@@ -167,7 +169,7 @@ __device__ __forceinline__ void accumulate(float (&acc)[CF][VEC], const float a,
   }
 }
 
-template <typename T, int R, int CF, int VEC, int G, int U, int FL>
+template <typename T, int R, int CF, int VEC, int G, int U, int FL, int CQ = 0>
 __device__ __forceinline__ void spmm_crc_cwm(
     const int* __restrict__ seg_ptr, const int* __restrict__ seg_out, const int* __restrict__ seg_slot,
     const int* __restrict__ indices, const float* __restrict__ data, const T* __restrict__ X,
@@ -223,8 +225,10 @@ __device__ __forceinline__ void spmm_crc_cwm(
         T* yrow = Y + (size_t)grp_out[g] * K;
         // per column slice, QB = U partials loaded per batch (U x VEC values in flight per lane; the
         // combine shares the kernel's register budget, so U sets both its and the main loop's depth),
-        // added in slot order
-        constexpr int QB = U;
+        // added in slot order.  CQ > 0 caps the values in flight at CQ (QB = CQ / VEC, at least 1):
+        // fewer registers for the whole kernel (16-bit T at VEC 8, U 8: 91 instead of 151 on sm_90)
+        // at the price of a longer chain of loads in the combine
+        constexpr int QB = (CQ > 0 && U * VEC > CQ) ? (CQ / VEC > 0 ? CQ / VEC : 1) : U;
 #pragma unroll
         for (int c = 0; c < CF; ++c) {
           const int col = col_base + c * G * VEC;
@@ -366,18 +370,23 @@ __device__ __forceinline__ void spmm_crc_cwm(
 // picks the registers); SPC_SPMM_INSTANCE_MB: also MB resident 256-thread blocks per SM, i.e. at
 // most 65536 / (256 MB) registers per thread -- more warps in flight for the latency-bound gathers
 // of sparse graphs, at the price of spills in the (cold) split-row combine
-#define SPC_SPMM_INSTANCE_LB(NAME, LB, TN, R, CF, VEC, G, U, FL)                                     \
+#define SPC_SPMM_INSTANCE_LB(NAME, LB, TN, R, CF, VEC, G, U, FL, CQ)                                 \
   extern "C" __global__ void LB NAME(                                                                \
       const int* seg_ptr, const int* seg_out, const int* seg_slot, const int* indices,               \
       const float* data, const SPC_ELEM(TN)* X, SPC_ELEM(TN)* Y, float* part, int* counters,         \
       const int* grp_ptr, const int* slot_grp, const int* grp_out, const int* grp_len,               \
       const int* grp_seg, int nseg, int ngroups, int K, int segs_per_group) {                        \
-    spc::spmm_crc_cwm<SPC_ELEM(TN), R, CF, VEC, G, U, FL>(seg_ptr, seg_out, seg_slot, indices, data, X,  \
+    spc::spmm_crc_cwm<SPC_ELEM(TN), R, CF, VEC, G, U, FL, CQ>(seg_ptr, seg_out, seg_slot, indices, data, X, \
                                                       Y, part, counters, grp_ptr, slot_grp, grp_out, \
                                                       grp_len, grp_seg, nseg, ngroups, K,            \
                                                       segs_per_group);                               \
   }
 #define SPC_SPMM_INSTANCE(NAME, TN, R, CF, VEC, G, U, FL) \
-  SPC_SPMM_INSTANCE_LB(NAME, __launch_bounds__(256), TN, R, CF, VEC, G, U, FL)
+  SPC_SPMM_INSTANCE_LB(NAME, __launch_bounds__(256), TN, R, CF, VEC, G, U, FL, 0)
 #define SPC_SPMM_INSTANCE_MB(NAME, TN, R, CF, VEC, G, U, FL, MB) \
-  SPC_SPMM_INSTANCE_LB(NAME, __launch_bounds__(256, MB), TN, R, CF, VEC, G, U, FL)
+  SPC_SPMM_INSTANCE_LB(NAME, __launch_bounds__(256, MB), TN, R, CF, VEC, G, U, FL, 0)
+// CQ: at most CQ partial values a lane in flight in the split-row combine (parameter combine_vals)
+#define SPC_SPMM_INSTANCE_CQ(NAME, TN, R, CF, VEC, G, U, FL, CQ) \
+  SPC_SPMM_INSTANCE_LB(NAME, __launch_bounds__(256), TN, R, CF, VEC, G, U, FL, CQ)
+#define SPC_SPMM_INSTANCE_MB_CQ(NAME, TN, R, CF, VEC, G, U, FL, MB, CQ) \
+  SPC_SPMM_INSTANCE_LB(NAME, __launch_bounds__(256, MB), TN, R, CF, VEC, G, U, FL, CQ)

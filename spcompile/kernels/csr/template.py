@@ -96,7 +96,7 @@ class CrcCwm(NvccTemplate):
     instance_macro = "SPC_SPMM_INSTANCE"
     kernel_class = CrcCwmKernel
     fallback_param = "vec"
-    absent_params = {"flat": 0, "min_blocks": 1, "flat_nnz": 0}
+    absent_params = {"flat": 0, "min_blocks": 1, "flat_nnz": 0, "combine_vals": 0}
 
     def space(self, mod):
         from optuna.distributions import CategoricalDistribution as C
@@ -104,7 +104,8 @@ class CrcCwm(NvccTemplate):
         return {"cf": C([1, 2, 4, 8]), "vec": C(_vec_choices(mod.op.dtype)), "group": C([4, 8, 16, 32]),
                 "warps_per_block": C([2, 4, 8]), "rows_per_warp": C([1, 2, 4, 8]),
                 "max_seg": C([0, 8, 16, 32, 64, 256, 1024, 4096]), "unroll": C([1, 2, 4, 8]), "flat": C([0, 1]),
-                "min_blocks": C(list(self.MIN_BLOCKS)), "flat_nnz": C(list(self.FLAT_NNZ))}
+                "min_blocks": C(list(self.MIN_BLOCKS)), "flat_nnz": C(list(self.FLAT_NNZ)),
+                "combine_vals": C(list(self.COMBINE_VALS))}
 
     @staticmethod
     def heuristic(K: int, max_row: int, mean_row: float, dtype: str = "float32") -> dict:
@@ -222,6 +223,10 @@ class CrcCwm(NvccTemplate):
         return out
 
     #: the knowledge portfolio's block shapes (warps per block, rows per warp, X loads in flight)
+    #: ``combine_vals``: 0, or the most fp32 partial values a lane loads at a time in the split-row
+    #: combine (fewer registers for the whole kernel, a longer chain of loads in the combine)
+    COMBINE_VALS = (0, 16)
+
     SHAPES = ("u2", "u8", "w8r2")
     #: ``max_seg`` from the shortest slices to whole rows: quick selection's second round measures
     #: the neighbours of the fastest candidate's value in this order
@@ -254,7 +259,9 @@ class CrcCwm(NvccTemplate):
         one step shorter and longer in ``PROBE_MAX_SEG`` (same shape), and the other block shapes
         of ``SHAPES`` (same ``max_seg``).  Leave-one-graph-out over the shipped measurements this
         second round lifts the fastest measured from 0.978 to 0.995 of the fastest portfolio member
-        in fp32 SpMM at K=128 (rows below 0.9: 5 -> 1 of 58)."""
+        in fp32 SpMM at K=128 (rows below 0.9: 5 -> 1 of 58).  For 16-bit X / Y (``op``'s dtype)
+        whose split-row combine would hold more than 16 values a lane (``unroll`` x ``vec``), the
+        same parameters with ``combine_vals`` 16 as well (:meth:`capped_combine`)."""
         p = {**self.absent_params, **params}
         if int(p["flat"]) or int(p["min_blocks"]) > 1:
             return []
@@ -262,7 +269,24 @@ class CrcCwm(NvccTemplate):
         cf = int(p["cf"])
         for shape in self.SHAPES:
             out.append({**dict(params), **self.shape_params(shape, cf)})
+        cap = self.capped_combine(params, op)
+        if cap is not None:
+            out.append(cap)
         return [v for v in unique_params(out) if v != dict(params)]
+
+    def capped_combine(self, params, op=None) -> dict | None:
+        """``params`` with ``combine_vals`` 16, where that changes the kernel of a 16-bit op: its
+        split-row combine holds ``unroll`` x ``vec`` > 16 fp32 values a lane.  On the H100 the
+        capped kernel takes 91 instead of 151 registers a thread (fp16, vec 8, unroll 8) and ran
+        `build()` 1.06x faster over the 17 graphs over 200k nonzeros at K=64 (up to 1.42x), but up
+        to 1.25x slower on small graphs whose longest row is combined from tens of slices: a
+        choice to measure, not a rule (``docs/benchmarks/h100_crc_cwm_experiments.md``)."""
+        p = {**self.absent_params, **params}
+        if op is None or DTYPES[op.dtype].bytes != 2 or int(p["combine_vals"]):
+            return None
+        if int(p["unroll"]) * _largest_vec(op.K, int(p["vec"])) <= 16:
+            return None
+        return {**dict(params), "combine_vals": 16}
 
     def search_params(self, params):
         """``flat_nnz`` has no effect without ``flat`` (0 then), ``rows_per_warp`` none with
@@ -277,7 +301,8 @@ class CrcCwm(NvccTemplate):
     def checks(self, mod):
         return {"cf": (1, 2, 4, 8), "vec": _vec_choices(mod.op.dtype), "group": (4, 8, 16, 32),
                 "unroll": (1, 2, 4, 8), "warps_per_block": (1, 2, 4, 8), "rows_per_warp": AtLeast(1),
-                "max_seg": AtLeast(0), "flat": (0, 1), "min_blocks": self.MIN_BLOCKS, "flat_nnz": AtLeast(0)}
+                "max_seg": AtLeast(0), "flat": (0, 1), "min_blocks": self.MIN_BLOCKS, "flat_nnz": AtLeast(0),
+                "combine_vals": self.COMBINE_VALS}
 
     def pack(self, mod, params):
         p = {**self.absent_params, **params}
@@ -336,23 +361,25 @@ class CrcCwm(NvccTemplate):
         p = {**self.absent_params, **params}
         return {"reduce": mod.op.reduce, "cf": int(p["cf"]), "vec": _largest_vec(mod.op.K, int(p["vec"])),
                 "group": int(p["group"]), "unroll": int(p["unroll"]), "dtype": mod.op.dtype,
-                "flat": int(p["flat"]), "min_blocks": int(p["min_blocks"])}
+                "flat": int(p["flat"]), "min_blocks": int(p["min_blocks"]), "combine_vals": int(p["combine_vals"])}
 
     @staticmethod
-    def instance_name(TN, R, CF, VEC, G, U, FL=0, MB=1) -> str:
+    def instance_name(TN, R, CF, VEC, G, U, FL=0, MB=1, CQ=0) -> str:
         return (f"spmm_crc_cwm_{_SHORT[TN]}_r{R}_cf{CF}_v{VEC}_g{G}_u{U}" + ("_flat" if FL else "")
-                + (f"_mb{MB}" if MB > 1 else ""))
+                + (f"_mb{MB}" if MB > 1 else "") + (f"_cq{CQ}" if CQ else ""))
 
     def instance(self, reduce: str, cf: int, vec: int, group: int, unroll: int = 4, dtype: str = "float32",
-                 flat: int = 0, min_blocks: int = 1):
-        R, TN, MB = _REDUCE[reduce], DTYPES[dtype].code, int(min_blocks)
-        args = (TN, R, cf, vec, group, unroll, int(flat)) + ((MB,) if MB > 1 else ())
-        return self.instance_name(TN, R, cf, vec, group, unroll, flat, MB), args
+                 flat: int = 0, min_blocks: int = 1, combine_vals: int = 0):
+        R, TN, MB, CQ = _REDUCE[reduce], DTYPES[dtype].code, int(min_blocks), int(combine_vals)
+        args = (TN, R, cf, vec, group, unroll, int(flat)) + ((MB,) if MB > 1 else ()) + ((CQ,) if CQ else ())
+        return self.instance_name(TN, R, cf, vec, group, unroll, flat, MB, CQ), args
 
     def instance_macro_of(self, name: str) -> str:
         """``SPC_SPMM_INSTANCE_MB`` (launch bounds with a minimum of resident blocks) for the
-        instances of ``min_blocks`` > 1 (name suffix ``_mb<N>``), else ``SPC_SPMM_INSTANCE``."""
-        return "SPC_SPMM_INSTANCE_MB" if re.search(r"_mb\d+$", name) else self.instance_macro
+        instances of ``min_blocks`` > 1 (name suffix ``_mb<N>``), ``..._CQ`` for those of
+        ``combine_vals`` > 0 (suffix ``_cq<N>``, last), else ``SPC_SPMM_INSTANCE``."""
+        mb, cq = re.search(r"_mb\d+(_cq\d+)?$", name), re.search(r"_cq\d+$", name)
+        return self.instance_macro + ("_MB" if mb else "") + ("_CQ" if cq else "")
 
 
 # ------------------------------------------------------------------------------------------
