@@ -1204,7 +1204,8 @@ def test_model_variants_are_seeds(db, monkeypatch):
 def test_trials_stand_for_their_search_params(db, monkeypatch):
     """A trial's config is the template's ``search_params`` of what the sampler drew (parameters
     without effect set to one value, so equivalent trials share one digest and one measurement);
-    csr.crc_cwm: ``flat_nnz`` without ``flat`` is 0, ``rows_per_warp`` with ``flat_nnz`` is 1."""
+    csr.crc_cwm: ``flat_nnz`` without ``flat`` is 0, ``rows_per_warp`` with ``flat_nnz`` is 1,
+    ``combine_vals`` is 0 where ``unroll`` x ``vec`` fits it."""
     import optuna
 
     op = make_op(graph(), "spmm", 16)
@@ -1223,6 +1224,9 @@ def test_trials_stand_for_their_search_params(db, monkeypatch):
     assert crc.search_params({**p, "flat": 1}) == {"flat": 1, "flat_nnz": 64, "rows_per_warp": 1}
     assert crc.search_params({**p, "flat": 1, "flat_nnz": 0}) == {"flat": 1, "flat_nnz": 0, "rows_per_warp": 4}
     assert crc.search_params({"cf": 2}) == {"cf": 2}          # parameter sets without them untouched
+    # the capped split-row combine: no effect where unroll x vec partial values fit the cap
+    assert crc.search_params({"unroll": 2, "vec": 8, "combine_vals": 16})["combine_vals"] == 0
+    assert crc.search_params({"unroll": 4, "vec": 8, "combine_vals": 16})["combine_vals"] == 16
 
 
 def _seed_graphs():

@@ -222,11 +222,10 @@ class CrcCwm(NvccTemplate):
             out.append({**dict(params), "cf": 1, "min_blocks": 8, "unroll": 1})
         return out
 
-    #: the knowledge portfolio's block shapes (warps per block, rows per warp, X loads in flight)
     #: ``combine_vals``: 0, or the most fp32 partial values a lane loads at a time in the split-row
     #: combine (fewer registers for the whole kernel, a longer chain of loads in the combine)
     COMBINE_VALS = (0, 16)
-
+    #: the knowledge portfolio's block shapes (warps per block, rows per warp, X loads in flight)
     SHAPES = ("u2", "u8", "w8r2")
     #: ``max_seg`` from the shortest slices to whole rows: quick selection's second round measures
     #: the neighbours of the fastest candidate's value in this order
@@ -290,12 +289,15 @@ class CrcCwm(NvccTemplate):
 
     def search_params(self, params):
         """``flat_nnz`` has no effect without ``flat`` (0 then), ``rows_per_warp`` none with
-        ``flat_nnz`` > 0 (1 then)."""
+        ``flat_nnz`` > 0 (1 then), ``combine_vals`` none where ``unroll`` x ``vec`` partial
+        values already fit it (0 then)."""
         p = dict(params)
         if not int(p.get("flat", 0)) and "flat_nnz" in p:
             p["flat_nnz"] = 0
         if int(p.get("flat", 0)) and int(p.get("flat_nnz", 0)) > 0 and "rows_per_warp" in p:
             p["rows_per_warp"] = 1
+        if int(p.get("combine_vals", 0)) and int(p.get("unroll", 4)) * int(p.get("vec", 1)) <= int(p["combine_vals"]):
+            p["combine_vals"] = 0
         return p
 
     def checks(self, mod):
