@@ -508,6 +508,17 @@ def at_bound(row, baseline: str | None = None) -> float | None:
     return rec["seconds"] / row["bound_s"]
 
 
+def _speedup_stats(pairs) -> dict:
+    """Summary of ``[(speed-up, graph, nnz)]``: count, geomean (all / over ``BIG_NNZ``), worst,
+    graphs below 1.0x."""
+    big = [x for x, _, nz in pairs if nz > BIG_NNZ]
+    worst = min(pairs)
+    return {"graphs": len(pairs), "geomean": _finite(common.geomean([x for x, _, _ in pairs])),
+            "graphs_over_200k": len(big), "geomean_over_200k": _finite(common.geomean(big)),
+            "worst": {"graph": worst[1], "speedup": worst[0]},
+            "below_1x": sum(1 for x, _, _ in pairs if x < 1.0)}
+
+
 def summarize(rows) -> dict:
     out = {}
     for K in sorted({r["K"] for r in rows}):
@@ -517,29 +528,17 @@ def summarize(rows) -> dict:
             cols = sorted({c for r in rk for c in r.get(kind, {})}, key=lambda c: COLUMNS.index(c))
             for c in cols:
                 pairs = [(r[kind][c], r["graph"], r["nnz"]) for r in rk if c in r.get(kind, {})]
-                big = [x for x, _, nz in pairs if nz > BIG_NNZ]
-                worst = min(pairs)
                 ff = [r["floor_fraction"][c] for r in rk if c in r["floor_fraction"]]
                 bf = [r["bound_fraction"][c] for r in rk if c in r.get("bound_fraction", {})]
                 d.setdefault(kind, {})[c] = {
-                    "graphs": len(pairs), "geomean": _finite(common.geomean([x for x, _, _ in pairs])),
-                    "graphs_over_200k": len(big), "geomean_over_200k": _finite(common.geomean(big)),
-                    "worst": {"graph": worst[1], "speedup": worst[0]},
-                    "below_1x": sum(1 for x, _, _ in pairs if x < 1.0),
-                    "geomean_floor_fraction": _finite(common.geomean(ff)),
+                    **_speedup_stats(pairs), "geomean_floor_fraction": _finite(common.geomean(ff)),
                     **({"geomean_bound_fraction": _finite(common.geomean(bf))} if bf else {})}
         # a kernel running exactly at the larger floor, over the same baselines: the speed-up the
         # floors leave room for (below 1.0: the baseline already runs faster than the floor)
         for kind, bcol in (("speedup", None), ("speedup_vs_fp32", "baseline_fp32")):
             pairs = [(x, r["graph"], r["nnz"]) for r in rk if (x := at_bound(r, bcol)) is not None]
             if pairs and any(kind in r for r in rk):
-                big = [x for x, _, nz in pairs if nz > BIG_NNZ]
-                worst = min(pairs)
-                d.setdefault("at_bound", {})[kind] = {
-                    "graphs": len(pairs), "geomean": _finite(common.geomean([x for x, _, _ in pairs])),
-                    "graphs_over_200k": len(big), "geomean_over_200k": _finite(common.geomean(big)),
-                    "worst": {"graph": worst[1], "speedup": worst[0]},
-                    "below_1x": sum(1 for x, _, _ in pairs if x < 1.0)}
+                d.setdefault("at_bound", {})[kind] = _speedup_stats(pairs)
         # each template alone (its fastest oracle configuration) over the same-run baseline
         per_t: dict = {}
         for r in rk:
@@ -605,6 +604,13 @@ def _cfg(rec) -> str:
     return f"{pipe + ' -> ' if pipe else ''}{c['template']}{prec} {json.dumps(c.get('params', {}), separators=(',', ':'))}"
 
 
+def _stats_cells(v) -> list:
+    """The summary-table cells of a :func:`_speedup_stats` dict: graphs, geomean (all, over 200k),
+    worst, graphs below 1.0x."""
+    return [v["graphs"], _f(v["geomean"]), f"{_f(v['geomean_over_200k'])} ({v['graphs_over_200k']})",
+            f"{_f(v['worst']['speedup'])} ({v['worst']['graph']})", v["below_1x"]]
+
+
 def markdown(doc) -> str:
     s, rows = doc["settings"], doc["rows"]
     cols = [c for c in COLUMNS if any(c in r["columns"] for r in rows)]
@@ -632,17 +638,12 @@ def markdown(doc) -> str:
     for K, d in summ.items():
         for kind, label in (("speedup", "baseline"), ("speedup_vs_fp32", "cuSPARSE fp32")):
             for c, v in d.get(kind, {}).items():
-                srows.append([K, c, label, v["graphs"], _f(v["geomean"]),
-                              f"{_f(v['geomean_over_200k'])} ({v['graphs_over_200k']})",
-                              f"{_f(v['worst']['speedup'])} ({v['worst']['graph']})", v["below_1x"],
-                              _f(v["geomean_floor_fraction"])]
+                srows.append([K, c, label, *_stats_cells(v), _f(v["geomean_floor_fraction"])]
                              + ([_f(v.get("geomean_bound_fraction"))] if with_l2 else []))
         for kind, label in (("speedup", "baseline"), ("speedup_vs_fp32", "cuSPARSE fp32")):
             v = d.get("at_bound", {}).get(kind)
             if v:
-                srows.append([K, "a kernel at the larger floor", label, v["graphs"], _f(v["geomean"]),
-                              f"{_f(v['geomean_over_200k'])} ({v['graphs_over_200k']})",
-                              f"{_f(v['worst']['speedup'])} ({v['worst']['graph']})", v["below_1x"], "-", "1.00"])
+                srows.append([K, "a kernel at the larger floor", label, *_stats_cells(v), "-", "1.00"])
         for t, v in d.get("oracle_per_template", {}).items():
             srows.append([K, f"{t} alone (oracle)", "baseline", v["graphs"], _f(v["geomean"]), "-",
                           f"{_f(v['worst']['speedup'])} ({v['worst']['graph']})", v["graphs"] - v["wins"], "-"]

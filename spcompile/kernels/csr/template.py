@@ -280,12 +280,12 @@ class CrcCwm(NvccTemplate):
         `build()` 1.06x faster over the 17 graphs over 200k nonzeros at K=64 (up to 1.42x), but up
         to 1.25x slower on small graphs whose longest row is combined from tens of slices: a
         choice to measure, not a rule (``docs/benchmarks/h100_crc_cwm_experiments.md``)."""
-        p = {**self.absent_params, **params}
+        p, cap = {**self.absent_params, **params}, self.COMBINE_VALS[-1]
         if op is None or DTYPES[op.dtype].bytes != 2 or int(p["combine_vals"]):
             return None
-        if int(p["unroll"]) * _largest_vec(op.K, int(p["vec"])) <= 16:
+        if int(p["unroll"]) * _largest_vec(op.K, int(p["vec"])) <= cap:
             return None
-        return {**dict(params), "combine_vals": 16}
+        return {**dict(params), "combine_vals": cap}
 
     def search_params(self, params):
         """``flat_nnz`` has no effect without ``flat`` (0 then), ``rows_per_warp`` none with
