@@ -632,7 +632,10 @@ def test_probe_ids_are_the_templates_probe_variants(shipped):
                 # selection, not scored by the cross-validation (16-bit, unroll x vec > 16 only)
                 cap = tpl.capped_combine(dict(cfg.params), sop)
                 assert (cap in near) == (cap is not None) and (cap is None or dt == "float16"), cid
-                want = sorted(json.dumps(p, sort_keys=True) for p in near if p != cap)
+                capped = [p for p in near if int(p.get("combine_vals", 0))]
+                assert all(tpl.capped_combine({**p, "combine_vals": 0}, sop) == p for p in capped), cid
+                assert not capped or dt == "float16", cid
+                want = sorted(json.dumps(p, sort_keys=True) for p in near if p not in capped)
                 got = sorted(json.dumps(dict(kn.candidate_config(c, sop).params), sort_keys=True)
                              for c in kn.probe_ids(cid))
                 assert got == want, cid
@@ -716,7 +719,13 @@ def test_crc_cwm_probe_variants():
     assert t.probe_variants(u8, hop)[-1] == {**u8, "combine_vals": 16} == t.capped_combine(u8, hop)
     t.check_params(hmod, {**u8, "combine_vals": 16})
     u2 = {**u8, **t.shape_params("u2", 1)}                       # 2 x 8 values: nothing to cap
-    assert t.capped_combine(u2, hop) is None and all("combine_vals" not in p for p in t.probe_variants(u2, hop))
+    assert t.capped_combine(u2, hop) is None
+    # ... but its u8 neighbour is measured capped as well (and only that one)
+    assert [p for p in t.probe_variants(u2, hop) if "combine_vals" in p] == [{**u8, "combine_vals": 16}]
+    w8 = {**u8, **t.shape_params("w8r2", 1)}
+    assert [p for p in t.probe_variants(w8, hop) if "combine_vals" in p] == [{**u8, "combine_vals": 16}]
+    # the capped lead and its capped u8 neighbour are one variant, measured once
+    assert sum("combine_vals" in p for p in t.probe_variants(u8, hop)) == 1
     assert t.capped_combine({**u8, "combine_vals": 16}, hop) is None
     assert t.capped_combine(u8, make_op(random_matrix(50, 50, density=0.1, seed=1), "spmm", 64, "sum",
                                         "float32")) is None and t.capped_combine(u8, None) is None

@@ -260,7 +260,8 @@ class CrcCwm(NvccTemplate):
         second round lifts the fastest measured from 0.978 to 0.995 of the fastest portfolio member
         in fp32 SpMM at K=128 (rows below 0.9: 5 -> 1 of 58).  For 16-bit X / Y (``op``'s dtype)
         whose split-row combine would hold more than 16 values a lane (``unroll`` x ``vec``), the
-        same parameters with ``combine_vals`` 16 as well (:meth:`capped_combine`)."""
+        same parameters and those block shapes with ``combine_vals`` 16 as well
+        (:meth:`capped_combine`)."""
         p = {**self.absent_params, **params}
         if int(p["flat"]) or int(p["min_blocks"]) > 1:
             return []
@@ -268,9 +269,10 @@ class CrcCwm(NvccTemplate):
         cf = int(p["cf"])
         for shape in self.SHAPES:
             out.append({**dict(params), **self.shape_params(shape, cf)})
-        cap = self.capped_combine(params, op)
-        if cap is not None:
-            out.append(cap)
+        # the capped combine of the lead and of its block-shape neighbours (a u8 kernel may win
+        # capped where it lost, uncapped, to the u2 lead of the first round)
+        caps = [self.capped_combine(v, op) for v in [dict(params)] + out[-len(self.SHAPES):]]
+        out += [c for c in caps if c is not None]
         return [v for v in unique_params(out) if v != dict(params)]
 
     def capped_combine(self, params, op=None) -> dict | None:
