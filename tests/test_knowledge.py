@@ -521,6 +521,50 @@ def test_build_measures_the_native_order_of_a_degree_ordered_choice(monkeypatch,
     assert [dict(c.params) for c in native[1:]] == [dict(c.params) for c in variants if c.pipeline == first.pipeline]
 
 
+def test_locality_order_variants_of_sddmm_on_sparse_rows():
+    """csr.sddmm's first-ranked config (and its unranked flat variant) is also offered on RCM
+    when rows are sparse (mean at most RCM_MAX_MEAN); not when rows are longer, not when the
+    first choice already runs on RCM, never for a template without locality orders."""
+    from spcompile.kernels import get_template
+    import scipy.sparse as sp
+
+    sdd = get_template("csr.sddmm")
+    ring = sp.diags([1.0, 1.0, 1.0], [-1, 0, 1], shape=(400, 400), format="csr", dtype=np.float32)
+    op = make_op(ring, "sddmm", 64, None, "float32")
+    p = sdd.heuristic(64)
+    deg = sdd.make_config(p, kn._PIPES["degree"], "cuda")
+    none = sdd.make_config({**p, "nnz_per_warp": 8}, kn._PIPES["none"], "cuda")
+    got = kn.locality_order_variants([(deg, 1.2), (none, 1.1)], "cuda", "float32", op)
+    assert [dict(c.params) for c in got] == [p] + sdd.unranked_variants(p, op)
+    assert len(got) == 2 and all(list(c.pipeline) == list(kn._PIPES["rcm"]) for c in got)
+    rcm = sdd.make_config(p, kn._PIPES["rcm"], "cuda")
+    assert kn.locality_order_variants([(rcm, 1.2)], "cuda", "float32", op) == []
+    dense = make_op(random_matrix(200, 200, density=0.2, seed=2), "sddmm", 64, None, "float32")
+    assert float(dense.A.row_lengths.mean()) > sdd.RCM_MAX_MEAN
+    assert kn.locality_order_variants([(deg, 1.2)], "cuda", "float32", dense) == []
+    assert kn.locality_order_variants([(deg, 1.2)], "cuda", "float32", None) == []
+    crc = get_template("csr.crc_cwm")
+    sop = make_op(ring, "spmm", 64)
+    assert kn.locality_order_variants([(crc.make_config(crc.heuristic(64, 3, 3.0), kn._PIPES["degree"], "cuda"), 1.2)],
+                                      "cuda", "float32", sop) == []
+
+
+def test_build_measures_sddmm_on_rcm_for_sparse_rows(monkeypatch, no_tuning_db):
+    """dimacs10_wing (a mesh, rows of at most 4 entries) held out of the model: quick selection
+    measures its SDDMM first choice on RCM as well, under its own label; fb100_mit8 (78 entries a
+    row on average) gets no such candidate."""
+    A, seen, decide_held_out = _recorded_quick_selection(monkeypatch, "dimacs10_wing")
+    decide_held_out("sddmm", 256, None, "float32")
+    first = seen["ranked"][0][0]
+    loc = [c for src, c, _ in seen["extra"] if src == "model (locality order)"]
+    assert first.template == "csr.sddmm" and [p["name"] for p in first.pipeline] != ["reorder.rcm"]
+    assert loc and all([p["name"] for p in c.pipeline] == ["reorder.rcm"] for c in loc)
+    assert dict(loc[0].params) == dict(first.params)
+    A, seen, decide_held_out = _recorded_quick_selection(monkeypatch, "fb100_mit8")
+    decide_held_out("sddmm", 256, None, "float32")
+    assert not [c for src, c, _ in seen["extra"] if src == "model (locality order)"]
+
+
 def test_quick_selection_times_over_three_input_sets(monkeypatch, timed_sets):
     """Quick selection times each candidate rotating over N_INPUT_SETS input sets with one output
     per set, as the tuner's runner does (one set keeps X hot in L2 on a graph whose X fits there

@@ -1201,6 +1201,28 @@ def test_model_variants_are_seeds(db, monkeypatch):
     assert seeds[1][1].pipeline == first.pipeline and seeds[2] == ("model:1", second)
 
 
+def test_locality_order_variants_are_seeds(db, monkeypatch):
+    """The model's first choice on its template's ``locality_orders`` (what quick selection
+    measures beside it) is a seed of the study too, behind the first choice and its variants."""
+    from spcompile.autotune import knowledge
+
+    op = make_op(graph(), "spmm", 16)
+    tn = Tuner(op, "cpu", storage=db, runner=FakeRunner())
+    tname, pipes = next((t, p) for t, p in tn.space.items() if len(p) > 1)
+    tpl = spcompile.get_template(tname)
+    base = dict(tpl.default_params(spcompile.SparseModule.from_op(op)))
+    specs = list(pipes.values())
+    first = tpl.make_config(base, specs[0], "cpu")
+    monkeypatch.setattr(knowledge, "ranked_configs", lambda *a, **k: [(first, 1.5)])
+    monkeypatch.setattr(type(tpl), "unranked_variants", lambda self, p, op=None: [])
+    monkeypatch.setattr(type(tpl), "locality_orders", lambda self, op=None: [list(specs[-1]), list(specs[0])])
+    seeds = Tuner(op, "cpu", storage=db, runner=FakeRunner(), study_name="locality").seed_configs()
+    assert seeds[0] == ("model:0", first)
+    # the first choice's own pipeline is not offered again
+    assert seeds[1][0] == "model-locality:0" and not any(s[0] == "model-locality:1" for s in seeds)
+    assert dict(seeds[1][1].params) == base and list(seeds[1][1].pipeline) == list(specs[-1]) != list(specs[0])
+
+
 def test_trials_stand_for_their_search_params(db, monkeypatch):
     """A trial's config is the template's ``search_params`` of what the sampler drew (parameters
     without effect set to one value, so equivalent trials share one digest and one measurement);

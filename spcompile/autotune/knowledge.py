@@ -522,6 +522,24 @@ def native_order_variants(ranked, target: str, dtype: str, op=None) -> list:
     return out
 
 
+def locality_order_variants(ranked, target: str, dtype: str, op=None) -> list:
+    """Configs quick selection measures beside the model's ranking on orders the portfolio never
+    measured: for the first-ranked config of each template, the same config and its template's
+    unranked variants on each of the template's ``locality_orders`` for ``op`` (other than the
+    config's own pipeline)."""
+    from ..passes import Pipeline
+
+    out = []
+    for cfg, tpl in _first_of_each_template(ranked):
+        for spec in tpl.locality_orders(op):
+            spec = Pipeline(spec).spec()
+            if list(spec) == list(cfg.pipeline):
+                continue
+            for p in [dict(cfg.params)] + list(tpl.unranked_variants(dict(cfg.params), op)):
+                out.append(tpl.make_config(p, spec, target, dtype))
+    return out
+
+
 def unranked_variants(ranked, target: str, dtype: str, op=None) -> list:
     """Configs quick selection measures beside the model's ranking: for the first-ranked config of
     each template, the variants of it that its template says the portfolio never measured

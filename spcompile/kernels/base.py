@@ -137,6 +137,12 @@ class Template:
         model's portfolio never measured (none by default)."""
         return []
 
+    def locality_orders(self, op=None) -> list:
+        """Pass pipelines (specs) that quick selection also measures the model's first choice of
+        this template on, for workloads (``op``) where the portfolio's orders may miss the
+        locality a renumbering gives (none by default)."""
+        return []
+
     def probe_variants(self, params, op=None) -> list:
         """Parameter sets next to ``params`` (the fastest candidate quick selection measured) that
         it measures in a second round, on the same pipeline (none by default)."""

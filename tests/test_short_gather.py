@@ -1,0 +1,72 @@
+"""benchmarks/short_gather.py's host side: the checksum its gather kernels are checked against,
+the launch shape, and the report it computes from a bench JSON (the GPU part runs on the device;
+its CUDA source is compiled here for sm_90 and sm_80)."""
+import math
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+import short_gather as sg  # noqa: E402
+
+
+def test_host_checksum_is_the_xor_of_every_row_read():
+    rng = np.random.default_rng(3)
+    X = rng.integers(0, 2**32, (37, 12), dtype=np.uint32)
+    cols = rng.integers(0, 37, 500).astype(np.int32)
+    want = 0
+    for c in cols:                    # what a kernel folding every row it reads into one word gets
+        for w in X[c]:
+            want ^= int(w)
+    assert sg.host_checksum(X, cols) == want
+    assert sg.host_checksum(X, np.array([4, 4], np.int32)) == 0      # a row read twice cancels
+    assert sg.host_checksum(X, np.array([5], np.int32)) == int(np.bitwise_xor.reduce(X[5]))
+
+
+def test_launch_shape():
+    assert [sg.lanes_for(r) for r in (1, 2, 3, 8, 16, 48, 64)] == [1, 2, 2, 8, 16, 32, 32]
+    assert sg.resident_blocks(32) == 8 and sg.resident_blocks(38) == 6 and sg.resident_blocks(255) == 1
+    assert sg.resident_blocks(1) == 8
+
+
+def _bench(dtype="float16"):
+    def row(g, K, t, b, floor, l2):
+        cols = {"default": {"status": "ok", "seconds": t}, "baseline": {"status": "ok", "seconds": 2 * b},
+                "baseline_fp32": {"status": "ok", "seconds": b}}
+        return {"graph": g, "n": 1000, "m": 1000, "nnz": 50000, "K": K, "floor_s": floor, "l2_floor_s": l2, "columns": cols}
+    rows = [row("a", 64, 10e-6, 40e-6, 2e-6, 5e-6), row("b", 64, 20e-6, 40e-6, 8e-6, 4e-6),
+            row("c", 128, 20e-6, 40e-6, 8e-6, 4e-6)]
+    rows.append({**row("d", 64, 1e-6, 1e-6, 1e-6, 1e-6), "columns": {"default": {"status": "failed"}}})
+    return {"name": "t", "settings": {"dtype": dtype, "n_sets": 3}, "rows": rows}
+
+
+def test_rows_and_summary():
+    rows = sg.rows_of(_bench(), "default", "baseline_fp32")
+    assert [r["graph"] for r in rows] == ["a", "b", "c"]                      # the failed row is left out
+    assert rows[0]["row_bytes"] == 128 and sg.rows_of(_bench("float32"), "default", "baseline")[0]["row_bytes"] == 256
+    for r, sgs in zip(rows, (7e-6, 5e-6, 6e-6)):
+        r["short_gather_s"], r["unroll"] = sgs, 4
+    s = sg.summarize(rows)
+    assert s["64"]["graphs"] == 2 and s["128"]["graphs"] == 1
+    assert s["64"]["x"] == pytest.approx(math.sqrt(4 * 2))
+    assert s["64"]["x_at_floor"] == pytest.approx(math.sqrt(8 * 5))
+    # short bound: the larger of the HBM floor and the short gather time (7 us on a, 8 us on b)
+    assert s["64"]["x_at_short_bound"] == pytest.approx(math.sqrt(40 / 7 * 40 / 8))
+    assert s["128"]["short_bound_frac"] == pytest.approx(8 / 20)
+    md = sg.markdown({"name": "t_short", "device": "GPU", "command": "cmd", "date": "now", "bench_name": "t",
+                      "column": "default", "over": "baseline_fp32", "empty_kernel_s": 2e-6, "rows": rows, "summary": s})
+    assert "| 64 | 2 | 2.83 | 6.32 | 5.35 | " in md and "| a | 50000 | 1000 | 64 | 2.0 | 5.0 | 7.0 | 4 |" in md
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+@pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
+def test_gather_kernel_compiles(tmp_path, arch):
+    src = tmp_path / "g.cu"
+    src.write_text(sg.SOURCE)
+    for lanes, u, row16 in ((8, 8, 8), (2, 1, 3), (32, 4, 64)):
+        subprocess.run(["nvcc", "-cubin", "-O3", f"-arch={arch}", f"-DSG_LANES={lanes}", f"-DSG_U={u}",
+                        f"-DSG_ROW16={row16}", str(src), "-o", str(tmp_path / "g.cubin")], check=True)
