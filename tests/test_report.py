@@ -103,6 +103,10 @@ def test_report_errors_are_clear(tmp_path):
     bad.write_text(json.dumps({"name": "something else"}))
     with pytest.raises(ValueError, match="not a benchmarks/bench.py result"):
         report.render(bench=[str(bad)], include_db=False)
+    other = tmp_path / "gather.json"   # rows of (graph, K) of another script's schema
+    other.write_text(json.dumps({"schema": "spcompile-short-gather/1", "rows": [{"graph": "g", "K": 64}]}))
+    with pytest.raises(ValueError, match="not a benchmarks/bench.py result"):
+        report.render(bench=[str(other)], include_db=False)
     sweep = tmp_path / "sweep.json"   # rows, but not of (graph, K): another script's output
     sweep.write_text(json.dumps({"rows": [{"graph": "g", "variant": "a", "us": 1.0}]}))
     with pytest.raises(ValueError, match="not a benchmarks/bench.py result"):

@@ -267,6 +267,9 @@ def bench_section(path: str) -> str:
     if doc.get("mode") in ("cold_start", "call_overhead") and isinstance(doc.get("result"), dict):
         return _mode_section(doc)
     rows = doc.get("rows")
+    schema = doc.get("schema")
+    if isinstance(schema, str) and schema.startswith("spcompile-") and not schema.startswith("spcompile-bench/"):
+        raise ValueError(f"{path}: not a benchmarks/bench.py result (schema {schema!r}: another script's output)")
     if not isinstance(rows, list) or not all(isinstance(r, dict) and "K" in r and "graph" in r for r in rows):
         raise ValueError(f"{path}: not a benchmarks/bench.py result (no 'rows' of graph and K, no --cold-start / "
                          "--call-overhead result)")
