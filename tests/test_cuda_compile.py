@@ -36,6 +36,11 @@ def _spmm_instances():
     inst.update(t.instances("max", 2, 8, 16, 4, "bfloat16", 1, 1, 16))
     inst.update(t.instances("mean", 1, 8, 8, 8, "float16", 0, 4, 16))
     inst.update(t.instances("min", 2, 4, 32, 8, "float32", 0, 1, 16))
+    # 16 X rows in flight a lane: chunks wider than the group (4 / 8 lanes), flat, launch bounds
+    inst.update(t.instances("sum", 1, 8, 8, 16, "float16"))
+    inst.update(t.instances("max", 2, 8, 4, 16, "bfloat16", 1))
+    inst.update(t.instances("mean", 1, 8, 32, 16, "float16", 0, 4))
+    inst.update(t.instances("min", 1, 4, 16, 16, "float32"))
     return t, sorted(inst)
 
 

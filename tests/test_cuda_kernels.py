@@ -308,6 +308,41 @@ def test_capped_combine_spmm(dtype, tol, K):
                                    for i, p in enumerate(CAPPED_COMBINE_SPMM_PARAMS)], capped)
 
 
+#: 16 X rows in flight a lane (unroll 16): chunks of two column ids a lane in 4- and 8-lane
+#: groups (a chunk wider than the group), one id a lane in 32-lane groups; rows split into many
+#: slices (its combine is always capped), two rows per group, a flat stream, launch bounds
+DEEP_UNROLL_SPMM_PARAMS = (
+    {"group": 8, "vec": 8, "cf": 1, "warps_per_block": 4, "rows_per_warp": 1, "max_seg": 16, "unroll": 16},
+    {"group": 4, "vec": 8, "cf": 2, "warps_per_block": 2, "rows_per_warp": 2, "max_seg": 64, "unroll": 16},
+    {"group": 8, "vec": 4, "cf": 1, "warps_per_block": 4, "rows_per_warp": 4, "max_seg": 32, "unroll": 16, "flat": 1},
+    {"group": 32, "vec": 8, "cf": 1, "warps_per_block": 8, "rows_per_warp": 1, "max_seg": 0, "unroll": 16,
+     "min_blocks": 4})
+
+
+@pytest.mark.parametrize("dtype, tol", [("float16", 2e-2), ("bfloat16", 5e-2), ("float32", 1e-5)])
+@pytest.mark.parametrize("K", [1, 33, 128])
+def test_deep_unroll_spmm(dtype, tol, K):
+    """csr.crc_cwm with unroll=16 (quick selection's second-round variant for 16-bit X / Y):
+    every reduction, chunks wider than the row group, a row holding every column combined from
+    tens of slices, empty rows, one-, two- and four-row groups, flat and launch-bounded; the
+    instances are the _u16 ones with twice the group's shared memory where the chunk is wider;
+    the NaN-poisoned output fully written and equal to the float64 reference, twice in a row."""
+    from spcompile.kernels.csr.template import chunk_entries
+
+    def deep(mod, p):
+        assert all("_u16" in n for n, _ in mod.kernel.meta["instances"])
+        spec = mod.kernel.launch_spec(int(p["vec"]))
+        assert spec.smem == (32 * p["warps_per_block"] // p["group"]) * chunk_entries(p["group"], 16) * 8
+
+    _check_crc_cwm(dtype, tol, K, [(deep_unroll_params(p, dtype), ["reorder.degree"] if i == 1 else [])
+                                   for i, p in enumerate(DEEP_UNROLL_SPMM_PARAMS)], deep)
+
+
+def deep_unroll_params(p, dtype):
+    """``p`` with at most 16 bytes a vector load of ``dtype`` (fp32: 4 elements)."""
+    return {**p, "vec": min(int(p["vec"]), 4)} if dtype == "float32" else dict(p)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("K", [1, 33, 128, 256])
 def test_window_matches_reference(dtype, K):

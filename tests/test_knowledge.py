@@ -673,13 +673,16 @@ def test_probe_ids_are_the_templates_probe_variants(shipped):
                 tpl = get_template(cfg.template)
                 near = tpl.probe_variants(dict(cfg.params), sop)
                 # the capped split-row combine is not a portfolio member: measured by quick
-                # selection, not scored by the cross-validation (16-bit, unroll x vec > 16 only)
+                # selection, not scored by the cross-validation (16-bit, unroll x vec > 16 only),
                 cap = tpl.capped_combine(dict(cfg.params), sop)
                 assert (cap in near) == (cap is not None) and (cap is None or dt == "float16"), cid
                 capped = [p for p in near if int(p.get("combine_vals", 0))]
                 assert all(tpl.capped_combine({**p, "combine_vals": 0}, sop) == p for p in capped), cid
                 assert not capped or dt == "float16", cid
-                want = sorted(json.dumps(p, sort_keys=True) for p in near if p not in capped)
+                # nor is the 16-rows-in-flight kernel (16-bit, one column slice a lane)
+                deep = tpl.deep_unroll(dict(cfg.params), sop)
+                assert (deep in near) == (deep is not None) and (deep is None or dt == "float16"), cid
+                want = sorted(json.dumps(p, sort_keys=True) for p in near if p not in capped and p != deep)
                 got = sorted(json.dumps(dict(kn.candidate_config(c, sop).params), sort_keys=True)
                              for c in kn.probe_ids(cid))
                 assert got == want, cid
@@ -760,8 +763,17 @@ def test_crc_cwm_probe_variants():
     hmod = SparseModule.from_op(hop)
     u8 = {**t.default_params(hmod), "max_seg": 64, **t.shape_params("u8", 1)}
     assert u8["vec"] == 8 and u8["unroll"] == 8
-    assert t.probe_variants(u8, hop)[-1] == {**u8, "combine_vals": 16} == t.capped_combine(u8, hop)
+    assert t.probe_variants(u8, hop)[-2] == {**u8, "combine_vals": 16} == t.capped_combine(u8, hop)
     t.check_params(hmod, {**u8, "combine_vals": 16})
+    # ... and the u8 shape with 16 rows in flight a lane (its combine always capped), last
+    u16 = {**u8, "unroll": 16}
+    assert t.probe_variants(u8, hop)[-1] == u16 == t.deep_unroll(u8, hop) == t.deep_unroll({**u8, "combine_vals": 16}, hop)
+    t.check_params(hmod, u16)
+    assert t.deep_unroll(u16, hop) is None and t.capped_combine(u16, hop) is None
+    assert t.deep_unroll({**u8, "cf": 2}, hop) is None and t.deep_unroll(u8, sop) is None   # cf 2; fp32
+    assert t.deep_unroll({**u8, "group": 16}, hop) == {**u8, "group": 16, "unroll": 16}
+    assert t.deep_unroll({**u8, "group": 32}, hop) is None                                  # K=256 rows
+    assert all(p["unroll"] != 16 for p in got)                     # fp32: never
     u2 = {**u8, **t.shape_params("u2", 1)}                       # 2 x 8 values: nothing to cap
     assert t.capped_combine(u2, hop) is None
     # ... but its u8 neighbour is measured capped as well (and only that one)

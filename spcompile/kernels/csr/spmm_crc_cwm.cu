@@ -17,10 +17,13 @@
 //   G    lanes per row group (32 = one warp per row as in the paper; 4/8/16 for narrow K)
 //   U    nonzeros whose X rows are loaded before any is accumulated (U x CF vector loads in
 //        flight per lane: latency hiding on short/long rows of small graphs); accumulation order
-//        stays the nonzero order
+//        stays the nonzero order.  U <= 8 reads a chunk of G nonzeros' ids at a time (at most G
+//        loads in flight); U = 16 reads chunks of max(G, 16) (CH below: a 16-bit row of 64
+//        columns is an 8-lane group, so 16 rows in flight need two ids a lane), and its split-row
+//        combine is always capped as with CQ = 16
 //   FL   0: a row group takes its segments one after another (each its own chain of dependent
 //        loads: segment bounds, column ids, X rows); 1 (flat): its consecutive segments
-//        grp_seg[g] .. grp_seg[g+1]-1 are one run of nonzeros, cached G at a time, with the U X
+//        grp_seg[g] .. grp_seg[g+1]-1 are one run of nonzeros, cached a chunk at a time, with the U X
 //        loads in flight across segment ends and the segment bounds / outputs read G at a time
 //        (the packer makes the groups either `segs_per_group` segments each, or runs of about
 //        equal nonzeros: many short rows or one slice of a long one)
@@ -124,14 +127,19 @@ template <int R, int CF, int VEC> __device__ __forceinline__ void reset_acc(floa
 #pragma unroll
     for (int v = 0; v < VEC; ++v) acc[c][v] = red_init<R>();
 }
-// coalesced row caching: the group's lanes copy n <= G column ids and values to shared memory
-template <int G>
+// nonzeros of one chunk of the coalesced row cache: G (one id a lane) for U <= 8, else max(G, U)
+template <int G, int U> struct chunk_of { static constexpr int value = (U > 8 && U > G) ? U : G; };
+// coalesced row caching: the group's lanes copy n <= CH column ids and values to shared memory
+template <int G, int CH>
 __device__ __forceinline__ void cache_chunk(const int* __restrict__ indices, const float* __restrict__ data,
                                             int* s_idx, float* s_val, const int base, const int n,
                                             const int lane, const unsigned gmask) {
-  if (lane < n) {
-    s_idx[lane] = indices[base + lane];
-    s_val[lane] = data[base + lane];
+#pragma unroll
+  for (int j = 0; j < CH; j += G) {
+    if (lane + j < n) {
+      s_idx[lane + j] = indices[base + lane + j];
+      s_val[lane + j] = data[base + lane + j];
+    }
   }
   __syncwarp(gmask);
 }
@@ -177,11 +185,12 @@ __device__ __forceinline__ void spmm_crc_cwm(
     const int* __restrict__ slot_grp, const int* __restrict__ grp_out, const int* __restrict__ grp_len,
     const int* __restrict__ grp_seg, int nseg, int ngroups, int K, int segs_per_group) {
   extern __shared__ int smem[];
+  constexpr int CH = chunk_of<G, U>::value;        // nonzeros a chunk (G for U <= 8)
   const int lane = threadIdx.x % G;
   const int gib = threadIdx.x / G;                 // group in block
   const int groups_per_block = blockDim.x / G;
-  int* s_idx = smem + gib * G;                     // CRC cache: column ids of G nonzeros
-  float* s_val = reinterpret_cast<float*>(smem + blockDim.x) + gib * G;
+  int* s_idx = smem + gib * CH;                    // CRC cache: column ids of CH nonzeros
+  float* s_val = reinterpret_cast<float*>(smem + (CH == G ? (int)blockDim.x : groups_per_block * CH)) + gib * CH;
   const unsigned gmask = (G == 32) ? 0xffffffffu : (((1u << G) - 1u) << ((threadIdx.x % 32) / G * G));
   const int tile_w = G * VEC * CF;                 // columns of one column tile (CWM)
   const int col_base = blockIdx.y * tile_w + lane * VEC;
@@ -228,7 +237,8 @@ __device__ __forceinline__ void spmm_crc_cwm(
         // added in slot order.  CQ > 0 caps the values in flight at CQ (QB = CQ / VEC, at least 1):
         // fewer registers for the whole kernel (16-bit T at VEC 8, U 8: 91 instead of 151 on sm_90)
         // at the price of a longer chain of loads in the combine
-        constexpr int QB = (CQ > 0 && U * VEC > CQ) ? (CQ / VEC > 0 ? CQ / VEC : 1) : U;
+        constexpr int CQE = (U > 8 && CQ == 0) ? 16 : CQ;   // U = 16: always capped
+        constexpr int QB = (CQE > 0 && U * VEC > CQE) ? (CQE / VEC > 0 ? CQE / VEC : 1) : U;
 #pragma unroll
         for (int c = 0; c < CF; ++c) {
           const int col = col_base + c * G * VEC;
@@ -261,7 +271,7 @@ __device__ __forceinline__ void spmm_crc_cwm(
 
   if constexpr (FL != 0) {
     // flat: the group's segments [s0, s0 + ns) are one stream of nonzeros (consecutive in
-    // seg_ptr), cached G at a time with U X loads in flight across segment boundaries; a segment
+    // seg_ptr), cached a chunk at a time with U X loads in flight across segment boundaries; a segment
     // is finished when the stream passes its end.  The segment pointers are read G at a time: lane
     // i holds seg_ptr[s0 + wb + i].
     if (group >= ngroups) return;                   // uniform within the group
@@ -291,9 +301,9 @@ __device__ __forceinline__ void spmm_crc_cwm(
     int cur = 0, seg_lo = __shfl_sync(gmask, myptr, gl), seg_hi = ptr_at(1);
     float acc[CF][VEC];
     reset_acc<R>(acc);
-    for (int base = seg_lo; base < e_end; base += G) {
-      const int n = min(G, e_end - base);
-      cache_chunk<G>(indices, data, s_idx, s_val, base, n, lane, gmask);
+    for (int base = seg_lo; base < e_end; base += CH) {
+      const int n = min(CH, e_end - base);
+      cache_chunk<G, CH>(indices, data, s_idx, s_val, base, n, lane, gmask);
       for (int e0 = 0; e0 < n; e0 += U) {
         pack_t<T, VEC> xv[U][CF];
         float a[U];
@@ -327,9 +337,9 @@ __device__ __forceinline__ void spmm_crc_cwm(
       const int lo = seg_ptr[s], hi = seg_ptr[s + 1];
       float acc[CF][VEC];
       reset_acc<R>(acc);
-      for (int base = lo; base < hi; base += G) {
-        const int n = min(G, hi - base);
-        cache_chunk<G>(indices, data, s_idx, s_val, base, n, lane, gmask);
+      for (int base = lo; base < hi; base += CH) {
+        const int n = min(CH, hi - base);
+        cache_chunk<G, CH>(indices, data, s_idx, s_val, base, n, lane, gmask);
         for (int e0 = 0; e0 < n; e0 += U) {          // U loads in flight, accumulated in nonzero order
           pack_t<T, VEC> xv[U][CF];
           float a[U];

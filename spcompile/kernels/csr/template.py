@@ -43,6 +43,24 @@ def _largest_vec(K: int, vec: int) -> int:
     return max(v, 1)
 
 
+#: csr.crc_cwm's deepest ``unroll``: 16 X rows in flight a lane, read from chunks of
+#: ``chunk_entries`` column ids (two a lane in an 8-lane group); its split-row combine is always
+#: capped at 16 values a lane (``combine_vals`` has no effect on it)
+DEEP_UNROLL = 16
+
+
+def _unroll_choices(dtype: str) -> list[int]:
+    """``unroll`` values of csr.crc_cwm's search space: ``DEEP_UNROLL`` for 16-bit X / Y only
+    (narrow rows, where 8 rows in flight leave the L2 idle)."""
+    return [1, 2, 4, 8] + ([DEEP_UNROLL] if DTYPES[dtype].bytes == 2 else [])
+
+
+def chunk_entries(group: int, unroll: int) -> int:
+    """Nonzeros of one chunk of ``spmm_crc_cwm.cu``'s coalesced row cache (its ``chunk_of``):
+    ``group`` for ``unroll`` <= 8, else the larger of the two."""
+    return max(int(group), int(unroll)) if int(unroll) > 8 else int(group)
+
+
 # ------------------------------------------------------------------------------------------
 # csr.crc_cwm — GE-SpMM
 # ------------------------------------------------------------------------------------------
@@ -68,8 +86,10 @@ class CrcCwmKernel(NvccKernel):
         groups = threads // int(p["group"])
         # flat layout: the row groups of grp_seg; else rows_per_warp segments per group
         ngroups = int(self.arrays["grp_seg"].size) - 1 if self.arrays["grp_seg"].size else -(-nseg // rpw)
+        # shared memory: a chunk of column ids and values per row group (chunk_entries)
+        chunk = chunk_entries(int(p["group"]), int(p["unroll"]))
         return LaunchSpec(grid=(-(-ngroups // groups), self._tiles(vec), 1), block=(threads, 1, 1),
-                          smem=threads * 8, args={"nseg": nseg, "ngroups": ngroups, "K": int(self.meta["K"]),
+                          smem=groups * chunk * 8, args={"nseg": nseg, "ngroups": ngroups, "K": int(self.meta["K"]),
                                                   "segs_per_group": rpw})
 
     def empty(self):
@@ -103,7 +123,8 @@ class CrcCwm(NvccTemplate):
 
         return {"cf": C([1, 2, 4, 8]), "vec": C(_vec_choices(mod.op.dtype)), "group": C([4, 8, 16, 32]),
                 "warps_per_block": C([2, 4, 8]), "rows_per_warp": C([1, 2, 4, 8]),
-                "max_seg": C([0, 8, 16, 32, 64, 256, 1024, 4096]), "unroll": C([1, 2, 4, 8]), "flat": C([0, 1]),
+                "max_seg": C([0, 8, 16, 32, 64, 256, 1024, 4096]), "unroll": C(_unroll_choices(mod.op.dtype)),
+                "flat": C([0, 1]),
                 "min_blocks": C(list(self.MIN_BLOCKS)), "flat_nnz": C(list(self.FLAT_NNZ)),
                 "combine_vals": C(list(self.COMBINE_VALS))}
 
@@ -273,6 +294,9 @@ class CrcCwm(NvccTemplate):
         # capped where it lost, uncapped, to the u2 lead of the first round)
         caps = [self.capped_combine(v, op) for v in [dict(params)] + out[-len(self.SHAPES):]]
         out += [c for c in caps if c is not None]
+        deep = self.deep_unroll(params, op)
+        if deep is not None:
+            out.append(deep)
         return [v for v in unique_params(out) if v != dict(params)]
 
     def capped_combine(self, params, op=None) -> dict | None:
@@ -283,28 +307,45 @@ class CrcCwm(NvccTemplate):
         to 1.25x slower on small graphs whose longest row is combined from tens of slices: a
         choice to measure, not a rule (``docs/benchmarks/h100_crc_cwm_experiments.md``)."""
         p, cap = {**self.absent_params, **params}, self.COMBINE_VALS[-1]
-        if op is None or DTYPES[op.dtype].bytes != 2 or int(p["combine_vals"]):
+        if op is None or DTYPES[op.dtype].bytes != 2 or int(p["combine_vals"]) or int(p["unroll"]) > 8:
             return None
         if int(p["unroll"]) * _largest_vec(op.K, int(p["vec"])) <= cap:
             return None
         return {**dict(params), "combine_vals": cap}
 
+    def deep_unroll(self, params, op=None) -> dict | None:
+        """For 16-bit X / Y, one column slice a lane (``cf`` 1) and row groups of at most 16 lanes
+        (rows of at most 256 bytes: K <= 128): ``params`` in the u8 block shape with ``unroll``
+        ``DEEP_UNROLL`` (16
+        rows in flight a lane; ``combine_vals`` dropped, its combine is always capped), unless that
+        is ``params`` itself.  A gather-only kernel of these graphs' sizes ran 1.18x faster at
+        16-bit K=64 with 32 rows in flight a lane than with 8; ``build()`` on the H100 kept this
+        variant on 3 / 2 / 0 of the 17 graphs over 200k nonzeros at K = 64 / 128 / 256 (up to 1.07x
+        faster), hence no 32-lane groups (``docs/benchmarks/h100_crc_cwm_experiments.md``)."""
+        q = dict(params)
+        if op is None or DTYPES[op.dtype].bytes != 2 or int(q.get("cf", 1)) != 1 or int(q.get("group", 32)) > 16:
+            return None   # cf > 1: 16 x cf loads in flight, more registers than a thread has
+        p = {k: v for k, v in dict(params).items() if k != "combine_vals"}
+        deep = {**p, **self.shape_params("u8", int(p.get("cf", 1))), "unroll": DEEP_UNROLL}
+        return None if deep == dict(params) else deep
+
     def search_params(self, params):
         """``flat_nnz`` has no effect without ``flat`` (0 then), ``rows_per_warp`` none with
         ``flat_nnz`` > 0 (1 then), ``combine_vals`` none where ``unroll`` x ``vec`` partial
-        values already fit it (0 then)."""
+        values already fit it or ``unroll`` is ``DEEP_UNROLL`` (0 then)."""
         p = dict(params)
         if not int(p.get("flat", 0)) and "flat_nnz" in p:
             p["flat_nnz"] = 0
         if int(p.get("flat", 0)) and int(p.get("flat_nnz", 0)) > 0 and "rows_per_warp" in p:
             p["rows_per_warp"] = 1
-        if int(p.get("combine_vals", 0)) and int(p.get("unroll", 4)) * int(p.get("vec", 1)) <= int(p["combine_vals"]):
+        if int(p.get("combine_vals", 0)) and (int(p.get("unroll", 4)) * int(p.get("vec", 1)) <= int(p["combine_vals"])
+                                              or int(p.get("unroll", 4)) > 8):
             p["combine_vals"] = 0
         return p
 
     def checks(self, mod):
         return {"cf": (1, 2, 4, 8), "vec": _vec_choices(mod.op.dtype), "group": (4, 8, 16, 32),
-                "unroll": (1, 2, 4, 8), "warps_per_block": (1, 2, 4, 8), "rows_per_warp": AtLeast(1),
+                "unroll": (1, 2, 4, 8, DEEP_UNROLL), "warps_per_block": (1, 2, 4, 8), "rows_per_warp": AtLeast(1),
                 "max_seg": AtLeast(0), "flat": (0, 1), "min_blocks": self.MIN_BLOCKS, "flat_nnz": AtLeast(0),
                 "combine_vals": self.COMBINE_VALS}
 
