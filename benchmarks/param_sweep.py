@@ -5,7 +5,8 @@ with every combination of the ``--vary`` values.  Every cell is built through th
 with cuSPARSE in the same run.
 
     python benchmarks/param_sweep.py GRAPH [GRAPH ...] --vary min_blocks=1,4,6,8 --vary unroll=2,4
-        [--tuned TABLE.json ...] [--K 128] [--build-only] [--out DIR] [--name NAME]
+        [--tuned TABLE.json ...] [--column tuned|default] [--dtype float32|float16|bfloat16] [--K 128]
+        [--build-only] [--out DIR] [--name NAME]
 
 ``--tuned`` may be given several times (a later table's row for a graph replaces an earlier one);
 ``--build-only`` compiles every cell's kernels into ``$SPCOMPILE_KERNEL_CACHE`` for sm_90 (no GPU).
@@ -39,6 +40,8 @@ def main(argv=None) -> int:
     ap.add_argument("--vary", type=_vary, action="append", required=True)
     ap.add_argument("--tuned", action="append", default=None)
     ap.add_argument("--K", type=int, default=128)
+    ap.add_argument("--dtype", default="float32", help="X / Y element type (the tables' dtype)")
+    ap.add_argument("--column", default="tuned", help="the table column whose module is varied (tuned, default)")
     ap.add_argument("--pipelines", nargs="+", default=None,
                     help="replace the tuned pipeline by each of these in turn: none, or pass names "
                          "joined by '+' (e.g. reorder.degree, reorder.community)")
@@ -52,8 +55,8 @@ def main(argv=None) -> int:
     tuned = {}
     for t in a.tuned or [DEFAULT_TABLE]:
         for r in json.load(open(t))["rows"]:
-            if int(r.get("K", a.K)) == a.K and r["columns"].get("tuned", {}).get("config"):
-                tuned[r["graph"]] = r["columns"]["tuned"]["config"]
+            if int(r.get("K", a.K)) == a.K and r["columns"].get(a.column, {}).get("config"):
+                tuned[r["graph"]] = r["columns"][a.column]["config"]
     names = [n for n, _ in a.vary]
     grid = list(itertools.product(*[v for _, v in a.vary]))
     timer = None
@@ -64,7 +67,7 @@ def main(argv=None) -> int:
     out = []
     for name, path, _ in common.find_graphs(a.graphs):
         if name not in tuned:
-            print(f"{name}: no tuned module at K={a.K} in the tables", flush=True)
+            print(f"{name}: no {a.column} module at K={a.K} in the tables", flush=True)
             continue
         A = common.load_matrix(path)
         cfg = Config.from_dict(tuned[name])
@@ -74,19 +77,19 @@ def main(argv=None) -> int:
         specs = ([[dict(s) for s in cfg.pipeline]] if not a.pipelines else
                  [[] if pl == "none" else [{"name": n, "options": {}} for n in pl.split("+")] for pl in a.pipelines])
         if a.build_only:
-            sop = bench.make_op(A, "spmm", a.K, "sum", "float32")
+            sop = bench.make_op(A, "spmm", a.K, "sum", a.dtype)
             refused = 0
             for spec in specs:
                 module = bench.PipelineCache().get(sop, spec) if spec else None
                 for p in variants:
                     try:
-                        bench.build_from_config(sop, tpl.make_config(p, spec, "cuda"), module=module)
+                        bench.build_from_config(sop, tpl.make_config(p, spec, "cuda", a.dtype), module=module)
                     except ValueError as e:              # a combination the template refuses
                         refused += 1
                         print(f"    refused {({k: p.get(k) for k in names})}: {e}", flush=True)
             print(f"{name}: {len(variants) * len(specs) - refused} configurations built, {refused} refused", flush=True)
             continue
-        w = bench.Workload(A, "spmm", "sum", a.K, "float32", "cuda")
+        w = bench.Workload(A, "spmm", "sum", a.K, a.dtype, "cuda")
         b = timer.time(bench.col_baseline(w).call, n_sets=w.n_sets).seconds * 1e6
         res = {"graph": name, "nnz": int(A.nnz), "K": a.K, "template": cfg.template, "pipeline": specs[0],
                "baseline_us": b, "cells": []}
@@ -94,7 +97,7 @@ def main(argv=None) -> int:
             module = bench.PipelineCache().get(w.sop, spec) if spec else None
             for p in variants:
                 try:
-                    mod = bench.build_from_config(w.sop, tpl.make_config(p, spec, "cuda"), module=module)
+                    mod = bench.build_from_config(w.sop, tpl.make_config(p, spec, "cuda", a.dtype), module=module)
                 except ValueError as e:                  # a combination the template refuses
                     res["cells"].append({"params": p, "pipeline": spec, "us": None, "status": "refused",
                                          "error": str(e)[:200]})
