@@ -75,6 +75,8 @@ def decide(sop: SparseOp, target: str, storage: str | None = None, tune: bool = 
             return rec.config, record_info(rec, "database", url, obj, precision), None
     extra = {}
     if want_tune:
+        # the study starts from what build() without tuning picks (not slower than it)
+        options = {"quick_seed": obj == "kernel_time" and not call_values, **options}
         res = Tuner(sop, target, storage=url, objective=objective, expected_calls=expected_calls,
                     precision=precision, **options).run(trials, timeout)
         rec = None
