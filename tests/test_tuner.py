@@ -1223,45 +1223,22 @@ def test_locality_order_variants_are_seeds(db, monkeypatch):
     assert dict(seeds[1][1].params) == base and list(seeds[1][1].pipeline) == list(specs[-1]) != list(specs[0])
 
 
-def test_quick_seed_is_the_first_seed(db, monkeypatch):
-    """``quick_seed``: the study's first seed is what build() without tuning picks (policy.decide
-    with the study's database, asked once); none without it, none for the amortized objective,
-    none when that pick fails."""
-    from spcompile.autotune import policy
-
+def test_start_from_is_the_first_seed(db):
+    """``start_from``: a config the study measures first (source "quick"), once; none without it."""
     op = make_op(graph(), "spmm", 16)
     tname, pipes = next(iter(Tuner(op, "cpu", storage=db, runner=FakeRunner()).space.items()))
     tpl = spcompile.get_template(tname)
     pick = tpl.make_config(tpl.default_params(spcompile.SparseModule.from_op(op)), list(pipes.values())[-1], "cpu")
-    calls = []
-
-    def fake_decide(sop, target, **kw):
-        calls.append((sop is op, target, kw))
-        return pick, {"source": "quick"}, None
-
-    monkeypatch.setattr(policy, "decide", fake_decide)
-    tn = Tuner(op, "cpu", storage=db, runner=FakeRunner(), study_name="quick", quick_seed=True)
-    seeds = tn.seed_configs()
+    seeds = Tuner(op, "cpu", storage=db, runner=FakeRunner(), study_name="quick", start_from=pick).seed_configs()
     assert seeds[0] == ("quick", pick) and sum(src == "quick" for src, _ in seeds) == 1
-    assert tn.seed_configs()[0] == ("quick", pick) and len(calls) == 1          # asked once
-    assert calls[0][:2] == (True, "cpu") and calls[0][2]["storage"] == tn.storage_url
     assert all(src != "quick" for src, _ in Tuner(op, "cpu", storage=db, runner=FakeRunner(),
                                                   study_name="plain").seed_configs())
-    amortized = Tuner(op, "cpu", storage=db, runner=FakeRunner(), study_name="amortized", quick_seed=True,
-                      objective="amortized", expected_calls=10)
-    assert all(src != "quick" for src, _ in amortized.seed_configs()) and len(calls) == 1
-
-    def failing(sop, target, **kw):
-        raise RuntimeError("no GPU")
-
-    monkeypatch.setattr(policy, "decide", failing)
-    assert all(src != "quick" for src, _ in Tuner(op, "cpu", storage=db, runner=FakeRunner(), study_name="failing",
-                                                  quick_seed=True).seed_configs())
 
 
-def test_build_tune_seeds_the_study_with_the_untuned_pick(monkeypatch, tmp_path):
-    """decide(tune=True) (build(tune=True)) asks its Tuner for the quick seed with the kernel-time
-    objective, not with the amortized one; an explicit option wins."""
+def test_build_tune_starts_from_the_untuned_pick(monkeypatch, tmp_path):
+    """decide(tune=True) (build(tune=True)) hands its Tuner what decide without tuning picks with
+    the same database and options (kernel-time objective); nothing with the amortized objective;
+    an explicit start_from wins; a failing untuned pick leaves it out."""
     from spcompile.autotune import policy
 
     seen = []
@@ -1276,10 +1253,22 @@ def test_build_tune_seeds_the_study_with_the_untuned_pick(monkeypatch, tmp_path)
     monkeypatch.setattr(policy, "Tuner", fake_tuner)
     op = make_op(graph(), "spmm", 16)
     url = str(tmp_path / "t.db")
-    for kw in ({}, {"objective": "amortized", "expected_calls": 10}, {"quick_seed": False}):
+    untuned = policy.decide(op, "cpu", storage=url)[0]
+    for kw in ({}, {"objective": "amortized", "expected_calls": 10}, {"start_from": None}):
         with pytest.raises(Stop):
             policy.decide(op, "cpu", storage=url, tune=True, trials=1, **kw)
-    assert [k["quick_seed"] for k in seen] == [True, False, False]
+    assert seen[0]["start_from"] == untuned and "start_from" not in seen[1] and seen[2]["start_from"] is None
+    real = policy.decide
+
+    def failing_untuned(sop, target, **kw):
+        if not kw.get("tune"):
+            raise RuntimeError("no pick")
+        return real(sop, target, **kw)
+
+    monkeypatch.setattr(policy, "decide", failing_untuned)
+    with pytest.raises(Stop):
+        failing_untuned(op, "cpu", storage=url, tune=True, trials=1)
+    assert "start_from" not in seen[3]
 
 
 def test_trials_stand_for_their_search_params(db, monkeypatch):

@@ -75,8 +75,16 @@ def decide(sop: SparseOp, target: str, storage: str | None = None, tune: bool = 
             return rec.config, record_info(rec, "database", url, obj, precision), None
     extra = {}
     if want_tune:
-        # the study starts from what build() without tuning picks (not slower than it)
-        options = {"quick_seed": obj == "kernel_time" and not call_values, **options}
+        if obj == "kernel_time" and "start_from" not in options:
+            # the study starts from what build() without tuning picks here (a tuned module is
+            # then not slower than an untuned one): the database's record, else quick selection's
+            try:
+                options["start_from"] = decide(sop, target, storage=url, objective=objective,
+                                               expected_calls=expected_calls, precision=precision,
+                                               select_budget=select_budget, ctx=ctx, skip_records=skip_records,
+                                               call_values=call_values)[0]
+            except Exception:  # noqa: BLE001 - a seed is an optimisation, never a reason to fail
+                pass
         res = Tuner(sop, target, storage=url, objective=objective, expected_calls=expected_calls,
                     precision=precision, **options).run(trials, timeout)
         rec = None

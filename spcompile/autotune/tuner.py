@@ -320,10 +320,10 @@ class Tuner:
     others measured within ``CONFIRM_MARGIN`` of the best are measured again too (at most
     ``CONFIRM_MAX`` in all): a first measurement can be a few percent off either way.
     ``graph``: the input's file name, kept with the study and the stored record (provenance).
-    ``quick_seed``: the study's first seed is what ``build()`` without tuning would choose on this
-    machine (the database's record, else quick selection's measured pick: :meth:`quick_config`),
-    so that a short study starts from it and a tuned module is not slower than an untuned one
-    (``build(tune=True)`` sets it; the kernel-time objective only)."""
+    ``start_from``: a config the study measures first (source "quick"): ``build(tune=True)`` passes
+    what ``build()`` without tuning picks on this machine (the database's record, else quick
+    selection's measured pick), so that a short study starts from it and a tuned module is not
+    slower than an untuned one."""
 
     def __init__(self, op: SparseOp, target: str = "cpu", *, storage: str | None = None, runner=None,
                  objective: str = "kernel_time", expected_calls: float | None = None, seed: int | None = None,
@@ -331,9 +331,9 @@ class Tuner:
                  heartbeat_interval: int = 10, grace_period: int = 30, prune: bool = True,
                  callbacks: Sequence[Callable[[dict], None]] = (), study_name: str | None = None,
                  max_duplicates: int = 30, precision: str = "fp32", model_seeds: int = 8, confirm: int = 2,
-                 graph: str | None = None, quick_seed: bool = False):
+                 graph: str | None = None, start_from: Config | None = None):
         self.op = op
-        self.quick_seed = bool(quick_seed)
+        self.start_from = start_from
         self.target = target
         self.db: Database = open_database(storage)
         if self.db.read_only:
@@ -494,7 +494,6 @@ class Tuner:
 
         model = self.model_seed_configs()
         seeds: list[tuple[str, Config]] = [(src, cfg) for src, cfg, _ in model]
-        quick = self.quick_config()
         try:   # the variants quick selection measures beside the model's choices (what build()
             # tries), right behind the first choice: a short study measures them before the
             # model's lower-ranked choices
@@ -527,8 +526,8 @@ class Tuner:
             for p in heur:
                 seeds.append(("heuristic", tpl.make_config({**tpl.default_params(self._mod0), **dict(p)},
                                                            own, self.target, self.op.dtype)))
-        if quick is not None:
-            seeds.insert(0, ("quick", quick))
+        if self.start_from is not None:
+            seeds.insert(0, ("quick", self.start_from))
         if self.similar:
             try:
                 for dist, rec in self.db.similar(self.key, self.target_info, self.objective, self.similar,
@@ -537,25 +536,6 @@ class Tuner:
             except Exception:
                 pass
         return seeds
-
-    def quick_config(self) -> Config | None:
-        """With ``quick_seed`` and the kernel-time objective: the config ``build()`` without tuning
-        would choose for this workload with this study's database (its record, else quick
-        selection's measured pick, else the model's or the heuristics'); None otherwise, or when
-        that fails (computed once per tuner)."""
-        if not self.quick_seed or self.objective != "kernel_time":
-            return None
-        if getattr(self, "_quick_cache", False) is not False:
-            return self._quick_cache
-        self._quick_cache = None
-        try:
-            from .policy import decide
-
-            cfg, _info, _mod = decide(self.op, self.target, storage=self.storage_url, precision=self.precision)
-            self._quick_cache = cfg
-        except Exception:  # noqa: BLE001 - a seed is an optimisation, never a reason to fail
-            pass
-        return self._quick_cache
 
     def model_seed_configs(self) -> list[tuple[str, Config, float | None]]:
         """The shipped model's first choices for this workload (:func:`~spcompile.autotune.knowledge.ranked_configs`):
