@@ -1142,6 +1142,35 @@ def test_cli_tune_dtype(tmp_path, capsys, monkeypatch):
     assert err.startswith("error: unsupported dtype 'float16' on target 'cpu'") and err.count("\n") == 1
 
 
+def test_cli_tune_starts_from_the_untuned_pick(tmp_path, monkeypatch):
+    """`spcompile tune`: each job's study starts from what build() without tuning picks with the
+    job's database (kernel-time objective); the amortized objective has no such seed."""
+    import spcompile.autotune.tuner as tuner_mod
+    from spcompile.autotune import policy
+
+    real = tuner_mod.Tuner
+    seen = []
+
+    def spy(op, target, **k):
+        seen.append(k.get("start_from"))
+        return real(op, target, **{**k, "runner": FakeRunner()})
+
+    monkeypatch.setattr(tuner_mod, "Tuner", spy)
+    g = tmp_path / "g.npz"
+    A = graph(100, seed=4)
+    sp.save_npz(g, A)
+    dbp = str(tmp_path / "s.db")
+    want = policy.decide(make_op(A, "spmm", 8), "cpu", storage=dbp)[0]
+    p = _cli(tmp_path)
+    args = p.parse_args(["tune", str(g), "-K", "8", "--trials", "3", "--storage", dbp, "--target", "cpu",
+                         "--no-progress"])
+    assert args.func(args) == 0
+    args = p.parse_args(["tune", str(g), "-K", "8", "--trials", "3", "--storage", str(tmp_path / "a.db"),
+                         "--target", "cpu", "--objective", "amortized", "--expected-calls", "10", "--no-progress"])
+    assert args.func(args) == 0
+    assert seen == [want, None]
+
+
 def test_reorder_top_is_wider_on_small_matrices():
     """Small matrices (cheap trials) re-measure more seeds behind the other row orders than large
     ones, whose 30 s budget buys few trials."""

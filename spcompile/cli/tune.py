@@ -126,7 +126,9 @@ def _run_jobs(jobs, opts: dict, progress: bool, worker: int = 0) -> list[dict]:
         label = f"{os.path.basename(g)} K={K}" + (f" {reduce}" if reduce and reduce != "sum" else "")
         bar = _Progress(label, progress)
         try:
+            start = _untuned_pick(A, K, reduce, opts)
             res = tune(A, op=opts["op"], K=K, reduce=reduce, target=opts["target"], dtype=opts["dtype"],
+                       **({"start_from": start} if start is not None else {}),
                        trials=opts["trials"],
                        timeout=opts["timeout"], storage=opts["storage"], objective=opts["objective"],
                        expected_calls=opts["expected_calls"], seed=opts["seed"],
@@ -141,6 +143,24 @@ def _run_jobs(jobs, opts: dict, progress: bool, worker: int = 0) -> list[dict]:
         if res.interrupted:
             break
     return out
+
+
+def _untuned_pick(A, K, reduce, opts):
+    """What ``build()`` without tuning picks for the job (the database's record, else quick
+    selection's measured pick), the study's first seed, so that a short offline study does not
+    store a config slower than an untuned build would use; None for the amortized objective or
+    when that fails."""
+    if opts.get("objective", "kernel_time") != "kernel_time":
+        return None
+    try:
+        from ..autotune.policy import decide
+        from ..compile import make_op, workload_target
+
+        sop = make_op(A, opts["op"], K, reduce, opts["dtype"])
+        return decide(sop, workload_target(sop, opts["target"]), storage=opts["storage"],
+                      precision=opts.get("precision", "fp32"))[0]
+    except Exception:  # noqa: BLE001 - a seed is an optimisation, never a reason to fail
+        return None
 
 
 def _worker_main(jobs, opts, worker, cuda_device):
