@@ -517,9 +517,14 @@ def native_order_variants(ranked, target: str, dtype: str, op=None) -> list:
     for cfg, tpl in _first_of_each_template(ranked):
         if tpl.format != "csr" or not cfg.pipeline or any(p["name"] not in BALANCE_ONLY for p in cfg.pipeline):
             continue
-        for p in [dict(cfg.params)] + list(tpl.unranked_variants(dict(cfg.params), op)):
-            out.append(tpl.make_config(p, (), target, dtype))
+        out += _with_variants_on(cfg, tpl, (), target, dtype, op)
     return out
+
+
+def _with_variants_on(cfg, tpl, pipeline, target: str, dtype: str, op=None) -> list:
+    """``cfg``'s parameters and its template's unranked variants of them, on ``pipeline``."""
+    return [tpl.make_config(p, pipeline, target, dtype)
+            for p in [dict(cfg.params)] + list(tpl.unranked_variants(dict(cfg.params), op))]
 
 
 def locality_order_variants(ranked, target: str, dtype: str, op=None) -> list:
@@ -533,10 +538,8 @@ def locality_order_variants(ranked, target: str, dtype: str, op=None) -> list:
     for cfg, tpl in _first_of_each_template(ranked):
         for spec in tpl.locality_orders(op):
             spec = Pipeline(spec).spec()
-            if list(spec) == list(cfg.pipeline):
-                continue
-            for p in [dict(cfg.params)] + list(tpl.unranked_variants(dict(cfg.params), op)):
-                out.append(tpl.make_config(p, spec, target, dtype))
+            if list(spec) != list(cfg.pipeline):
+                out += _with_variants_on(cfg, tpl, spec, target, dtype, op)
     return out
 
 

@@ -75,16 +75,12 @@ def decide(sop: SparseOp, target: str, storage: str | None = None, tune: bool = 
             return rec.config, record_info(rec, "database", url, obj, precision), None
     extra = {}
     if want_tune:
-        if obj == "kernel_time" and "start_from" not in options:
-            # the study starts from what build() without tuning picks here (a tuned module is
-            # then not slower than an untuned one): the database's record, else quick selection's
-            try:
-                options["start_from"] = decide(sop, target, storage=url, objective=objective,
-                                               expected_calls=expected_calls, precision=precision,
-                                               select_budget=select_budget, ctx=ctx, skip_records=skip_records,
-                                               call_values=call_values)[0]
-            except Exception:  # noqa: BLE001 - a seed is an optimisation, never a reason to fail
-                pass
+        if "start_from" not in options:
+            start = untuned_config(sop, target, storage=url, objective=objective, expected_calls=expected_calls,
+                                   precision=precision, select_budget=select_budget, ctx=ctx,
+                                   skip_records=skip_records, call_values=call_values)
+            if start is not None:
+                options["start_from"] = start
         res = Tuner(sop, target, storage=url, objective=objective, expected_calls=expected_calls,
                     precision=precision, **options).run(trials, timeout)
         rec = None
@@ -154,6 +150,21 @@ def decide(sop: SparseOp, target: str, storage: str | None = None, tune: bool = 
         return cfg, {"source": "model", "objective": obj, "precision": precision,
                      **({"expected_speedup": sp} if sp else {}), **extra}, None
     return default_config(sop, target), {"source": "heuristic", "objective": obj, **extra}, None
+
+
+def untuned_config(sop: SparseOp, target: str, objective: str = "kernel_time", expected_calls: float | None = None,
+                   **kw) -> Config | None:
+    """What :func:`decide` without tuning picks for ``sop`` (``kw``: its other arguments, storage
+    among them): the database's record, else quick selection's measured pick, else the model's or
+    the heuristics'.  A study's first seed (``Tuner(start_from=...)``), so that a short study does
+    not store or return a config slower than an untuned build would use.  None for the amortized
+    objective (quick selection measures kernel time only) or when that fails."""
+    try:
+        if objective_name(objective, expected_calls) != "kernel_time":
+            return None
+        return decide(sop, target, objective=objective, expected_calls=expected_calls, **kw)[0]
+    except Exception:  # noqa: BLE001 - a seed is an optimisation, never a reason to fail
+        return None
 
 
 _WARNED_DEFAULT: set = set()

@@ -146,21 +146,18 @@ def _run_jobs(jobs, opts: dict, progress: bool, worker: int = 0) -> list[dict]:
 
 
 def _untuned_pick(A, K, reduce, opts):
-    """What ``build()`` without tuning picks for the job (the database's record, else quick
-    selection's measured pick), the study's first seed, so that a short offline study does not
-    store a config slower than an untuned build would use; None for the amortized objective or
-    when that fails."""
-    if opts.get("objective", "kernel_time") != "kernel_time":
-        return None
-    try:
-        from ..autotune.policy import decide
-        from ..compile import make_op, workload_target
+    """The job's first seed: what ``build()`` without tuning picks with the job's database
+    (:func:`~spcompile.autotune.policy.untuned_config`; None for the amortized objective)."""
+    from ..autotune.policy import untuned_config
+    from ..compile import make_op, workload_target
 
+    try:
         sop = make_op(A, opts["op"], K, reduce, opts["dtype"])
-        return decide(sop, workload_target(sop, opts["target"]), storage=opts["storage"],
-                      precision=opts.get("precision", "fp32"))[0]
-    except Exception:  # noqa: BLE001 - a seed is an optimisation, never a reason to fail
+        target = workload_target(sop, opts["target"])
+    except Exception:  # noqa: BLE001 - the tuning job reports what is wrong with the workload
         return None
+    return untuned_config(sop, target, storage=opts["storage"], objective=opts.get("objective", "kernel_time"),
+                          expected_calls=opts.get("expected_calls"), precision=opts.get("precision", "fp32"))
 
 
 def _worker_main(jobs, opts, worker, cuda_device):

@@ -316,17 +316,15 @@ class CrcCwm(NvccTemplate):
     def deep_unroll(self, params, op=None) -> dict | None:
         """For 16-bit X / Y, one column slice a lane (``cf`` 1) and row groups of at most 16 lanes
         (rows of at most 256 bytes: K <= 128): ``params`` in the u8 block shape with ``unroll``
-        ``DEEP_UNROLL`` (16
-        rows in flight a lane; ``combine_vals`` dropped, its combine is always capped), unless that
-        is ``params`` itself.  A gather-only kernel of these graphs' sizes ran 1.18x faster at
+        ``DEEP_UNROLL`` (16 rows in flight a lane; ``combine_vals`` dropped, its combine is always
+        capped), unless that is ``params`` itself.  A gather-only kernel of these graphs' sizes ran 1.18x faster at
         16-bit K=64 with 32 rows in flight a lane than with 8; ``build()`` on the H100 kept this
         variant on 3 / 2 / 0 of the 17 graphs over 200k nonzeros at K = 64 / 128 / 256 (up to 1.07x
         faster), hence no 32-lane groups (``docs/benchmarks/h100_crc_cwm_experiments.md``)."""
-        q = dict(params)
-        if op is None or DTYPES[op.dtype].bytes != 2 or int(q.get("cf", 1)) != 1 or int(q.get("group", 32)) > 16:
-            return None   # cf > 1: 16 x cf loads in flight, more registers than a thread has
         p = {k: v for k, v in dict(params).items() if k != "combine_vals"}
-        deep = {**p, **self.shape_params("u8", int(p.get("cf", 1))), "unroll": DEEP_UNROLL}
+        if op is None or DTYPES[op.dtype].bytes != 2 or int(p.get("cf", 1)) != 1 or int(p.get("group", 32)) > 16:
+            return None   # cf > 1: 16 x cf loads in flight, more registers than a thread has
+        deep = {**p, **self.shape_params("u8", 1), "unroll": DEEP_UNROLL}
         return None if deep == dict(params) else deep
 
     def search_params(self, params):
@@ -552,7 +550,6 @@ class CsrSddmm(NvccTemplate):
 
     #: rows at most this long on average make RCM a locality order quick selection measures
     RCM_MAX_MEAN = 12.0
-    RCM = ({"name": "reorder.rcm", "options": {"symmetric_mode": True}},)
 
     def locality_orders(self, op=None) -> list:
         """RCM, on matrices of sparse rows (mean at most ``RCM_MAX_MEAN``): the shipped portfolio
@@ -564,7 +561,7 @@ class CsrSddmm(NvccTemplate):
         lens = op.A.row_lengths
         if not lens.size or float(lens.mean()) > self.RCM_MAX_MEAN:
             return []
-        return [[dict(p, options=dict(p["options"])) for p in self.RCM]]
+        return [["reorder.rcm"]]
 
     def checks(self, mod):
         return {"group": (4, 8, 16, 32), "k_chunks": (1, 2, 4, 8), "vec": _vec_choices(mod.op.dtype),
