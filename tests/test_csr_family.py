@@ -386,13 +386,13 @@ def test_binary_rebuilt_for_another_arch(monkeypatch):
 #: sha256 of the rendered source (the on-disk kernel cache key) of csr instances; a change here
 #: invalidates every cached csr kernel binary -- update only for an intended kernel change
 RENDER_SHA256 = {
-    ("csr.crc_cwm", ("sum", 1, 4, 32, 2, "float32")): "978a12e94230268e15ddd4e0b240617cc60e12607eb73830900cbd4949e52c1c",
-    ("csr.crc_cwm", ("mean", 4, 8, 4, 8, "bfloat16")): "3968b7d17ff91a08380d113e4711c5d24758bc84fd0e3538a1e48d8d637d06a7",
-    ("csr.crc_cwm", ("max", 2, 1, 8, 4, "float16")): "49c7c9842279cb2551d1d1343be506ff32bf8b37f23ebcb555fa185b861e2ffb",
-    ("csr.crc_cwm", ("sum", 1, 4, 32, 2, "float32", 1)): "cc43e457a4930a023274cee33ab22cb737af6cd12cf758c2e0e7a0aa2a8e8aec",
-    ("csr.crc_cwm", ("sum", 1, 4, 32, 1, "float32", 0, 8)): "3e15fb641683570589a5607acdc73737ca57a5d3a589ade1a7b0cc29320da4d9",
-    ("csr.crc_cwm", ("sum", 1, 8, 8, 8, "float16", 0, 1, 16)): "13297b996fe3e5c39bf26415015f0965298a4a976b3565f9d91c8131336721ce",
-    ("csr.crc_cwm", ('sum', 1, 8, 8, 16, 'float16')): "ad3e934cf1c3d608801b28929ffae7d5745497258117b5591e7497c5cb0b89f9",
+    ("csr.crc_cwm", ("sum", 1, 4, 32, 2, "float32")): "d69e9be87c56f0141f0928b5b79f233ddb7e24bda4133ffa1323e2efb5debc4f",
+    ("csr.crc_cwm", ("mean", 4, 8, 4, 8, "bfloat16")): "3e1807b98136dcd8388446b639614dac125de6c46d301f47f4e5ddcf45919598",
+    ("csr.crc_cwm", ("max", 2, 1, 8, 4, "float16")): "4a01dff0687c74ce95a466bc4370c0f0dde43f867bcf4907bd4750761e07fb3e",
+    ("csr.crc_cwm", ("sum", 1, 4, 32, 2, "float32", 1)): "1daca667375dbe9cd776bfe8e26f14712465f64f68b9759043f65b7a9e5fcb1f",
+    ("csr.crc_cwm", ("sum", 1, 4, 32, 1, "float32", 0, 8)): "ed7646fddb3ff4429416a7e3cab631c3e102523e17a730fb27aa19ccaf7fb484",
+    ("csr.crc_cwm", ("sum", 1, 8, 8, 8, "float16", 0, 1, 16)): "7e32263b0dc9a55ac8c83d8b0aa423df3d3c8bdb87c6c0b8878f84fa0ce364e8",
+    ("csr.crc_cwm", ('sum', 1, 8, 8, 16, 'float16')): "9bbc81c5d4621c9357e0761ae9b34f17ad2cb27f471a510e10e9e020879e50d8",
     ("csr.sddmm", (32, 4, 4, "float32")): "51a4d13079f8fec170194599cae6e7d294e5178dd72e3a27a41d515fc1df0431",
     ("csr.sddmm", (8, 2, 2, "float16")): "b7ffe729baddfe3fae189b1cfe8b22e89a946dc2016342dbde43ba2f7cc619c1",
     ("csr.sddmm", (16, 8, 1, "bfloat16", 1)): "2b4f832bd22e7d7165e7c519a50b9c9d583b2553b8b366cdcf4cb79bcdc4da31",
@@ -566,3 +566,148 @@ def test_spmm_flat_rule_seeds_and_names():
     _close(em.emulate_kernel(f, X), reference.spmm(as_csr(ring), X, "sum"))
     with pytest.raises(ValueError, match="flat"):
         t.build(mod, {**old, "flat": 2}, compile=False)
+
+
+# ------------------------------------------------------------------------------------------
+# warp-reduced slices of hub rows (warp_combine)
+# ------------------------------------------------------------------------------------------
+def test_warp_slices_partition():
+    """warp_slices W > 1: rows of at least W slices get a multiple of W and move first (one warp's
+    row groups each, their W segments sharing one flagged slot); rows of 2 .. W - 1 slices are
+    split and slotted as before; outputs still go to each row's id."""
+    from spcompile.kernels.csr.packer import WARP_SLICES, warp_slice_order
+
+    lens = np.array([3, 40, 10, 0, 17, 33])              # max_seg 8: 1, 5, 2, 1, 3, 5 slices
+    indptr = np.concatenate([[0], np.cumsum(lens)])
+    order = warp_slice_order(indptr, 8, 4)
+    assert order.tolist() == [1, 5, 0, 2, 3, 4]
+    ptr = np.concatenate([[0], np.cumsum(lens[order])])
+    row_ids = np.array([10, 11, 12, 13, 14, 15])[order]
+    p = spmm_partition(ptr, row_ids, 8, 4)
+    F = WARP_SLICES
+    assert p["seg_slot"].tolist() == [F, F, F, F, F + 1, F + 1, F + 1, F + 1,           # row 11: 8 slices
+                                      F + 2, F + 2, F + 2, F + 2, F + 3, F + 3, F + 3, F + 3,   # row 15
+                                      -1, 4, 5, -1, 6, 7, 8]
+    assert p["seg_out"].tolist() == [11] * 8 + [15] * 8 + [10, 12, 12, 13, 14, 14, 14]
+    assert p["grp_ptr"].tolist() == [0, 2, 4, 6, 9] and p["grp_out"].tolist() == [11, 15, 12, 14]
+    assert p["slot_grp"].tolist() == [0, 0, 1, 1, 2, 2, 3, 3, 3] and p["grp_len"].tolist() == [40, 33, 10, 17]
+    seg_len = np.diff(p["seg_ptr"])
+    assert seg_len[:8].tolist() == [5] * 8 and seg_len.max() <= 8
+    # the same rows without warp slices: the old partition (no flags, one slot a slice)
+    q = spmm_partition(indptr, np.arange(6) + 10, 8)
+    assert q["seg_slot"].max() < F and q["grp_ptr"].tolist() == [0, 5, 7, 10, 15]
+    with pytest.raises(ValueError, match="first"):
+        spmm_partition(indptr, np.arange(6), 8, 4)        # hub rows not first: not warp-aligned
+
+
+@pytest.mark.parametrize("reduce", REDUCES)
+def test_spmm_warp_combine_emulation_matches_reference(reduce):
+    """warp_combine=1 (one-segment row groups narrower than a warp): the packed arrays (hub rows
+    first, W slices a flagged slot) and launch shape reproduce the float64 reference in the numpy
+    emulation, both the vector instance and its VEC = 1 fallback; the arrays pass the artifact
+    checks; flagged slots exist wherever a row has W slices."""
+    from spcompile.core.ir import values_hash
+    from spcompile.kernels.csr.packer import WARP_SLICES
+
+    t = get_template("csr.crc_cwm")
+    rng = np.random.default_rng(5)
+    flagged = 0
+    for (name, A), K, pipe in itertools.product(_matrices().items(), (1, 33, 64), ("none", "degree")):
+        mod = _mod(A, "spmm", K, reduce, pipe)
+        X = rng.standard_normal((A.shape[1], K)).astype(np.float32)
+        ref = reference.spmm(as_csr(A), X, reduce)
+        lens = np.diff(as_csr(A).indptr)
+        for ms, (group, vec, cf), wpb in itertools.product((8, 16, 64), ((4, 4, 2), (8, 2, 1), (16, 1, 4), (32, 4, 1)),
+                                                           (1, 4)):
+            p = {**t.default_params(mod), "max_seg": ms, "group": group, "vec": vec, "cf": cf, "rows_per_warp": 1,
+                 "warps_per_block": wpb, "warp_combine": 1}
+            k = t.build(mod, p, compile=False)
+            W = t.warp_slices(p)
+            assert W == 32 // group
+            n_flag = int((k.arrays["seg_slot"] >= WARP_SLICES).sum())
+            want = int(np.sum(-(-(-(-lens // ms)) // W) * W, where=(-(-lens // ms) >= W) & (lens > ms))) if W > 1 else 0
+            assert n_flag == want, (name, p)
+            flagged += n_flag
+            t.check_arrays(mod.op.key(), k.params, k.arrays, k.meta, values_hash(as_csr(A)))
+            for fallback in (False, True):
+                _close(em.emulate_kernel(k, X, fallback=fallback), ref)
+    assert flagged > 0
+
+
+def test_spmm_warp_combine_arrays_checked():
+    """Saved warp-reduced arrays pass the artifact checks; flags without warp_combine, a warp whose
+    segments name two slots, a flagged slot short of a warp's segments or off its alignment, and
+    flags on a flat or multi-row layout are refused by name (the kernel's full-warp shuffles
+    would wait on lanes that never come)."""
+    from spcompile.core.ir import values_hash
+    from spcompile.kernels.csr.packer import WARP_SLICES
+
+    t = get_template("csr.crc_cwm")
+    A = random_matrix(300, 257, density=0.03, seed=0)          # a 257-long row: 33 slices of 8
+    op = make_op(A, "spmm", 64, dtype="float16")
+    mod = SparseModule.from_op(op)
+    vh = values_hash(as_csr(A))
+    p = {**t.default_params(mod), "group": 8, "vec": 8, "cf": 1, "rows_per_warp": 1, "max_seg": 8, "warp_combine": 1}
+    k = t.build(mod, p, compile=False)
+    slot = k.arrays["seg_slot"]
+    assert (slot >= WARP_SLICES).sum() == 36 and (slot[:36] >= WARP_SLICES).all()
+    t.check_arrays(op.key(), k.params, k.arrays, k.meta, vh)
+
+    def refused(match, params=None, meta=None, **arrays):
+        with pytest.raises(ValueError, match=match):
+            t.check_arrays(op.key(), params or k.params, {**k.arrays, **arrays}, meta or k.meta, vh)
+
+    refused("warp_combine", params={**k.params, "warp_combine": 0})
+    refused("warp_combine", params={**k.params, "rows_per_warp": 2})
+    two = slot.copy()
+    two[1] = slot[4]                                         # a warp naming two slots
+    refused("seg_slot", seg_slot=two)
+    off = slot.copy()
+    off[0] = slot[0] - WARP_SLICES                           # one of the warp's segments unflagged
+    refused("seg_slot", seg_slot=off)
+    shifted = np.roll(slot[:36], 1)
+    refused("seg_slot", seg_slot=np.concatenate([shifted, slot[36:]]).astype(np.int32))
+    flat_meta = {**k.meta, "instances": [[n, list(a[:6]) + [1] + list(a[7:])] for n, a in k.meta["instances"]]}
+    refused("warp_combine|grp_seg", meta=flat_meta)
+    big = slot.copy()
+    big[:4] = WARP_SLICES + 10**6                            # a slot past the workspace
+    refused("seg_slot", seg_slot=big)
+
+
+def test_warp_combine_rule_and_space():
+    """warp_combine: in the tuner's space and checks; no effect (normalised to 0) without
+    one-segment groups narrower than a warp; quick selection's second round measures it, and
+    with twice as long slices, next to a lead that would cut some row into a warp's slices."""
+    from spcompile.core.ir import SparseModule as SM
+
+    t = get_template("csr.crc_cwm")
+    hub = random_matrix(300, 257, density=0.03, seed=0)       # a 257-long row
+    hop = make_op(hub, "spmm", 64, "sum", "float16")
+    hmod = SM.from_op(hop)
+    base = {**t.default_params(hmod), "group": 8, "vec": 8, "cf": 1, "rows_per_warp": 1, "max_seg": 64, "unroll": 8}
+    assert tuple(t.space(hmod)["warp_combine"].choices) == (0, 1)
+    got = t.probe_variants(base, hop)
+    wc = [{**base, "warp_combine": 1}, {**base, "warp_combine": 1, "max_seg": 128},
+          {**base, "warp_combine": 1, "combine_vals": 16}, {**base, "warp_combine": 1, "unroll": 16}]
+    assert got[-4:] == wc == t.warp_combined(base, hop)        # also of the capped and deep variants
+    for p in wc:
+        t.check_params(hmod, p)
+    assert t.warp_combined({**base, "unroll": 16}, hop) == [{**base, "unroll": 16, "warp_combine": 1},
+                                                             {**base, "unroll": 16, "warp_combine": 1, "max_seg": 128}]
+    fop = make_op(hub, "spmm", 32, "sum", "float32")            # fp32: neither capped nor deep
+    f = {**base, "vec": 4, "group": 8}
+    assert t.warp_combined(f, fop) == [{**f, "warp_combine": 1}, {**f, "warp_combine": 1, "max_seg": 128}]
+    assert t.warp_combined({**base, "max_seg": 128}, hop) == []             # 257 < 4 slices of 128... 3 slices
+    assert t.warp_combined({**base, "max_seg": 0}, hop) == []
+    assert t.warp_combined({**base, "group": 32}, hop) == []                # one group a warp
+    assert t.warp_combined({**base, "rows_per_warp": 2}, hop) == []
+    assert t.warp_combined({**base, "flat": 1}, hop) == []
+    assert t.warp_combined({**base, "warp_combine": 1}, hop) == []
+    assert t.warp_combined(base, make_op(random_matrix(300, 257, density=0.03, seed=0, long_row=False), "spmm", 64,
+                                         "sum", "float16")) == []         # no row of 4 slices
+    assert t.warp_combined(base, None) == []
+    for q, wc in (({**base, "warp_combine": 1}, 1), ({**base, "warp_combine": 1, "group": 32}, 0),
+                  ({**base, "warp_combine": 1, "flat": 1}, 0), ({**base, "warp_combine": 1, "rows_per_warp": 4}, 0)):
+        assert t.search_params(q)["warp_combine"] == wc
+    with pytest.raises(ValueError, match="warp_combine"):
+        t.build(hmod, {**base, "warp_combine": 2}, compile=False)

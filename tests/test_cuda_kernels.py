@@ -338,6 +338,35 @@ def test_deep_unroll_spmm(dtype, tol, K):
                                    for i, p in enumerate(DEEP_UNROLL_SPMM_PARAMS)], deep)
 
 
+#: warp-reduced slices of split rows (warp_combine): 8-, 4- and 2-group warps, short slices (a row
+#: holding every column cut into tens of warps' slices), unroll 16 and the capped combine, launch
+#: bounds, several column tiles
+WARP_COMBINE_SPMM_PARAMS = (
+    {"group": 8, "vec": 8, "cf": 1, "warps_per_block": 4, "rows_per_warp": 1, "max_seg": 8, "unroll": 2},
+    {"group": 4, "vec": 4, "cf": 2, "warps_per_block": 2, "rows_per_warp": 1, "max_seg": 16, "unroll": 8},
+    {"group": 16, "vec": 4, "cf": 1, "warps_per_block": 8, "rows_per_warp": 1, "max_seg": 32, "unroll": 16},
+    {"group": 8, "vec": 8, "cf": 1, "warps_per_block": 4, "rows_per_warp": 1, "max_seg": 16, "unroll": 8,
+     "combine_vals": 16, "min_blocks": 4})
+
+
+@pytest.mark.parametrize("dtype, tol", [("float32", 1e-5), ("float16", 2e-2), ("bfloat16", 5e-2)])
+@pytest.mark.parametrize("K", [1, 33, 128])
+def test_warp_combine_spmm(dtype, tol, K):
+    """csr.crc_cwm with warp_combine=1: every reduction, the split rows' slices reduced across
+    each warp's row groups (flagged slots, one per warp) before the combine, empty rows, with and
+    without a degree order; the NaN-poisoned output fully written and equal to the float64
+    reference, twice in a row (the split-row counters reset)."""
+    from spcompile.kernels.csr.packer import WARP_SLICES
+
+    def warp_reduced(mod, p):
+        slot = mod.kernel.arrays["seg_slot"]
+        assert (slot >= WARP_SLICES).sum() >= 2 * (32 // p["group"])
+
+    _check_crc_cwm(dtype, tol, K, [({**deep_unroll_params(p, dtype), "warp_combine": 1},
+                                    ["reorder.degree"] if i == 1 else [])
+                                   for i, p in enumerate(WARP_COMBINE_SPMM_PARAMS)], warp_reduced)
+
+
 def deep_unroll_params(p, dtype):
     """``p`` with at most 16 bytes a vector load of ``dtype`` (fp32: 4 elements)."""
     return {**p, "vec": min(int(p["vec"]), 4)} if dtype == "float32" else dict(p)

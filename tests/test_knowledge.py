@@ -682,7 +682,11 @@ def test_probe_ids_are_the_templates_probe_variants(shipped):
                 # nor is the 16-rows-in-flight kernel (16-bit, one column slice a lane)
                 deep = tpl.deep_unroll(dict(cfg.params), sop)
                 assert (deep in near) == (deep is not None) and (deep is None or dt == "float16"), cid
-                want = sorted(json.dumps(p, sort_keys=True) for p in near if p not in capped and p != deep)
+                # nor are the warp-reduced slices of hub rows (rows of at least 32 / group slices)
+                wc = tpl.warp_combined(dict(cfg.params), sop)
+                assert all(p in near for p in wc), cid
+                want = sorted(json.dumps(p, sort_keys=True) for p in near
+                              if p not in capped and p != deep and p not in wc)
                 got = sorted(json.dumps(dict(kn.candidate_config(c, sop).params), sort_keys=True)
                              for c in kn.probe_ids(cid))
                 assert got == want, cid
@@ -763,11 +767,14 @@ def test_crc_cwm_probe_variants():
     hmod = SparseModule.from_op(hop)
     u8 = {**t.default_params(hmod), "max_seg": 64, **t.shape_params("u8", 1)}
     assert u8["vec"] == 8 and u8["unroll"] == 8
-    assert t.probe_variants(u8, hop)[-2] == {**u8, "combine_vals": 16} == t.capped_combine(u8, hop)
+    def near(p):
+        return [v for v in t.probe_variants(p, hop) if not v.get("warp_combine")]
+
+    assert near(u8)[-2] == {**u8, "combine_vals": 16} == t.capped_combine(u8, hop)
     t.check_params(hmod, {**u8, "combine_vals": 16})
     # ... and the u8 shape with 16 rows in flight a lane (its combine always capped), last
     u16 = {**u8, "unroll": 16}
-    assert t.probe_variants(u8, hop)[-1] == u16 == t.deep_unroll(u8, hop) == t.deep_unroll({**u8, "combine_vals": 16}, hop)
+    assert near(u8)[-1] == u16 == t.deep_unroll(u8, hop) == t.deep_unroll({**u8, "combine_vals": 16}, hop)
     t.check_params(hmod, u16)
     assert t.deep_unroll(u16, hop) is None and t.capped_combine(u16, hop) is None
     assert t.deep_unroll({**u8, "cf": 2}, hop) is None and t.deep_unroll(u8, sop) is None   # cf 2; fp32
@@ -777,11 +784,11 @@ def test_crc_cwm_probe_variants():
     u2 = {**u8, **t.shape_params("u2", 1)}                       # 2 x 8 values: nothing to cap
     assert t.capped_combine(u2, hop) is None
     # ... but its u8 neighbour is measured capped as well (and only that one)
-    assert [p for p in t.probe_variants(u2, hop) if "combine_vals" in p] == [{**u8, "combine_vals": 16}]
+    assert [p for p in near(u2) if "combine_vals" in p] == [{**u8, "combine_vals": 16}]
     w8 = {**u8, **t.shape_params("w8r2", 1)}
-    assert [p for p in t.probe_variants(w8, hop) if "combine_vals" in p] == [{**u8, "combine_vals": 16}]
+    assert [p for p in near(w8) if "combine_vals" in p] == [{**u8, "combine_vals": 16}]
     # the capped lead and its capped u8 neighbour are one variant, measured once
-    assert sum("combine_vals" in p for p in t.probe_variants(u8, hop)) == 1
+    assert sum("combine_vals" in p for p in near(u8)) == 1
     assert t.capped_combine({**u8, "combine_vals": 16}, hop) is None
     assert t.capped_combine(u8, make_op(random_matrix(50, 50, density=0.1, seed=1), "spmm", 64, "sum",
                                         "float32")) is None and t.capped_combine(u8, None) is None

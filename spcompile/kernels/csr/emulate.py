@@ -13,6 +13,7 @@ from typing import Mapping
 import numpy as np
 
 from ...core.numerics import round_to
+from .packer import WARP_SLICES
 
 __all__ = ["spmm_columns", "spmm_segments", "sddmm_columns", "emulate_spmm", "emulate_sddmm", "emulate_kernel"]
 
@@ -69,7 +70,8 @@ def emulate_spmm(arrays: Mapping[str, np.ndarray], X: np.ndarray, reduce: str, m
     ``grp_out``) once all its slots (``slot_grp``) have arrived.  ``columns``: per column the
     number of writes of the launch (:func:`spmm_columns`); columns never written stay NaN.
     ``segments``: the segments the launch processes (:func:`spmm_segments`); the others write
-    nothing (their rows stay NaN, their split rows are never combined)."""
+    nothing (their rows stay NaN, their split rows are never combined).  Slices flagged
+    ``WARP_SLICES`` (one warp's row groups) are reduced into their shared slot first."""
     X = np.asarray(X, dtype=np.float32)
     K = X.shape[1]
     a = {k: np.asarray(v) for k, v in arrays.items()}
@@ -93,11 +95,17 @@ def emulate_spmm(arrays: Mapping[str, np.ndarray], X: np.ndarray, reduce: str, m
         Y[np.ix_(rows, cols)] = vals[:, cols]
 
     ran = np.ones(lens.size, bool) if segments is None else np.asarray(segments, bool)
-    whole = a["seg_slot"] < 0
+    raw = a["seg_slot"].astype(np.int64)
+    whole = raw < 0
     store(a["seg_out"][whole & ran], acc[whole & ran], lens[whole & ran])
-    slots = a["seg_slot"][~whole & ran]
+    # slices flagged WARP_SLICES share their warp's slot: reduced together before it is written
+    slot_of = np.where(raw >= WARP_SLICES, raw - WARP_SLICES, raw)
+    sel = ~whole & ran
     part = np.full((a["slot_grp"].size, K), np.nan, dtype=np.float32)
-    part[slots] = acc[~whole & ran]
+    order = np.argsort(slot_of[sel], kind="stable")
+    slots, start = np.unique(slot_of[sel][order], return_index=True)
+    if slots.size:
+        part[slots] = ufunc.reduceat(acc[sel][order], start, axis=0)
     grp_ptr = a["grp_ptr"].astype(np.int64)
     nslots = np.diff(grp_ptr)
     if nslots.size:

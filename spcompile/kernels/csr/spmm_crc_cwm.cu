@@ -37,7 +37,9 @@
 // at build time:
 //   seg_ptr[s]..seg_ptr[s+1]  nonzeros of segment s (a whole row, or a bounded slice of a long row)
 //   seg_out[s]                output row (caller's order) of a whole-row segment
-//   seg_slot[s]               -1 for a whole row; else its slot in the partial-result workspace.
+//   seg_slot[s]               -1 for a whole row; else its slot in the partial-result workspace,
+//                             with bit 30 (SPC_WARP_SLICES) set where the warp's 32 / G groups
+//                             (one segment each) hold slices of one row that share the slot
 // Split rows (load balance for very long rows) are combined in the same launch: every slice writes
 // its partial to part[slot*K ...], and the last slice to finish (atomic counter per row group and
 // column tile, classic threadfence-reduction pattern) combines all partials in slot order
@@ -48,6 +50,9 @@
 #include <math_constants.h>
 
 namespace spc {
+
+// seg_slot bit of a slice whose warp combines its groups' accumulators before writing one partial
+#define SPC_WARP_SLICES (1 << 30)
 
 template <int R> __device__ __forceinline__ float red_init() {
   return R == 1 ? -CUDART_INF_F : (R == 2 ? CUDART_INF_F : 0.0f);
@@ -213,7 +218,22 @@ __device__ __forceinline__ void spmm_crc_cwm(
         }
       }
     } else {                                        // slice of a split row
-      float* prow = part + (size_t)slot * K;
+      int sl = slot;
+      if (slot & SPC_WARP_SLICES) {
+        // the warp's 32 / G row groups hold consecutive slices of one row (one-segment groups,
+        // warp-aligned, the same flagged slot: the packer's warp_combine): their accumulators
+        // are reduced across the warp (butterfly, a fixed order) and one partial is written, so
+        // a hub's combine reads 32 / G times fewer partials
+        sl = slot & ~SPC_WARP_SLICES;
+#pragma unroll
+        for (int off = G; off < 32; off *= 2)
+#pragma unroll
+          for (int c = 0; c < CF; ++c)
+#pragma unroll
+            for (int v = 0; v < VEC; ++v) acc[c][v] = red_op<R>(acc[c][v], __shfl_xor_sync(0xffffffffu, acc[c][v], off));
+        if (threadIdx.x % 32 >= G) return;          // the warp's first group goes on
+      }
+      float* prow = part + (size_t)sl * K;
 #pragma unroll
       for (int c = 0; c < CF; ++c) {
         const int col = col_base + c * G * VEC;
@@ -221,7 +241,7 @@ __device__ __forceinline__ void spmm_crc_cwm(
       }
       __threadfence();
       __syncwarp(gmask);
-      const int g = slot_grp[slot];
+      const int g = slot_grp[sl];
       const int cnt_idx = g * gridDim.y + blockIdx.y;
       const int first = grp_ptr[g], nslots = grp_ptr[g + 1] - first;
       int old = 0;

@@ -23,7 +23,7 @@ import numpy as np
 from ..base import (check_entries, float_array, index_array, meta_int, pointer_array, register_template,
                     typed_array, unique_params)
 from ..nvcc import AtLeast, LaunchSpec, NvccKernel, NvccTemplate
-from .packer import pack_sddmm, pack_spmm, sddmm_partition, spmm_partition  # noqa: F401 (public here too)
+from .packer import WARP_SLICES, pack_sddmm, pack_spmm, sddmm_partition, spmm_partition  # noqa: F401 (public here too)
 
 _REDUCE = {"sum": 0, "max": 1, "min": 2, "mean": 3}
 #: the element types of X / Y / output the kernels compile for (template argument TN = DTYPES code);
@@ -104,7 +104,10 @@ class CrcCwm(NvccTemplate):
     ``flat=1``: each row group streams consecutive segments as one run of nonzeros (X loads in
     flight across row ends): ``rows_per_warp`` of them (for short, even rows), or with
     ``flat_nnz`` > 0 runs of about ``flat_nnz`` nonzeros (many short rows or one slice of a long
-    one, cut by ``max_seg``: an nnz-balanced schedule for graphs of short rows and hubs).  Any K >= 1.  X / Y in
+    one, cut by ``max_seg``: an nnz-balanced schedule for graphs of short rows and hubs);
+    ``warp_combine=1``: a row of at least a warp's worth of slices (32 / ``group`` one-segment
+    row groups) has its slices reduced across the warp by shuffles before one partial a warp
+    goes to the split-row combine (hub rows combine from fewer partials).  Any K >= 1.  X / Y in
     float32, float16 or bfloat16 (fp32 accumulation, one rounding of Y)."""
 
     name = "csr.crc_cwm"
@@ -116,7 +119,7 @@ class CrcCwm(NvccTemplate):
     instance_macro = "SPC_SPMM_INSTANCE"
     kernel_class = CrcCwmKernel
     fallback_param = "vec"
-    absent_params = {"flat": 0, "min_blocks": 1, "flat_nnz": 0, "combine_vals": 0}
+    absent_params = {"flat": 0, "min_blocks": 1, "flat_nnz": 0, "combine_vals": 0, "warp_combine": 0}
 
     def space(self, mod):
         from optuna.distributions import CategoricalDistribution as C
@@ -126,7 +129,7 @@ class CrcCwm(NvccTemplate):
                 "max_seg": C([0, 8, 16, 32, 64, 256, 1024, 4096]), "unroll": C(_unroll_choices(mod.op.dtype)),
                 "flat": C([0, 1]),
                 "min_blocks": C(list(self.MIN_BLOCKS)), "flat_nnz": C(list(self.FLAT_NNZ)),
-                "combine_vals": C(list(self.COMBINE_VALS))}
+                "combine_vals": C(list(self.COMBINE_VALS)), "warp_combine": C([0, 1])}
 
     @staticmethod
     def heuristic(K: int, max_row: int, mean_row: float, dtype: str = "float32") -> dict:
@@ -297,7 +300,32 @@ class CrcCwm(NvccTemplate):
         deep = self.deep_unroll(params, op)
         if deep is not None:
             out.append(deep)
+        out += self.warp_combined(params, op)
         return [v for v in unique_params(out) if v != dict(params)]
+
+    def warp_combined(self, params, op=None) -> list:
+        """Where ``params`` would cut a row of ``op`` into at least 32 / ``group`` slices (one per
+        row group of a warp: :meth:`warp_slices` with ``warp_combine``): ``params`` with
+        ``warp_combine`` 1, that with slices twice as long (a warp-reduced hub has 32 / ``group``
+        times fewer partials to combine, so longer slices cost less there), and the
+        warp-reduced :meth:`capped_combine` and :meth:`deep_unroll` variants of ``params`` (the
+        16-bit kernels of 8 rows in flight a lane take 151 registers uncapped).  On the H100,
+        16-bit K=64 on hub graphs: twitch_de 17.0 -> 13.6 us (deep), wiki_squirrel 15.5 -> 12.4
+        us, fb100_cornell5 40.2 -> 37.0 us (twice as long); slower on others (fb100_mit8 15.1 ->
+        19.2 us), hence measured, not a rule (``docs/benchmarks/h100_crc_cwm_experiments.md``)."""
+        p = {**self.absent_params, **params}
+        ms = int(p["max_seg"])
+        W = self.warp_slices({**p, "warp_combine": 1})
+        if op is None or int(p["warp_combine"]) or W == 1 or ms <= 0:
+            return []
+        lens = op.A.row_lengths
+        if not lens.size or int(lens.max()) <= (W - 1) * ms:
+            return []
+        out = [{**dict(params), "warp_combine": 1}, {**dict(params), "warp_combine": 1, "max_seg": 2 * ms}]
+        for v in (self.capped_combine(params, op), self.deep_unroll(params, op)):
+            if v is not None:
+                out.append({**v, "warp_combine": 1})
+        return out
 
     def capped_combine(self, params, op=None) -> dict | None:
         """``params`` with ``combine_vals`` 16, where that changes the kernel of a 16-bit op: its
@@ -330,7 +358,8 @@ class CrcCwm(NvccTemplate):
     def search_params(self, params):
         """``flat_nnz`` has no effect without ``flat`` (0 then), ``rows_per_warp`` none with
         ``flat_nnz`` > 0 (1 then), ``combine_vals`` none where ``unroll`` x ``vec`` partial
-        values already fit it or ``unroll`` is ``DEEP_UNROLL`` (0 then)."""
+        values already fit it or ``unroll`` is ``DEEP_UNROLL`` (0 then), ``warp_combine`` none where
+        :meth:`warp_slices` is 1 (0 then)."""
         p = dict(params)
         if not int(p.get("flat", 0)) and "flat_nnz" in p:
             p["flat_nnz"] = 0
@@ -339,17 +368,31 @@ class CrcCwm(NvccTemplate):
         if int(p.get("combine_vals", 0)) and (int(p.get("unroll", 4)) * int(p.get("vec", 1)) <= int(p["combine_vals"])
                                               or int(p.get("unroll", 4)) > 8):
             p["combine_vals"] = 0
+        if int(p.get("warp_combine", 0)) and self.warp_slices(p) == 1:
+            p["warp_combine"] = 0
         return p
 
     def checks(self, mod):
         return {"cf": (1, 2, 4, 8), "vec": _vec_choices(mod.op.dtype), "group": (4, 8, 16, 32),
                 "unroll": (1, 2, 4, 8, DEEP_UNROLL), "warps_per_block": (1, 2, 4, 8), "rows_per_warp": AtLeast(1),
                 "max_seg": AtLeast(0), "flat": (0, 1), "min_blocks": self.MIN_BLOCKS, "flat_nnz": AtLeast(0),
-                "combine_vals": self.COMBINE_VALS}
+                "combine_vals": self.COMBINE_VALS, "warp_combine": (0, 1)}
+
+    @staticmethod
+    def warp_slices(params) -> int:
+        """Row groups of a warp that reduce their slices of one split row before writing one
+        partial (``warp_combine``): 32 / ``group`` for one-segment groups (``flat`` 0,
+        ``rows_per_warp`` 1) narrower than a warp, else 1 (``warp_combine`` has no effect)."""
+        p = {**CrcCwm.absent_params, **params}
+        g = int(p["group"])
+        if not int(p["warp_combine"]) or int(p["flat"]) or int(p["rows_per_warp"]) != 1 or g >= 32:
+            return 1
+        return 32 // g
 
     def pack(self, mod, params):
         p = {**self.absent_params, **params}
-        return pack_spmm(mod, int(p["max_seg"]), bool(int(p["flat"])), int(p["rows_per_warp"]), int(p["flat_nnz"]))
+        return pack_spmm(mod, int(p["max_seg"]), bool(int(p["flat"])), int(p["rows_per_warp"]), int(p["flat_nnz"]),
+                         self.warp_slices(p))
 
     def check_arrays(self, key, params, arrays, meta, values=None):
         """Every index the kernel follows stays in its array or in X / Y, and the entries rebuild
@@ -369,14 +412,36 @@ class CrcCwm(NvccTemplate):
         ngrp = grp_ptr.size - 1
         if slot_grp.size and int(slot_grp.max()) >= ngrp:
             raise ValueError(f"array 'slot_grp' holds values outside [0, {ngrp})")
-        seg_slot = index_array(arrays, "seg_slot", -1, slot_grp.size, seg_out.size)
+        raw_slot = index_array(arrays, "seg_slot", -1, WARP_SLICES + slot_grp.size, seg_out.size)
+        warp = raw_slot >= WARP_SLICES                               # warp-reduced slices
+        seg_slot = np.where(warp, raw_slot - WARP_SLICES, raw_slot)
+        if np.any(seg_slot >= slot_grp.size):
+            raise ValueError(f"array 'seg_slot' holds values outside [-1, {slot_grp.size}) (flag bits aside)")
         grp_out = index_array(arrays, "grp_out", 0, max(m, 1), ngrp)
         grp_len = index_array(arrays, "grp_len", 0, nnz + 1, ngrp)
         split = seg_slot >= 0
         writers = np.concatenate([seg_out[~split], grp_out])       # who writes each output row
         if writers.size != m or (m and not np.all(np.bincount(writers, minlength=m) == 1)):
             raise ValueError("every output row must be written by exactly one segment or row group")
-        if np.bincount(seg_slot[split], minlength=slot_grp.size).tolist() != [1] * slot_grp.size:
+        once = np.bincount(seg_slot[split & ~warp], minlength=slot_grp.size)
+        in_warps = np.bincount(seg_slot[warp], minlength=slot_grp.size)
+        if warp.any():
+            # a warp-reduced slot is written by all 32 / G row groups of one warp (one segment
+            # each: the kernel's full-warp shuffles must find every lane there)
+            W = self.warp_slices(params)
+            inst = meta.get("instances")
+            if W == 1 or not isinstance(inst, (list, tuple)) or not all(
+                    isinstance(i, (list, tuple)) and len(i) == 2 and len(i[1]) >= 7
+                    and int(i[1][4]) == int(params["group"]) and int(i[1][6]) == 0 for i in inst):
+                raise ValueError("array 'seg_slot' flags warp-reduced slices, which need warp_combine=1 with "
+                                 "one-segment row groups (flat 0, rows_per_warp 1) narrower than a warp")
+            pad = np.concatenate([raw_slot, np.full(-raw_slot.size % W, -1, np.int64)]).reshape(-1, W)
+            flagged = (pad >= WARP_SLICES).any(axis=1)
+            if not np.all(pad[flagged] == pad[flagged][:, :1]):
+                raise ValueError(f"array 'seg_slot': a warp-reduced slot must be every one of a warp's {W} "
+                                 f"segments (warp-aligned)")
+            in_warps = in_warps // W
+        if not np.all(once + in_warps == 1):
             raise ValueError("array 'seg_slot' must name every partial-result slot exactly once")
         row = np.where(split, grp_out[slot_grp[np.maximum(seg_slot, 0)]] if ngrp else 0, seg_out)
         lens = np.diff(seg_ptr)
