@@ -310,9 +310,11 @@ class CrcCwm(NvccTemplate):
         times fewer partials to combine, so longer slices cost less there), and the
         warp-reduced :meth:`capped_combine` and :meth:`deep_unroll` variants of ``params`` (the
         16-bit kernels of 8 rows in flight a lane take 151 registers uncapped).  On the H100,
-        16-bit K=64 on hub graphs: twitch_de 17.0 -> 13.6 us (deep), wiki_squirrel 15.5 -> 12.4
-        us, fb100_cornell5 40.2 -> 37.0 us (twice as long); slower on others (fb100_mit8 15.1 ->
-        19.2 us), hence measured, not a rule (``docs/benchmarks/h100_crc_cwm_experiments.md``)."""
+        ``build()`` on the 17 graphs over 200k nonzeros kept one of them on 8 / 8 graphs at 16-bit
+        K = 64 / 128 and 7 in fp32 at K=64 (16-bit K=64: twitch_de 16.8 -> 13.3 us, wiki_squirrel
+        15.3 -> 12.6 us); as a rule it lost on others (fb100_mit8 at 16-bit K=64: 15.1 -> 19.2
+        us with every split row warp-reduced), hence measured
+        (``docs/benchmarks/h100_crc_cwm_experiments.md``)."""
         p = {**self.absent_params, **params}
         ms = int(p["max_seg"])
         W = self.warp_slices({**p, "warp_combine": 1})
