@@ -386,13 +386,13 @@ def test_binary_rebuilt_for_another_arch(monkeypatch):
 #: sha256 of the rendered source (the on-disk kernel cache key) of csr instances; a change here
 #: invalidates every cached csr kernel binary -- update only for an intended kernel change
 RENDER_SHA256 = {
-    ("csr.crc_cwm", ("sum", 1, 4, 32, 2, "float32")): "d69e9be87c56f0141f0928b5b79f233ddb7e24bda4133ffa1323e2efb5debc4f",
-    ("csr.crc_cwm", ("mean", 4, 8, 4, 8, "bfloat16")): "3e1807b98136dcd8388446b639614dac125de6c46d301f47f4e5ddcf45919598",
-    ("csr.crc_cwm", ("max", 2, 1, 8, 4, "float16")): "4a01dff0687c74ce95a466bc4370c0f0dde43f867bcf4907bd4750761e07fb3e",
-    ("csr.crc_cwm", ("sum", 1, 4, 32, 2, "float32", 1)): "1daca667375dbe9cd776bfe8e26f14712465f64f68b9759043f65b7a9e5fcb1f",
-    ("csr.crc_cwm", ("sum", 1, 4, 32, 1, "float32", 0, 8)): "ed7646fddb3ff4429416a7e3cab631c3e102523e17a730fb27aa19ccaf7fb484",
-    ("csr.crc_cwm", ("sum", 1, 8, 8, 8, "float16", 0, 1, 16)): "7e32263b0dc9a55ac8c83d8b0aa423df3d3c8bdb87c6c0b8878f84fa0ce364e8",
-    ("csr.crc_cwm", ('sum', 1, 8, 8, 16, 'float16')): "9bbc81c5d4621c9357e0761ae9b34f17ad2cb27f471a510e10e9e020879e50d8",
+    ("csr.crc_cwm", ("sum", 1, 4, 32, 2, "float32")): "4452200246612c6f101ad8313e157eb5dd5a415b38e5826d5bfe587229a58003",
+    ("csr.crc_cwm", ("mean", 4, 8, 4, 8, "bfloat16")): "19656affd36655e63a57b088e193c52a07e7b0ec957849f6e057b515a9816f8f",
+    ("csr.crc_cwm", ("max", 2, 1, 8, 4, "float16")): "85e3a5997ead3a8abde0e793205ac80aa413170e62b539321ed51dc55ab54d64",
+    ("csr.crc_cwm", ("sum", 1, 4, 32, 2, "float32", 1)): "66c1a317209b73151c365cef995c7569f586a637ed4aa10dc5fe687f7453450d",
+    ("csr.crc_cwm", ("sum", 1, 4, 32, 1, "float32", 0, 8)): "cda9433de7d6c2ee405e0fd4a0e09a3cebc814e4f57ecece412075cdb88981bf",
+    ("csr.crc_cwm", ("sum", 1, 8, 8, 8, "float16", 0, 1, 16)): "0f1fbbd43c37b95a21ee925fd2dd9aa749403473fec3ab1b5f3f7085187350c7",
+    ("csr.crc_cwm", ('sum', 1, 8, 8, 16, 'float16')): "d099a526a0a7482552fc5f4b6ef597a6e51687e485e8c027a47c96872bb33436",
     ("csr.sddmm", (32, 4, 4, "float32")): "51a4d13079f8fec170194599cae6e7d294e5178dd72e3a27a41d515fc1df0431",
     ("csr.sddmm", (8, 2, 2, "float16")): "b7ffe729baddfe3fae189b1cfe8b22e89a946dc2016342dbde43ba2f7cc619c1",
     ("csr.sddmm", (16, 8, 1, "bfloat16", 1)): "2b4f832bd22e7d7165e7c519a50b9c9d583b2553b8b366cdcf4cb79bcdc4da31",
@@ -572,66 +572,76 @@ def test_spmm_flat_rule_seeds_and_names():
 # warp-reduced slices of hub rows (warp_combine)
 # ------------------------------------------------------------------------------------------
 def test_warp_slices_partition():
-    """warp_slices W > 1: rows of at least W slices get a multiple of W and move first (one warp's
-    row groups each, their W segments sharing one flagged slot); rows of 2 .. W - 1 slices are
-    split and slotted as before; outputs still go to each row's id."""
-    from spcompile.kernels.csr.packer import WARP_SLICES, warp_slice_order
+    """warp_slices W > 1: rows of more than W slices get a multiple of W and move first (one
+    warp's row groups each, their W segments sharing one flagged slot); rows of exactly W slices
+    (with warp_rows also those of 2 .. W - 1, cut into W) come next, one warp each, WARP_ROW on
+    every slice and no slot; other rows are split and slotted as before; outputs still go to
+    each row's id."""
+    from spcompile.kernels.csr.packer import WARP_ROW, WARP_SLICES, warp_slice_order
 
-    lens = np.array([3, 40, 10, 0, 17, 33])              # max_seg 8: 1, 5, 2, 1, 3, 5 slices
+    lens = np.array([3, 40, 10, 0, 17, 33, 30])          # max_seg 8: 1, 5, 2, 1, 3, 5, 4 slices
     indptr = np.concatenate([[0], np.cumsum(lens)])
+    ids = np.arange(7) + 10
+    F, R = WARP_SLICES, WARP_ROW
     order = warp_slice_order(indptr, 8, 4)
-    assert order.tolist() == [1, 5, 0, 2, 3, 4]
-    ptr = np.concatenate([[0], np.cumsum(lens[order])])
-    row_ids = np.array([10, 11, 12, 13, 14, 15])[order]
-    p = spmm_partition(ptr, row_ids, 8, 4)
-    F = WARP_SLICES
-    assert p["seg_slot"].tolist() == [F, F, F, F, F + 1, F + 1, F + 1, F + 1,           # row 11: 8 slices
-                                      F + 2, F + 2, F + 2, F + 2, F + 3, F + 3, F + 3, F + 3,   # row 15
-                                      -1, 4, 5, -1, 6, 7, 8]
-    assert p["seg_out"].tolist() == [11] * 8 + [15] * 8 + [10, 12, 12, 13, 14, 14, 14]
+    assert order.tolist() == [1, 5, 6, 0, 2, 3, 4]
+    p = spmm_partition(np.concatenate([[0], np.cumsum(lens[order])]), ids[order], 8, 4)
+    assert p["seg_slot"].tolist() == [F] * 4 + [F + 1] * 4 + [F + 2] * 4 + [F + 3] * 4 + [R] * 4 + [-1, 4, 5, -1, 6, 7, 8]
+    assert p["seg_out"].tolist() == [11] * 8 + [15] * 8 + [16] * 4 + [10, 12, 12, 13, 14, 14, 14]
     assert p["grp_ptr"].tolist() == [0, 2, 4, 6, 9] and p["grp_out"].tolist() == [11, 15, 12, 14]
     assert p["slot_grp"].tolist() == [0, 0, 1, 1, 2, 2, 3, 3, 3] and p["grp_len"].tolist() == [40, 33, 10, 17]
     seg_len = np.diff(p["seg_ptr"])
-    assert seg_len[:8].tolist() == [5] * 8 and seg_len.max() <= 8
+    assert seg_len[:8].tolist() == [5] * 8 and seg_len[16:20].tolist() == [7, 8, 7, 8] and seg_len.max() <= 8
+    # warp_rows: the rows of 2 .. 3 slices are cut into 4 and written by their warp too
+    order = warp_slice_order(indptr, 8, 4, warp_rows=True)
+    assert order.tolist() == [1, 5, 2, 4, 6, 0, 3]
+    p = spmm_partition(np.concatenate([[0], np.cumsum(lens[order])]), ids[order], 8, 4, warp_rows=True)
+    assert p["seg_slot"].tolist() == [F] * 4 + [F + 1] * 4 + [F + 2] * 4 + [F + 3] * 4 + [R] * 12 + [-1, -1]
+    assert p["seg_out"].tolist() == [11] * 8 + [15] * 8 + [12] * 4 + [14] * 4 + [16] * 4 + [10, 13]
+    assert p["grp_ptr"].tolist() == [0, 2, 4] and p["grp_out"].tolist() == [11, 15] and p["grp_len"].tolist() == [40, 33]
+    assert np.diff(p["seg_ptr"])[16:20].tolist() == [2, 3, 2, 3]                  # 10 entries in 4 slices
     # the same rows without warp slices: the old partition (no flags, one slot a slice)
-    q = spmm_partition(indptr, np.arange(6) + 10, 8)
-    assert q["seg_slot"].max() < F and q["grp_ptr"].tolist() == [0, 5, 7, 10, 15]
+    q = spmm_partition(indptr, ids, 8)
+    assert q["seg_slot"].min() == -1 and q["seg_slot"].max() < F and q["grp_ptr"].tolist() == [0, 5, 7, 10, 15, 19]
     with pytest.raises(ValueError, match="first"):
-        spmm_partition(indptr, np.arange(6), 8, 4)        # hub rows not first: not warp-aligned
+        spmm_partition(indptr, ids, 8, 4)                 # hub rows not first: not warp-aligned
 
 
 @pytest.mark.parametrize("reduce", REDUCES)
 def test_spmm_warp_combine_emulation_matches_reference(reduce):
-    """warp_combine=1 (one-segment row groups narrower than a warp): the packed arrays (hub rows
-    first, W slices a flagged slot) and launch shape reproduce the float64 reference in the numpy
-    emulation, both the vector instance and its VEC = 1 fallback; the arrays pass the artifact
-    checks; flagged slots exist wherever a row has W slices."""
+    """warp_combine 1 / 2 (one-segment row groups narrower than a warp): the packed arrays (hub
+    rows first, W slices a flagged slot; rows one warp holds whole next) and launch shape
+    reproduce the float64 reference in the numpy emulation, both the vector instance and its
+    VEC = 1 fallback; the arrays pass the artifact checks; the slices are flagged as the rule
+    says."""
     from spcompile.core.ir import values_hash
-    from spcompile.kernels.csr.packer import WARP_SLICES
+    from spcompile.kernels.csr.packer import WARP_ROW, WARP_SLICES
 
     t = get_template("csr.crc_cwm")
     rng = np.random.default_rng(5)
-    flagged = 0
+    flagged = whole = 0
     for (name, A), K, pipe in itertools.product(_matrices().items(), (1, 33, 64), ("none", "degree")):
         mod = _mod(A, "spmm", K, reduce, pipe)
         X = rng.standard_normal((A.shape[1], K)).astype(np.float32)
         ref = reference.spmm(as_csr(A), X, reduce)
         lens = np.diff(as_csr(A).indptr)
-        for ms, (group, vec, cf), wpb in itertools.product((8, 16, 64), ((4, 4, 2), (8, 2, 1), (16, 1, 4), (32, 4, 1)),
-                                                           (1, 4)):
+        for ms, (group, vec, cf), wpb, wc in itertools.product(
+                (8, 16, 64), ((4, 4, 2), (8, 2, 1), (16, 1, 4), (32, 4, 1)), (1, 4), (1, 2)):
             p = {**t.default_params(mod), "max_seg": ms, "group": group, "vec": vec, "cf": cf, "rows_per_warp": 1,
-                 "warps_per_block": wpb, "warp_combine": 1}
+                 "warps_per_block": wpb, "warp_combine": wc}
             k = t.build(mod, p, compile=False)
             W = t.warp_slices(p)
             assert W == 32 // group
-            n_flag = int((k.arrays["seg_slot"] >= WARP_SLICES).sum())
-            want = int(np.sum(-(-(-(-lens // ms)) // W) * W, where=(-(-lens // ms) >= W) & (lens > ms))) if W > 1 else 0
-            assert n_flag == want, (name, p)
-            flagged += n_flag
+            nch = -(-lens // ms)
+            slot = k.arrays["seg_slot"]
+            want_f = int(np.sum(-(-nch[nch > W] // W) * W)) if W > 1 else 0
+            want_w = W * int(np.sum((nch <= W) & (nch >= (2 if wc == 2 else W)))) if W > 1 else 0
+            assert int((slot >= WARP_SLICES).sum()) == want_f and int((slot == WARP_ROW).sum()) == want_w, (name, p)
+            flagged, whole = flagged + want_f, whole + want_w
             t.check_arrays(mod.op.key(), k.params, k.arrays, k.meta, values_hash(as_csr(A)))
             for fallback in (False, True):
                 _close(em.emulate_kernel(k, X, fallback=fallback), ref)
-    assert flagged > 0
+    assert flagged > 0 and whole > 0
 
 
 def test_spmm_warp_combine_arrays_checked():
@@ -672,6 +682,24 @@ def test_spmm_warp_combine_arrays_checked():
     big = slot.copy()
     big[:4] = WARP_SLICES + 10**6                            # a slot past the workspace
     refused("seg_slot", seg_slot=big)
+    # warp_combine=2: rows of 2 .. 3 slices are cut into 4, one warp each (WARP_ROW, no slot)
+    from spcompile.kernels.csr.packer import WARP_ROW
+
+    k2 = t.build(mod, {**p, "warp_combine": 2}, compile=False)
+    s2, out2 = k2.arrays["seg_slot"], k2.arrays["seg_out"]
+    rows = np.flatnonzero(s2 == WARP_ROW)
+    assert rows.size >= 8 and rows.size % 4 == 0 and rows[0] == 36
+    t.check_arrays(op.key(), k2.params, k2.arrays, k2.meta, vh)
+    with pytest.raises(ValueError, match="seg_slot|written"):
+        o = out2.copy()
+        o[rows[1]] = out2[rows[4]]                           # a warp of two rows
+        t.check_arrays(op.key(), k2.params, {**k2.arrays, "seg_out": o}, k2.meta, vh)
+    with pytest.raises(ValueError, match="seg_slot"):
+        x = s2.copy()
+        x[rows[1]] = -1                                      # a warp's row partly WARP_ROW
+        t.check_arrays(op.key(), k2.params, {**k2.arrays, "seg_slot": x}, k2.meta, vh)
+    with pytest.raises(ValueError, match="warp_combine"):
+        t.check_arrays(op.key(), {**k2.params, "warp_combine": 0}, k2.arrays, k2.meta, vh)
 
 
 def test_warp_combine_rule_and_space():
@@ -685,7 +713,7 @@ def test_warp_combine_rule_and_space():
     hop = make_op(hub, "spmm", 64, "sum", "float16")
     hmod = SM.from_op(hop)
     base = {**t.default_params(hmod), "group": 8, "vec": 8, "cf": 1, "rows_per_warp": 1, "max_seg": 64, "unroll": 8}
-    assert tuple(t.space(hmod)["warp_combine"].choices) == (0, 1)
+    assert tuple(t.space(hmod)["warp_combine"].choices) == (0, 1, 2)
     got = t.probe_variants(base, hop)
     wc = [{**base, "warp_combine": 1}, {**base, "warp_combine": 1, "max_seg": 128},
           {**base, "warp_combine": 1, "combine_vals": 16}, {**base, "warp_combine": 1, "unroll": 16}]
@@ -710,4 +738,4 @@ def test_warp_combine_rule_and_space():
                   ({**base, "warp_combine": 1, "flat": 1}, 0), ({**base, "warp_combine": 1, "rows_per_warp": 4}, 0)):
         assert t.search_params(q)["warp_combine"] == wc
     with pytest.raises(ValueError, match="warp_combine"):
-        t.build(hmod, {**base, "warp_combine": 2}, compile=False)
+        t.build(hmod, {**base, "warp_combine": 3}, compile=False)

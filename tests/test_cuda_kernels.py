@@ -352,19 +352,21 @@ WARP_COMBINE_SPMM_PARAMS = (
 @pytest.mark.parametrize("dtype, tol", [("float32", 1e-5), ("float16", 2e-2), ("bfloat16", 5e-2)])
 @pytest.mark.parametrize("K", [1, 33, 128])
 def test_warp_combine_spmm(dtype, tol, K):
-    """csr.crc_cwm with warp_combine=1: every reduction, the split rows' slices reduced across
-    each warp's row groups (flagged slots, one per warp) before the combine, empty rows, with and
-    without a degree order; the NaN-poisoned output fully written and equal to the float64
-    reference, twice in a row (the split-row counters reset)."""
-    from spcompile.kernels.csr.packer import WARP_SLICES
+    """csr.crc_cwm with warp_combine 1 / 2: every reduction, the split rows' slices reduced across
+    each warp's row groups (flagged slots, one per warp) before the combine, rows a warp holds
+    whole written by it (2: every split row of fewer slices than the warp's groups), empty rows,
+    with and without a degree order; the NaN-poisoned output fully written and equal to the
+    float64 reference, twice in a row (the split-row counters reset)."""
+    from spcompile.kernels.csr.packer import WARP_ROW, WARP_SLICES
 
     def warp_reduced(mod, p):
         slot = mod.kernel.arrays["seg_slot"]
         assert (slot >= WARP_SLICES).sum() >= 2 * (32 // p["group"])
+        assert p["warp_combine"] == 1 or (slot == WARP_ROW).sum() >= 2 * (32 // p["group"])
 
-    _check_crc_cwm(dtype, tol, K, [({**deep_unroll_params(p, dtype), "warp_combine": 1},
+    _check_crc_cwm(dtype, tol, K, [({**deep_unroll_params(p, dtype), "warp_combine": wc},
                                     ["reorder.degree"] if i == 1 else [])
-                                   for i, p in enumerate(WARP_COMBINE_SPMM_PARAMS)], warp_reduced)
+                                   for wc in (1, 2) for i, p in enumerate(WARP_COMBINE_SPMM_PARAMS)], warp_reduced)
 
 
 def deep_unroll_params(p, dtype):

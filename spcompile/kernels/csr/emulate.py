@@ -13,7 +13,7 @@ from typing import Mapping
 import numpy as np
 
 from ...core.numerics import round_to
-from .packer import WARP_SLICES
+from .packer import WARP_ROW, WARP_SLICES
 
 __all__ = ["spmm_columns", "spmm_segments", "sddmm_columns", "emulate_spmm", "emulate_sddmm", "emulate_kernel"]
 
@@ -71,7 +71,8 @@ def emulate_spmm(arrays: Mapping[str, np.ndarray], X: np.ndarray, reduce: str, m
     number of writes of the launch (:func:`spmm_columns`); columns never written stay NaN.
     ``segments``: the segments the launch processes (:func:`spmm_segments`); the others write
     nothing (their rows stay NaN, their split rows are never combined).  Slices flagged
-    ``WARP_SLICES`` (one warp's row groups) are reduced into their shared slot first."""
+    ``WARP_SLICES`` (one warp's row groups) are reduced into their shared slot first, and runs of
+    ``WARP_ROW`` slices of one output row into that row."""
     X = np.asarray(X, dtype=np.float32)
     K = X.shape[1]
     a = {k: np.asarray(v) for k, v in arrays.items()}
@@ -96,8 +97,14 @@ def emulate_spmm(arrays: Mapping[str, np.ndarray], X: np.ndarray, reduce: str, m
 
     ran = np.ones(lens.size, bool) if segments is None else np.asarray(segments, bool)
     raw = a["seg_slot"].astype(np.int64)
-    whole = raw < 0
+    whole = raw == -1
     store(a["seg_out"][whole & ran], acc[whole & ran], lens[whole & ran])
+    # WARP_ROW slices: a warp's consecutive segments of one row, reduced and written as the row
+    wr = np.flatnonzero((raw == WARP_ROW) & ran)
+    if wr.size:
+        starts = np.flatnonzero(np.diff(a["seg_out"][wr], prepend=-1) != 0)
+        store(a["seg_out"][wr[starts]], ufunc.reduceat(acc[wr], starts, axis=0), np.add.reduceat(lens[wr], starts))
+    whole = raw < 0
     # slices flagged WARP_SLICES share their warp's slot: reduced together before it is written
     slot_of = np.where(raw >= WARP_SLICES, raw - WARP_SLICES, raw)
     sel = ~whole & ran

@@ -8,12 +8,15 @@ import numpy as np
 from ...core.ir import SparseModule
 from ..base import csr_kernel_arrays
 
-__all__ = ["WARP_SLICES", "spmm_partition", "warp_slice_order", "flat_groups", "sddmm_partition", "pack_spmm",
+__all__ = ["WARP_SLICES", "WARP_ROW", "spmm_partition", "warp_slice_order", "flat_groups", "sddmm_partition", "pack_spmm",
            "pack_sddmm"]
 
 #: ``seg_slot`` bit of a slice whose warp reduces its row groups' accumulators before writing one
 #: partial (``spmm_crc_cwm.cu``'s SPC_WARP_SLICES)
 WARP_SLICES = 1 << 30
+#: ``seg_slot`` of the slices of a row one warp's row groups hold whole (SPC_WARP_ROW): the warp's
+#: sum is written as the row
+WARP_ROW = -2
 
 
 def _i32(a) -> np.ndarray:
@@ -31,53 +34,68 @@ def _slices(indptr: np.ndarray, nch: np.ndarray) -> tuple[np.ndarray, np.ndarray
     return seg_row, np.append(seg_start, indptr[-1] if m else 0)
 
 
-def _slice_counts(lens: np.ndarray, max_seg: int, warp_slices: int = 1) -> tuple[np.ndarray, np.ndarray]:
+def _slice_counts(lens: np.ndarray, max_seg: int, warp_slices: int = 1,
+                  warp_rows: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Slices of each row, at most ``max_seg`` nonzeros each (0: whole rows), and which rows
-    are warp-reduced: with ``warp_slices`` W > 1 a row of at least W slices (a hub that fills the
-    W row groups of a warp) gets a multiple of W; rows of 2 .. W - 1 slices are split as before."""
+    one warp's W = ``warp_slices`` row groups take together: ``sliced``, rows of more than W
+    slices (a multiple of W: a warp a W slices, reduced into one partial), and ``whole``, rows
+    of exactly W slices (the warp's sum is the row) -- with ``warp_rows`` also the rows of 2 .. W
+    slices, cut into W.  Other rows are split as before."""
     if max_seg and max_seg > 0:
         nch = np.maximum(1, -(-lens // int(max_seg)))
     else:
         nch = np.ones(lens.size, dtype=np.int64)
     W = int(warp_slices)
-    warp = (nch >= W) & (nch > 1) if W > 1 else np.zeros(lens.size, bool)
-    nch[warp] = -(-nch[warp] // W) * W
-    return nch, warp
+    if W <= 1:
+        none = np.zeros(lens.size, bool)
+        return nch, none, none
+    sliced = nch > W
+    whole = (nch >= (2 if warp_rows else W)) & (nch <= W)
+    nch[sliced] = -(-nch[sliced] // W) * W
+    nch[whole] = W
+    return nch, sliced, whole
 
 
-def warp_slice_order(indptr: np.ndarray, max_seg: int, warp_slices: int) -> np.ndarray:
-    """The row order :func:`spmm_partition` needs for ``warp_slices`` > 1: the warp-reduced rows
-    first, every other row after them in its order (a stable sort)."""
+def warp_slice_order(indptr: np.ndarray, max_seg: int, warp_slices: int, warp_rows: bool = False) -> np.ndarray:
+    """The row order :func:`spmm_partition` needs for ``warp_slices`` > 1: the rows reduced into
+    partials a warp at a time first, then the rows one warp holds whole, then every other row in
+    its order (a stable sort)."""
     lens = np.diff(np.asarray(indptr, dtype=np.int64))
-    return np.argsort(~_slice_counts(lens, max_seg, warp_slices)[1], kind="stable")
+    _, sliced, whole = _slice_counts(lens, max_seg, warp_slices, warp_rows)
+    return np.argsort(np.where(sliced, 0, np.where(whole, 1, 2)), kind="stable")
 
 
-def spmm_partition(indptr: np.ndarray, row_ids: np.ndarray, max_seg: int,
-                   warp_slices: int = 1) -> dict[str, np.ndarray]:
+def spmm_partition(indptr: np.ndarray, row_ids: np.ndarray, max_seg: int, warp_slices: int = 1,
+                   warp_rows: bool = False) -> dict[str, np.ndarray]:
     """Cut rows into segments of at most ``max_seg`` nonzeros (0: whole rows).  Returns the arrays
     of ``spmm_crc_cwm.cu``: seg_ptr, seg_out, seg_slot, grp_ptr, slot_grp, grp_out, grp_len.
 
-    ``warp_slices`` W > 1 (one-segment row groups of 32 / W lanes): a row of at least W slices
-    gets a multiple of W, and every W consecutive slices of it (one warp's row groups, aligned
-    since these rows must come first: :func:`warp_slice_order`) share one partial slot, flagged
-    ``WARP_SLICES`` in ``seg_slot``: the warp reduces them before writing it."""
+    ``warp_slices`` W > 1 (one-segment row groups of 32 / W lanes): a row of more than W slices
+    gets a multiple of W, and every W consecutive slices of it (one warp's row groups) share one
+    partial slot, flagged ``WARP_SLICES`` in ``seg_slot``: the warp reduces them before writing
+    it.  A row of exactly W slices (with ``warp_rows`` any row of 2 .. W slices, cut into W) is
+    one warp's: ``seg_slot`` ``WARP_ROW`` on its W slices, the warp's sum written as the row, no
+    partial.  These rows must come first, in that order (:func:`warp_slice_order`), so that
+    their warps are aligned."""
     indptr = np.asarray(indptr, dtype=np.int64)
     lens = np.diff(indptr)
     W = max(1, int(warp_slices))
-    nch, warp = _slice_counts(lens, max_seg, W)
+    nch, sliced, whole = _slice_counts(lens, max_seg, W, warp_rows)
     seg_row, seg_ptr = _slices(indptr, nch)
-    split_rows = np.flatnonzero(nch > 1)
-    nwarp = int(nch[warp].sum())                        # segments of the warp-reduced rows
-    if nwarp and not warp[seg_row[:nwarp]].all():
+    n_sl, n_wh = int(nch[sliced].sum()), int(nch[whole].sum())
+    if not (sliced[seg_row[:n_sl]].all() and whole[seg_row[n_sl:n_sl + n_wh]].all()):
         raise ValueError("warp-reduced rows must come first (warp_slice_order)")
     # slots: one per W slices of a warp-reduced row, one per slice of another split row
-    per_row = np.where(warp[split_rows], nch[split_rows] // W, nch[split_rows])
+    slotted = (nch > 1) & ~whole
+    split_rows = np.flatnonzero(slotted)
+    per_row = np.where(sliced[split_rows], nch[split_rows] // W, nch[split_rows])
     grp_ptr = np.concatenate([[0], np.cumsum(per_row)])
     slot_grp = np.repeat(np.arange(split_rows.size), per_row)
     seg_slot = np.full(seg_row.size, -1, dtype=np.int64)
-    seg_slot[:nwarp] = (np.arange(nwarp) // W) | WARP_SLICES
-    rest = np.flatnonzero(nch[seg_row] > 1)[nwarp:] if nwarp else np.flatnonzero(nch[seg_row] > 1)
-    seg_slot[rest] = nwarp // W + np.arange(rest.size)
+    seg_slot[:n_sl] = (np.arange(n_sl) // W) | WARP_SLICES
+    seg_slot[n_sl:n_sl + n_wh] = WARP_ROW
+    rest = np.flatnonzero(slotted[seg_row] & ~sliced[seg_row])
+    seg_slot[rest] = n_sl // W + np.arange(rest.size)
     row_ids = np.asarray(row_ids, dtype=np.int64)
     return {"seg_ptr": _i32(seg_ptr), "seg_out": _i32(row_ids[seg_row]), "seg_slot": _i32(seg_slot),
             "grp_ptr": _i32(grp_ptr), "slot_grp": _i32(slot_grp), "grp_out": _i32(row_ids[split_rows]),
@@ -126,21 +144,21 @@ def sddmm_partition(indptr: np.ndarray, row_ids: np.ndarray, nnz_per_warp: int,
 
 
 def pack_spmm(mod: SparseModule, max_seg: int, flat: bool = False, segs_per_group: int = 1,
-              group_nnz: int = 0, warp_slices: int = 1) -> dict[str, np.ndarray]:
+              group_nnz: int = 0, warp_slices: int = 1, warp_rows: bool = False) -> dict[str, np.ndarray]:
     """Arrays of ``csr.crc_cwm``: the CSR columns / values, the row partition and, for the flat
     layout, the row groups (``grp_seg``, :func:`flat_groups`; empty otherwise).  ``warp_slices``
-    > 1: the rows of at least that many slices moved first (:func:`warp_slice_order`; outputs
-    still go to each row's ``row_ids``) and cut for :func:`spmm_partition`'s warp-reduced slices."""
+    > 1: the rows whole warps take moved first (:func:`warp_slice_order`; outputs still go to
+    each row's ``row_ids``) and cut for :func:`spmm_partition`."""
     ka = csr_kernel_arrays(mod, np.int32)
     indptr, indices, data, row_ids = ka["indptr"], ka["indices"], ka["data"], ka["row_ids"]
     if int(warp_slices) > 1:
-        order = warp_slice_order(indptr, max_seg, warp_slices)
+        order = warp_slice_order(indptr, max_seg, warp_slices, warp_rows)
         if np.any(order != np.arange(order.size)):
             lens = np.diff(indptr.astype(np.int64))[order]
             new_ptr = np.concatenate([[0], np.cumsum(lens)])
             src = np.repeat(indptr[:-1].astype(np.int64)[order] - new_ptr[:-1], lens) + np.arange(int(new_ptr[-1]))
             indptr, indices, data, row_ids = new_ptr, indices[src], data[src], np.asarray(row_ids)[order]
-    part = spmm_partition(indptr, row_ids, max_seg, warp_slices)
+    part = spmm_partition(indptr, row_ids, max_seg, warp_slices, warp_rows)
     grp_seg = flat_groups(part["seg_ptr"], segs_per_group, group_nnz) if flat else np.zeros(0, np.int32)
     return {"indices": _i32(indices), "data": data, **part, "grp_seg": grp_seg}
 

@@ -39,7 +39,8 @@
 //   seg_out[s]                output row (caller's order) of a whole-row segment
 //   seg_slot[s]               -1 for a whole row; else its slot in the partial-result workspace,
 //                             with bit 30 (SPC_WARP_SLICES) set where the warp's 32 / G groups
-//                             (one segment each) hold slices of one row that share the slot
+//                             (one segment each) hold slices of one row that share the slot;
+//                             -2 (SPC_WARP_ROW) where they hold all of one row (written directly)
 // Split rows (load balance for very long rows) are combined in the same launch: every slice writes
 // its partial to part[slot*K ...], and the last slice to finish (atomic counter per row group and
 // column tile, classic threadfence-reduction pattern) combines all partials in slot order
@@ -53,6 +54,8 @@ namespace spc {
 
 // seg_slot bit of a slice whose warp combines its groups' accumulators before writing one partial
 #define SPC_WARP_SLICES (1 << 30)
+// seg_slot of a slice whose warp holds the whole row: the warp's sum is written as the row
+#define SPC_WARP_ROW (-2)
 
 template <int R> __device__ __forceinline__ float red_init() {
   return R == 1 ? -CUDART_INF_F : (R == 2 ? CUDART_INF_F : 0.0f);
@@ -203,7 +206,29 @@ __device__ __forceinline__ void spmm_crc_cwm(
 
   // what a segment's accumulator becomes: its output row (whole row) or its partial slot (slice
   // of a split row; the last slice of the row group combines).  Group-uniform control flow.
-  auto finish = [&](const int slot, const int out_row, float (&acc)[CF][VEC], const int len) {
+  auto finish = [&](const int seg_slot_value, const int out_row, float (&acc)[CF][VEC], const int seg_len) {
+    int slot = seg_slot_value, len = seg_len;
+    if (slot == SPC_WARP_ROW || (slot >= 0 && (slot & SPC_WARP_SLICES))) {
+      // the warp's 32 / G row groups (one segment each, warp-aligned: the packer's warp_combine)
+      // hold consecutive slices of one row: their accumulators are reduced across the warp
+      // (butterfly, a fixed order) and the warp's first group goes on with the sum -- as the
+      // whole row (SPC_WARP_ROW: the warp holds all of it) or as one partial of the shared slot,
+      // so a hub's combine reads 32 / G times fewer partials
+#pragma unroll
+      for (int off = G; off < 32; off *= 2)
+#pragma unroll
+        for (int c = 0; c < CF; ++c)
+#pragma unroll
+          for (int v = 0; v < VEC; ++v) acc[c][v] = red_op<R>(acc[c][v], __shfl_xor_sync(0xffffffffu, acc[c][v], off));
+      if (slot == SPC_WARP_ROW) {
+#pragma unroll
+        for (int off = G; off < 32; off *= 2) len += __shfl_xor_sync(0xffffffffu, len, off);
+        slot = -1;
+      } else {
+        slot &= ~SPC_WARP_SLICES;
+      }
+      if (threadIdx.x % 32 >= G) return;
+    }
     if (slot < 0) {                                 // whole row: finish and write
       const float scale = (R == 3 && len > 0) ? 1.0f / (float)len : 1.0f;
       T* yrow = Y + (size_t)out_row * K;
@@ -218,21 +243,7 @@ __device__ __forceinline__ void spmm_crc_cwm(
         }
       }
     } else {                                        // slice of a split row
-      int sl = slot;
-      if (slot & SPC_WARP_SLICES) {
-        // the warp's 32 / G row groups hold consecutive slices of one row (one-segment groups,
-        // warp-aligned, the same flagged slot: the packer's warp_combine): their accumulators
-        // are reduced across the warp (butterfly, a fixed order) and one partial is written, so
-        // a hub's combine reads 32 / G times fewer partials
-        sl = slot & ~SPC_WARP_SLICES;
-#pragma unroll
-        for (int off = G; off < 32; off *= 2)
-#pragma unroll
-          for (int c = 0; c < CF; ++c)
-#pragma unroll
-            for (int v = 0; v < VEC; ++v) acc[c][v] = red_op<R>(acc[c][v], __shfl_xor_sync(0xffffffffu, acc[c][v], off));
-        if (threadIdx.x % 32 >= G) return;          // the warp's first group goes on
-      }
+      const int sl = slot;
       float* prow = part + (size_t)sl * K;
 #pragma unroll
       for (int c = 0; c < CF; ++c) {

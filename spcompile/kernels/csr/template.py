@@ -23,7 +23,7 @@ import numpy as np
 from ..base import (check_entries, float_array, index_array, meta_int, pointer_array, register_template,
                     typed_array, unique_params)
 from ..nvcc import AtLeast, LaunchSpec, NvccKernel, NvccTemplate
-from .packer import WARP_SLICES, pack_sddmm, pack_spmm, sddmm_partition, spmm_partition  # noqa: F401 (public here too)
+from .packer import WARP_ROW, WARP_SLICES, pack_sddmm, pack_spmm, sddmm_partition, spmm_partition  # noqa: F401 (public here too)
 
 _REDUCE = {"sum": 0, "max": 1, "min": 2, "mean": 3}
 #: the element types of X / Y / output the kernels compile for (template argument TN = DTYPES code);
@@ -107,7 +107,9 @@ class CrcCwm(NvccTemplate):
     one, cut by ``max_seg``: an nnz-balanced schedule for graphs of short rows and hubs);
     ``warp_combine=1``: a row of at least a warp's worth of slices (32 / ``group`` one-segment
     row groups) has its slices reduced across the warp by shuffles before one partial a warp
-    goes to the split-row combine (hub rows combine from fewer partials).  Any K >= 1.  X / Y in
+    goes to the split-row combine (hub rows combine from fewer partials), or is written by the
+    warp when it holds all of it; ``warp_combine=2``: also rows of fewer slices, each cut into a
+    warp's slices and written by it.  Any K >= 1.  X / Y in
     float32, float16 or bfloat16 (fp32 accumulation, one rounding of Y)."""
 
     name = "csr.crc_cwm"
@@ -129,7 +131,7 @@ class CrcCwm(NvccTemplate):
                 "max_seg": C([0, 8, 16, 32, 64, 256, 1024, 4096]), "unroll": C(_unroll_choices(mod.op.dtype)),
                 "flat": C([0, 1]),
                 "min_blocks": C(list(self.MIN_BLOCKS)), "flat_nnz": C(list(self.FLAT_NNZ)),
-                "combine_vals": C(list(self.COMBINE_VALS)), "warp_combine": C([0, 1])}
+                "combine_vals": C(list(self.COMBINE_VALS)), "warp_combine": C([0, 1, 2])}
 
     @staticmethod
     def heuristic(K: int, max_row: int, mean_row: float, dtype: str = "float32") -> dict:
@@ -310,10 +312,10 @@ class CrcCwm(NvccTemplate):
         times fewer partials to combine, so longer slices cost less there), and the
         warp-reduced :meth:`capped_combine` and :meth:`deep_unroll` variants of ``params`` (the
         16-bit kernels of 8 rows in flight a lane take 151 registers uncapped).  On the H100,
-        ``build()`` on the 17 graphs over 200k nonzeros kept one of them on 8 / 8 graphs at 16-bit
-        K = 64 / 128 and 7 in fp32 at K=64 (16-bit K=64: twitch_de 16.8 -> 13.3 us, wiki_squirrel
-        15.3 -> 12.6 us); as a rule it lost on others (fb100_mit8 at 16-bit K=64: 15.1 -> 19.2
-        us with every split row warp-reduced), hence measured
+        ``build()`` on the 17 graphs over 200k nonzeros kept one of them on 9 / 8 graphs at 16-bit
+        K = 64 / 128 and 10 in fp32 at K=64 (16-bit K=64: twitch_de 16.8 -> 13.5 us,
+        wiki_squirrel 15.4 -> 12.6 us); as a rule it lost on others (fb100_mit8 at 16-bit K=64:
+        15.1 -> 19.2 us with every split row warp-reduced), hence measured
         (``docs/benchmarks/h100_crc_cwm_experiments.md``)."""
         p = {**self.absent_params, **params}
         ms = int(p["max_seg"])
@@ -378,13 +380,16 @@ class CrcCwm(NvccTemplate):
         return {"cf": (1, 2, 4, 8), "vec": _vec_choices(mod.op.dtype), "group": (4, 8, 16, 32),
                 "unroll": (1, 2, 4, 8, DEEP_UNROLL), "warps_per_block": (1, 2, 4, 8), "rows_per_warp": AtLeast(1),
                 "max_seg": AtLeast(0), "flat": (0, 1), "min_blocks": self.MIN_BLOCKS, "flat_nnz": AtLeast(0),
-                "combine_vals": self.COMBINE_VALS, "warp_combine": (0, 1)}
+                "combine_vals": self.COMBINE_VALS, "warp_combine": (0, 1, 2)}
 
     @staticmethod
     def warp_slices(params) -> int:
-        """Row groups of a warp that reduce their slices of one split row before writing one
-        partial (``warp_combine``): 32 / ``group`` for one-segment groups (``flat`` 0,
-        ``rows_per_warp`` 1) narrower than a warp, else 1 (``warp_combine`` has no effect)."""
+        """Row groups of a warp that take slices of one row together and reduce them by shuffles
+        (``warp_combine``): 32 / ``group`` for one-segment groups (``flat`` 0, ``rows_per_warp``
+        1) narrower than a warp, else 1 (``warp_combine`` has no effect).  ``warp_combine`` 1: rows
+        of W = 32 / ``group`` slices or more (a multiple of W; one partial a warp, or the row
+        itself when the warp holds all of it); 2: also rows of 2 .. W - 1 slices, cut into W and
+        written by their warp (no partial, no combine)."""
         p = {**CrcCwm.absent_params, **params}
         g = int(p["group"])
         if not int(p["warp_combine"]) or int(p["flat"]) or int(p["rows_per_warp"]) != 1 or g >= 32:
@@ -394,7 +399,7 @@ class CrcCwm(NvccTemplate):
     def pack(self, mod, params):
         p = {**self.absent_params, **params}
         return pack_spmm(mod, int(p["max_seg"]), bool(int(p["flat"])), int(p["rows_per_warp"]), int(p["flat_nnz"]),
-                         self.warp_slices(p))
+                         self.warp_slices(p), int(p["warp_combine"]) == 2)
 
     def check_arrays(self, key, params, arrays, meta, values=None):
         """Every index the kernel follows stays in its array or in X / Y, and the entries rebuild
@@ -414,35 +419,40 @@ class CrcCwm(NvccTemplate):
         ngrp = grp_ptr.size - 1
         if slot_grp.size and int(slot_grp.max()) >= ngrp:
             raise ValueError(f"array 'slot_grp' holds values outside [0, {ngrp})")
-        raw_slot = index_array(arrays, "seg_slot", -1, WARP_SLICES + slot_grp.size, seg_out.size)
+        raw_slot = index_array(arrays, "seg_slot", WARP_ROW, WARP_SLICES + slot_grp.size, seg_out.size)
         warp = raw_slot >= WARP_SLICES                               # warp-reduced slices
+        wrow = raw_slot == WARP_ROW                                  # slices of a row one warp holds
         seg_slot = np.where(warp, raw_slot - WARP_SLICES, raw_slot)
         if np.any(seg_slot >= slot_grp.size):
-            raise ValueError(f"array 'seg_slot' holds values outside [-1, {slot_grp.size}) (flag bits aside)")
+            raise ValueError(f"array 'seg_slot' holds values outside [-2, {slot_grp.size}) (flag bits aside)")
         grp_out = index_array(arrays, "grp_out", 0, max(m, 1), ngrp)
         grp_len = index_array(arrays, "grp_len", 0, nnz + 1, ngrp)
         split = seg_slot >= 0
-        writers = np.concatenate([seg_out[~split], grp_out])       # who writes each output row
-        if writers.size != m or (m and not np.all(np.bincount(writers, minlength=m) == 1)):
-            raise ValueError("every output row must be written by exactly one segment or row group")
-        once = np.bincount(seg_slot[split & ~warp], minlength=slot_grp.size)
-        in_warps = np.bincount(seg_slot[warp], minlength=slot_grp.size)
-        if warp.any():
-            # a warp-reduced slot is written by all 32 / G row groups of one warp (one segment
-            # each: the kernel's full-warp shuffles must find every lane there)
+        W = 1
+        if warp.any() or wrow.any():
+            # warp-reduced slices fill all 32 / G row groups of one warp (one segment each: the
+            # kernel's full-warp shuffles must find every lane there), with one slot or one row
             W = self.warp_slices(params)
             inst = meta.get("instances")
             if W == 1 or not isinstance(inst, (list, tuple)) or not all(
                     isinstance(i, (list, tuple)) and len(i) == 2 and len(i[1]) >= 7
                     and int(i[1][4]) == int(params["group"]) and int(i[1][6]) == 0 for i in inst):
-                raise ValueError("array 'seg_slot' flags warp-reduced slices, which need warp_combine=1 with "
+                raise ValueError("array 'seg_slot' flags warp-reduced slices, which need warp_combine with "
                                  "one-segment row groups (flat 0, rows_per_warp 1) narrower than a warp")
-            pad = np.concatenate([raw_slot, np.full(-raw_slot.size % W, -1, np.int64)]).reshape(-1, W)
-            flagged = (pad >= WARP_SLICES).any(axis=1)
-            if not np.all(pad[flagged] == pad[flagged][:, :1]):
-                raise ValueError(f"array 'seg_slot': a warp-reduced slot must be every one of a warp's {W} "
-                                 f"segments (warp-aligned)")
-            in_warps = in_warps // W
+            fill = -raw_slot.size % W
+            pad = np.concatenate([raw_slot, np.full(fill, -1, np.int64)]).reshape(-1, W)
+            outs = np.concatenate([seg_out, np.full(fill, -1, np.int64)]).reshape(-1, W)
+            flagged = ((pad >= WARP_SLICES) | (pad == WARP_ROW)).any(axis=1)
+            if not (np.all(pad[flagged] == pad[flagged][:, :1])
+                    and np.all(outs[pad[:, 0] == WARP_ROW] == outs[pad[:, 0] == WARP_ROW][:, :1])):
+                raise ValueError(f"array 'seg_slot': warp-reduced slices must be every one of a warp's {W} "
+                                 f"segments (warp-aligned), of one slot or one output row")
+        # who writes each output row: a whole-row segment, a warp holding a row, a row group
+        writers = np.concatenate([seg_out[seg_slot == -1], seg_out[np.flatnonzero(wrow)[::W]], grp_out])
+        if writers.size != m or (m and not np.all(np.bincount(writers, minlength=m) == 1)):
+            raise ValueError("every output row must be written by exactly one segment or row group")
+        once = np.bincount(seg_slot[split & ~warp], minlength=slot_grp.size)
+        in_warps = np.bincount(seg_slot[warp], minlength=slot_grp.size) // W
         if not np.all(once + in_warps == 1):
             raise ValueError("array 'seg_slot' must name every partial-result slot exactly once")
         row = np.where(split, grp_out[slot_grp[np.maximum(seg_slot, 0)]] if ngrp else 0, seg_out)
