@@ -2,7 +2,12 @@
 with ``warp_combine=1``, and that with other ``max_seg`` / ``unroll`` / ``combine_vals``: every
 cell built through ``build_from_config``, checked against float64 and timed by the Timer rule.
 
-    python benchmarks/experiments/hub_combine/warp_combine_cells.py [GRAPH ...] [--build-only]
+    python benchmarks/experiments/hub_combine/warp_combine_cells.py [GRAPH ...] [--v1] [--build-only]
+
+``--v1``: the cells of ``h100_warp_combine_cells_v1.json`` (``warp_combine`` 1 with other
+``max_seg``, ``unroll`` and ``combine_vals``); default: ``warp_combine`` 1 and 2 on the
+module's parameters, with twice as long slices, and (16-bit) as the capped ``unroll`` 8 and the
+``unroll`` 16 kernel.
 
 Writes ``wcdiag.json`` under ``$OUT`` (else the working directory).
 """
@@ -35,12 +40,21 @@ for table, dt, K in CASES:
         lens = np.diff(A.tocsr().indptr)
         cfg = Config.from_dict(cfgd)
         tpl = get_template(cfg.template)
-        wc = {**p0, "warp_combine": 1}
-        cells = [p0, wc] + [{**wc, "max_seg": ms} for ms in (16, 32, 64, 128) if ms != int(p0["max_seg"])]
-        us_ = (16, 4) if dt == "float16" else (8, 4)
-        cells += [{**wc, "unroll": u, "combine_vals": 0} for u in us_ if u != int(p0["unroll"])]
-        if dt == "float16":
-            cells.append({**wc, "unroll": 8, "combine_vals": 16})
+        if "--v1" in sys.argv:               # the cells of h100_warp_combine_cells_v1.json
+            wc = {**p0, "warp_combine": 1}
+            cells = [p0, wc] + [{**wc, "max_seg": ms} for ms in (16, 32, 64, 128) if ms != int(p0["max_seg"])]
+            us_ = (16, 4) if dt == "float16" else (8, 4)
+            cells += [{**wc, "unroll": u, "combine_vals": 0} for u in us_ if u != int(p0["unroll"])]
+            if dt == "float16":
+                cells.append({**wc, "unroll": 8, "combine_vals": 16})
+        else:                                # warp_combine 1 / 2 on the lead, twice as long slices, capped, deep
+            ms = int(p0["max_seg"])
+            cells = [p0]
+            for w in (1, 2):
+                cells += [{**p0, "warp_combine": w}, {**p0, "warp_combine": w, "max_seg": 2 * ms}]
+                if dt == "float16":
+                    cells += [{**p0, "warp_combine": w, "unroll": 8, "combine_vals": 16},
+                              {**p0, "warp_combine": w, "unroll": 16, "combine_vals": 0}]
         seen, uniq = set(), []
         for c in cells:
             k = json.dumps(c, sort_keys=True)
@@ -62,7 +76,7 @@ for table, dt, K in CASES:
             print(r["graph"], dt, K, len(uniq), "built", flush=True); continue
         b = r["columns"]["default"].get("seconds")
         line = " ".join(f"{c['us']:.1f}" if c["us"] else "nan" for c in res)
-        print(f"{r['graph']:22s} {dt} K={K:3d} maxrow={lens.max():5d} orig {res[0]['us']:.1f} wc {res[1]['us']:.1f} | {line}", flush=True)
+        print(f"{r['graph']:22s} {dt} K={K:3d} maxrow={lens.max():5d} | {line}", flush=True)
         out.append({"graph": r["graph"], "dtype": dt, "K": K, "cells": res})
         w.release()
         json.dump(out, open(os.path.join(os.environ.get("OUT", "."), "wcdiag.json"), "w"), indent=1)
