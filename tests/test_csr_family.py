@@ -715,16 +715,22 @@ def test_warp_combine_rule_and_space():
     base = {**t.default_params(hmod), "group": 8, "vec": 8, "cf": 1, "rows_per_warp": 1, "max_seg": 64, "unroll": 8}
     assert tuple(t.space(hmod)["warp_combine"].choices) == (0, 1, 2)
     got = t.probe_variants(base, hop)
-    wc = [{**base, "warp_combine": 1}, {**base, "warp_combine": 1, "max_seg": 128},
-          {**base, "warp_combine": 1, "combine_vals": 16}, {**base, "warp_combine": 1, "unroll": 16}]
-    assert got[-4:] == wc == t.warp_combined(base, hop)        # also of the capped and deep variants
+    assert t.warp_combined(base, hop) == [{**base, "warp_combine": 1}, {**base, "warp_combine": 1, "max_seg": 128}]
+    # the second round: on the lead, its capped and its deep (unroll 16) variant, each with
+    # twice as long slices too
+    wc = [{**b, "warp_combine": 1, **ms} for b in (base, {**base, "combine_vals": 16}, {**base, "unroll": 16})
+          for ms in ({}, {"max_seg": 128})]
+    assert got[-6:] == wc
     for p in wc:
         t.check_params(hmod, p)
-    assert t.warp_combined({**base, "unroll": 16}, hop) == [{**base, "unroll": 16, "warp_combine": 1},
-                                                             {**base, "unroll": 16, "warp_combine": 1, "max_seg": 128}]
+    u2 = {**base, "unroll": 2}                                  # its capped neighbour is the u8 shape's
+    assert [v for v in t.probe_variants(u2, hop) if v.get("warp_combine")] == [
+        {**b, "warp_combine": 1, **ms} for b in (u2, {**base, "combine_vals": 16}, {**base, "unroll": 16})
+        for ms in ({}, {"max_seg": 128})]
     fop = make_op(hub, "spmm", 32, "sum", "float32")            # fp32: neither capped nor deep
     f = {**base, "vec": 4, "group": 8}
-    assert t.warp_combined(f, fop) == [{**f, "warp_combine": 1}, {**f, "warp_combine": 1, "max_seg": 128}]
+    assert [v for v in t.probe_variants(f, fop) if v.get("warp_combine")] == \
+        [{**f, "warp_combine": 1}, {**f, "warp_combine": 1, "max_seg": 128}]
     assert t.warp_combined({**base, "max_seg": 128}, hop) == []             # 257 < 4 slices of 128... 3 slices
     assert t.warp_combined({**base, "max_seg": 0}, hop) == []
     assert t.warp_combined({**base, "group": 32}, hop) == []                # one group a warp

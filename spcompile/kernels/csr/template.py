@@ -297,24 +297,27 @@ class CrcCwm(NvccTemplate):
             out.append({**dict(params), **self.shape_params(shape, cf)})
         # the capped combine of the lead and of its block-shape neighbours (a u8 kernel may win
         # capped where it lost, uncapped, to the u2 lead of the first round)
-        caps = [self.capped_combine(v, op) for v in [dict(params)] + out[-len(self.SHAPES):]]
-        out += [c for c in caps if c is not None]
+        caps = [c for c in (self.capped_combine(v, op) for v in [dict(params)] + out[-len(self.SHAPES):])
+                if c is not None]
+        out += caps
         deep = self.deep_unroll(params, op)
         if deep is not None:
             out.append(deep)
-        out += self.warp_combined(params, op)
+        # warp-reduced hub rows on the lead and on its capped and deep variants
+        for base in [dict(params)] + caps + ([deep] if deep is not None else []):
+            out += self.warp_combined(base, op)
         return [v for v in unique_params(out) if v != dict(params)]
 
     def warp_combined(self, params, op=None) -> list:
         """Where ``params`` would cut a row of ``op`` into at least 32 / ``group`` slices (one per
         row group of a warp: :meth:`warp_slices` with ``warp_combine``): ``params`` with
-        ``warp_combine`` 1, that with slices twice as long (a warp-reduced hub has 32 / ``group``
-        times fewer partials to combine, so longer slices cost less there), and the
-        warp-reduced :meth:`capped_combine` and :meth:`deep_unroll` variants of ``params`` (the
-        16-bit kernels of 8 rows in flight a lane take 151 registers uncapped).  On the H100,
-        ``build()`` on the 17 graphs over 200k nonzeros kept one of them on 9 / 8 graphs at 16-bit
-        K = 64 / 128 and 10 in fp32 at K=64 (16-bit K=64: twitch_de 16.8 -> 13.5 us,
-        wiki_squirrel 15.4 -> 12.6 us); as a rule it lost on others (fb100_mit8 at 16-bit K=64:
+        ``warp_combine`` 1, and that with slices twice as long (a warp-reduced hub has 32 /
+        ``group`` times fewer partials to combine, so longer slices cost less there).
+        :meth:`probe_variants` measures them on the lead and on its capped and deep variants
+        (the 16-bit kernels of 8 rows in flight a lane take 151 registers uncapped).  On the H100,
+        ``build()`` on the 17 graphs over 200k nonzeros kept one of them on 11 / 10 graphs at
+        16-bit K = 64 / 128 and 10 in fp32 at K=64 (16-bit K=64: twitch_de 16.7 -> 13.1 us,
+        wiki_squirrel 15.5 -> 12.5 us); as a rule it lost on others (fb100_mit8 at 16-bit K=64:
         15.1 -> 19.2 us with every split row warp-reduced), hence measured
         (``docs/benchmarks/h100_crc_cwm_experiments.md``)."""
         p = {**self.absent_params, **params}
@@ -325,11 +328,7 @@ class CrcCwm(NvccTemplate):
         lens = op.A.row_lengths
         if not lens.size or int(lens.max()) <= (W - 1) * ms:
             return []
-        out = [{**dict(params), "warp_combine": 1}, {**dict(params), "warp_combine": 1, "max_seg": 2 * ms}]
-        for v in (self.capped_combine(params, op), self.deep_unroll(params, op)):
-            if v is not None:
-                out.append({**v, "warp_combine": 1})
-        return out
+        return [{**dict(params), "warp_combine": 1}, {**dict(params), "warp_combine": 1, "max_seg": 2 * ms}]
 
     def capped_combine(self, params, op=None) -> dict | None:
         """``params`` with ``combine_vals`` 16, where that changes the kernel of a 16-bit op: its
