@@ -1366,3 +1366,31 @@ def test_every_seed_is_measured_as_given(db, target, dtype, op, reduce):
                         assert params[f"{cfg.template}:{k}"] == v, (source, cfg.template, k, v)
                 checked += 1
     assert checked >= 6
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_second_round_picks_are_in_the_space(db, dtype):
+    """Every parameter set quick selection's second round measures next to a csr.crc_cwm lead
+    (its ``probe_variants``: other row-slice lengths and block shapes, the capped combine, 16
+    rows in flight, warp-reduced hub rows with longer slices) lies inside the tuner's space, so
+    ``build()``'s pick can be a study's first trial (``start_from``) with its own parameters.
+    (``warp_combine``'s longer slices were once ``2 * max_seg``: a pick of max_seg 128, outside
+    the space, was left out of ``build(tune=True)``'s study, which then stored a slower config.)"""
+    hub = _seed_graphs()[1]
+    tpl = spcompile.get_template("csr.crc_cwm")
+    checked = 0
+    for K in (64, 128):
+        sop = make_op(hub, "spmm", K, dtype=dtype)
+        tn = Tuner(sop, "cuda", storage=db, runner=FakeRunner())
+        spec = next(iter(tn.space["csr.crc_cwm"].values()))
+        mod = spcompile.SparseModule.from_op(sop)
+        base = dict(tpl.default_params(mod))
+        for ms in tpl.MAX_SEG_SPACE:
+            for shape in tpl.SHAPES:
+                lead = {**base, "max_seg": ms, **tpl.shape_params(shape, int(base["cf"]))}
+                for v in [lead] + tpl.probe_variants(lead, sop):
+                    params = tn.params_from_config(tpl.make_config(v, list(spec), "cuda", dtype))
+                    assert params is not None, v
+                    assert all(params[f"csr.crc_cwm:{k}"] == x for k, x in v.items()), v
+                    checked += int(bool(v.get("warp_combine")))
+    assert checked > 20          # warp-reduced variants (max row 900 at every K) among them

@@ -128,7 +128,7 @@ class CrcCwm(NvccTemplate):
 
         return {"cf": C([1, 2, 4, 8]), "vec": C(_vec_choices(mod.op.dtype)), "group": C([4, 8, 16, 32]),
                 "warps_per_block": C([2, 4, 8]), "rows_per_warp": C([1, 2, 4, 8]),
-                "max_seg": C([0, 8, 16, 32, 64, 256, 1024, 4096]), "unroll": C(_unroll_choices(mod.op.dtype)),
+                "max_seg": C(list(self.MAX_SEG_SPACE)), "unroll": C(_unroll_choices(mod.op.dtype)),
                 "flat": C([0, 1]),
                 "min_blocks": C(list(self.MIN_BLOCKS)), "flat_nnz": C(list(self.FLAT_NNZ)),
                 "combine_vals": C(list(self.COMBINE_VALS)), "warp_combine": C([0, 1, 2])}
@@ -248,6 +248,11 @@ class CrcCwm(NvccTemplate):
             out.append({**dict(params), "cf": 1, "min_blocks": 8, "unroll": 1})
         return out
 
+    #: ``max_seg`` values of the tuner's space (0: whole rows).  Every value quick selection
+    #: measures is one of them, so that ``build()``'s pick can be a study's first trial
+    #: (``Tuner(start_from=...)`` enqueues only configs inside the space)
+    MAX_SEG_SPACE = (0, 8, 16, 32, 64, 128, 256, 1024, 4096)
+
     #: ``combine_vals``: 0, or the most fp32 partial values a lane loads at a time in the split-row
     #: combine (fewer registers for the whole kernel, a longer chain of loads in the combine)
     COMBINE_VALS = (0, 16)
@@ -311,8 +316,9 @@ class CrcCwm(NvccTemplate):
     def warp_combined(self, params, op=None) -> list:
         """Where ``params`` would cut a row of ``op`` into at least 32 / ``group`` slices (one per
         row group of a warp: :meth:`warp_slices` with ``warp_combine``): ``params`` with
-        ``warp_combine`` 1, and that with slices twice as long (a warp-reduced hub has 32 /
-        ``group`` times fewer partials to combine, so longer slices cost less there).
+        ``warp_combine`` 1, and that with the next longer ``max_seg`` of ``MAX_SEG_SPACE`` (twice
+        as long up to 256; a warp-reduced hub has 32 / ``group`` times fewer partials to combine,
+        so longer slices cost less there).
         :meth:`probe_variants` measures them on the lead and on its capped and deep variants
         (the 16-bit kernels of 8 rows in flight a lane take 151 registers uncapped).  On the H100,
         ``build()`` on the 17 graphs over 200k nonzeros kept one of them on 11 / 10 graphs at
@@ -328,7 +334,11 @@ class CrcCwm(NvccTemplate):
         lens = op.A.row_lengths
         if not lens.size or int(lens.max()) <= (W - 1) * ms:
             return []
-        return [{**dict(params), "warp_combine": 1}, {**dict(params), "warp_combine": 1, "max_seg": 2 * ms}]
+        out = [{**dict(params), "warp_combine": 1}]
+        longer = [v for v in self.MAX_SEG_SPACE if v > ms]
+        if longer:
+            out.append({**dict(params), "warp_combine": 1, "max_seg": longer[0]})
+        return out
 
     def capped_combine(self, params, op=None) -> dict | None:
         """``params`` with ``combine_vals`` 16, where that changes the kernel of a 16-bit op: its
