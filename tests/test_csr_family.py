@@ -386,13 +386,13 @@ def test_binary_rebuilt_for_another_arch(monkeypatch):
 #: sha256 of the rendered source (the on-disk kernel cache key) of csr instances; a change here
 #: invalidates every cached csr kernel binary -- update only for an intended kernel change
 RENDER_SHA256 = {
-    ("csr.crc_cwm", ("sum", 1, 4, 32, 2, "float32")): "4452200246612c6f101ad8313e157eb5dd5a415b38e5826d5bfe587229a58003",
-    ("csr.crc_cwm", ("mean", 4, 8, 4, 8, "bfloat16")): "19656affd36655e63a57b088e193c52a07e7b0ec957849f6e057b515a9816f8f",
-    ("csr.crc_cwm", ("max", 2, 1, 8, 4, "float16")): "85e3a5997ead3a8abde0e793205ac80aa413170e62b539321ed51dc55ab54d64",
-    ("csr.crc_cwm", ("sum", 1, 4, 32, 2, "float32", 1)): "66c1a317209b73151c365cef995c7569f586a637ed4aa10dc5fe687f7453450d",
-    ("csr.crc_cwm", ("sum", 1, 4, 32, 1, "float32", 0, 8)): "cda9433de7d6c2ee405e0fd4a0e09a3cebc814e4f57ecece412075cdb88981bf",
-    ("csr.crc_cwm", ("sum", 1, 8, 8, 8, "float16", 0, 1, 16)): "0f1fbbd43c37b95a21ee925fd2dd9aa749403473fec3ab1b5f3f7085187350c7",
-    ("csr.crc_cwm", ('sum', 1, 8, 8, 16, 'float16')): "d099a526a0a7482552fc5f4b6ef597a6e51687e485e8c027a47c96872bb33436",
+    ("csr.crc_cwm", ("sum", 1, 4, 32, 2, "float32")): "53ba134ee0691c90947abebefb143ebb53e038164649e706bf724f2603f03b96",
+    ("csr.crc_cwm", ("mean", 4, 8, 4, 8, "bfloat16")): "1ce77477798db67a74a27008ec6fae0057c423f9ebef1f5471aafb1cd39571f2",
+    ("csr.crc_cwm", ("max", 2, 1, 8, 4, "float16")): "f1c1228414b95fd34883f836656bd504e814220ba2299af41b23c2f535fd1aca",
+    ("csr.crc_cwm", ("sum", 1, 4, 32, 2, "float32", 1)): "e7ff4d22f5bc9696af33d5c299b4ebcbceed44706b6fbe7ef87319ba2e3fd171",
+    ("csr.crc_cwm", ("sum", 1, 4, 32, 1, "float32", 0, 8)): "ec075a27098556aab5bb1d7e1f78fb32278334f8bfd22da97ada4eb40b5b1964",
+    ("csr.crc_cwm", ("sum", 1, 8, 8, 8, "float16", 0, 1, 16)): "f2617411f0a2492bf78ad85f7fbed434fa342eed9bddbccdedb22bd029f0fe24",
+    ("csr.crc_cwm", ('sum', 1, 8, 8, 16, 'float16')): "d02aa2a4dfa889699e6d620e48299b69475641f40e4960f1f0f184e5e5706f67",
     ("csr.sddmm", (32, 4, 4, "float32")): "51a4d13079f8fec170194599cae6e7d294e5178dd72e3a27a41d515fc1df0431",
     ("csr.sddmm", (8, 2, 2, "float16")): "b7ffe729baddfe3fae189b1cfe8b22e89a946dc2016342dbde43ba2f7cc619c1",
     ("csr.sddmm", (16, 8, 1, "bfloat16", 1)): "2b4f832bd22e7d7165e7c519a50b9c9d583b2553b8b366cdcf4cb79bcdc4da31",

@@ -104,10 +104,9 @@ def emulate_spmm(arrays: Mapping[str, np.ndarray], X: np.ndarray, reduce: str, m
     if wr.size:
         starts = np.flatnonzero(np.diff(a["seg_out"][wr], prepend=-1) != 0)
         store(a["seg_out"][wr[starts]], ufunc.reduceat(acc[wr], starts, axis=0), np.add.reduceat(lens[wr], starts))
-    whole = raw < 0
     # slices flagged WARP_SLICES share their warp's slot: reduced together before it is written
     slot_of = np.where(raw >= WARP_SLICES, raw - WARP_SLICES, raw)
-    sel = ~whole & ran
+    sel = (raw >= 0) & ran
     part = np.full((a["slot_grp"].size, K), np.nan, dtype=np.float32)
     order = np.argsort(slot_of[sel], kind="stable")
     slots, start = np.unique(slot_of[sel][order], return_index=True)

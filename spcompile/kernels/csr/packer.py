@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ...core.formats import permute_csr
 from ...core.ir import SparseModule
 from ..base import csr_kernel_arrays
 
@@ -154,10 +155,9 @@ def pack_spmm(mod: SparseModule, max_seg: int, flat: bool = False, segs_per_grou
     if int(warp_slices) > 1:
         order = warp_slice_order(indptr, max_seg, warp_slices, warp_rows)
         if np.any(order != np.arange(order.size)):
-            lens = np.diff(indptr.astype(np.int64))[order]
-            new_ptr = np.concatenate([[0], np.cumsum(lens)])
-            src = np.repeat(indptr[:-1].astype(np.int64)[order] - new_ptr[:-1], lens) + np.arange(int(new_ptr[-1]))
-            indptr, indices, data, row_ids = new_ptr, indices[src], data[src], np.asarray(row_ids)[order]
+            # the kernel arrays share mod.A's entry positions: its row permutation's ``src`` moves them
+            permuted, src = permute_csr(mod.A, order, None)
+            indptr, indices, data, row_ids = permuted.indptr, indices[src], data[src], np.asarray(row_ids)[order]
     part = spmm_partition(indptr, row_ids, max_seg, warp_slices, warp_rows)
     grp_seg = flat_groups(part["seg_ptr"], segs_per_group, group_nnz) if flat else np.zeros(0, np.int32)
     return {"indices": _i32(indices), "data": data, **part, "grp_seg": grp_seg}

@@ -243,8 +243,7 @@ __device__ __forceinline__ void spmm_crc_cwm(
         }
       }
     } else {                                        // slice of a split row
-      const int sl = slot;
-      float* prow = part + (size_t)sl * K;
+      float* prow = part + (size_t)slot * K;
 #pragma unroll
       for (int c = 0; c < CF; ++c) {
         const int col = col_base + c * G * VEC;
@@ -252,7 +251,7 @@ __device__ __forceinline__ void spmm_crc_cwm(
       }
       __threadfence();
       __syncwarp(gmask);
-      const int g = slot_grp[sl];
+      const int g = slot_grp[slot];
       const int cnt_idx = g * gridDim.y + blockIdx.y;
       const int first = grp_ptr[g], nslots = grp_ptr[g + 1] - first;
       int old = 0;

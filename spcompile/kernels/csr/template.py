@@ -437,15 +437,19 @@ class CrcCwm(NvccTemplate):
         grp_out = index_array(arrays, "grp_out", 0, max(m, 1), ngrp)
         grp_len = index_array(arrays, "grp_len", 0, nnz + 1, ngrp)
         split = seg_slot >= 0
+        inst = meta.get("instances")
+        if not (isinstance(inst, (list, tuple)) and inst and all(
+                isinstance(i, (list, tuple)) and len(i) == 2 and isinstance(i[1], (list, tuple)) and len(i[1]) >= 7
+                and isinstance(i[1][6], (int, np.integer)) and int(i[1][6]) in (0, 1) for i in inst)):
+            raise ValueError(f"kernel meta 'instances' must be SPC_SPMM_INSTANCE arguments, got {inst!r}")
+        if len({int(i[1][6]) for i in inst}) != 1:
+            raise ValueError("kernel meta 'instances' mix the flat and the one-segment-after-another layouts")
         W = 1
         if warp.any() or wrow.any():
             # warp-reduced slices fill all 32 / G row groups of one warp (one segment each: the
             # kernel's full-warp shuffles must find every lane there), with one slot or one row
             W = self.warp_slices(params)
-            inst = meta.get("instances")
-            if W == 1 or not isinstance(inst, (list, tuple)) or not all(
-                    isinstance(i, (list, tuple)) and len(i) == 2 and len(i[1]) >= 7
-                    and int(i[1][4]) == int(params["group"]) and int(i[1][6]) == 0 for i in inst):
+            if W == 1 or int(inst[0][1][6]) or any(int(i[1][4]) != int(params["group"]) for i in inst):
                 raise ValueError("array 'seg_slot' flags warp-reduced slices, which need warp_combine with "
                                  "one-segment row groups (flat 0, rows_per_warp 1) narrower than a warp")
             fill = -raw_slot.size % W
@@ -471,13 +475,6 @@ class CrcCwm(NvccTemplate):
             raise ValueError("array 'grp_len' does not match the nonzeros of its split rows")
         # the flat layout's row groups (FL = 1 instances follow grp_seg): non-empty runs covering
         # every segment; the one-segment-after-another layout has none
-        inst = meta.get("instances")
-        if not (isinstance(inst, (list, tuple)) and inst and all(
-                isinstance(i, (list, tuple)) and len(i) == 2 and isinstance(i[1], (list, tuple)) and len(i[1]) >= 7
-                and isinstance(i[1][6], (int, np.integer)) and int(i[1][6]) in (0, 1) for i in inst)):
-            raise ValueError(f"kernel meta 'instances' must be SPC_SPMM_INSTANCE arguments, got {inst!r}")
-        if len({int(i[1][6]) for i in inst}) != 1:
-            raise ValueError("kernel meta 'instances' mix the flat and the one-segment-after-another layouts")
         if int(inst[0][1][6]):
             grp_seg = pointer_array(arrays, "grp_seg", seg_out.size)
             if np.any(np.diff(grp_seg) <= 0):
