@@ -386,13 +386,13 @@ def test_binary_rebuilt_for_another_arch(monkeypatch):
 #: sha256 of the rendered source (the on-disk kernel cache key) of csr instances; a change here
 #: invalidates every cached csr kernel binary -- update only for an intended kernel change
 RENDER_SHA256 = {
-    ("csr.crc_cwm", ("sum", 1, 4, 32, 2, "float32")): "53ba134ee0691c90947abebefb143ebb53e038164649e706bf724f2603f03b96",
-    ("csr.crc_cwm", ("mean", 4, 8, 4, 8, "bfloat16")): "1ce77477798db67a74a27008ec6fae0057c423f9ebef1f5471aafb1cd39571f2",
-    ("csr.crc_cwm", ("max", 2, 1, 8, 4, "float16")): "f1c1228414b95fd34883f836656bd504e814220ba2299af41b23c2f535fd1aca",
-    ("csr.crc_cwm", ("sum", 1, 4, 32, 2, "float32", 1)): "e7ff4d22f5bc9696af33d5c299b4ebcbceed44706b6fbe7ef87319ba2e3fd171",
-    ("csr.crc_cwm", ("sum", 1, 4, 32, 1, "float32", 0, 8)): "ec075a27098556aab5bb1d7e1f78fb32278334f8bfd22da97ada4eb40b5b1964",
-    ("csr.crc_cwm", ("sum", 1, 8, 8, 8, "float16", 0, 1, 16)): "f2617411f0a2492bf78ad85f7fbed434fa342eed9bddbccdedb22bd029f0fe24",
-    ("csr.crc_cwm", ('sum', 1, 8, 8, 16, 'float16')): "d02aa2a4dfa889699e6d620e48299b69475641f40e4960f1f0f184e5e5706f67",
+    ("csr.crc_cwm", ("sum", 1, 4, 32, 2, "float32")): "a31b232958b7d29ab142c61aa6f730fa789841950db17cc5b4a4ee4742d5981d",
+    ("csr.crc_cwm", ("mean", 4, 8, 4, 8, "bfloat16")): "0195b53e907a8acb96e311a389b8bd6d62560220c74abe98c1b1c9332af0cffd",
+    ("csr.crc_cwm", ("max", 2, 1, 8, 4, "float16")): "c06191dbc63f8f8eafe795d8af58476fd986d800ecf6f2e206f3ed41b5559b05",
+    ("csr.crc_cwm", ("sum", 1, 4, 32, 2, "float32", 1)): "31831bea74af5e5fbdf3af3d5c711101d3ee575b127d80e728a269a45ea74ca1",
+    ("csr.crc_cwm", ("sum", 1, 4, 32, 1, "float32", 0, 8)): "ca849269683c9a1703f179ac8ed61681f02927644ecead27b5d49fccb930e602",
+    ("csr.crc_cwm", ("sum", 1, 8, 8, 8, "float16", 0, 1, 16)): "e220ee216404328ea210e1c3c0dde1caaea3d27a1a0887f3775996dfea19a42e",
+    ("csr.crc_cwm", ('sum', 1, 8, 8, 16, 'float16')): "0d55481c76350aa62c5928fcfd5edb783fe6e12696ebca13b8852758ab71e583",
     ("csr.sddmm", (32, 4, 4, "float32")): "51a4d13079f8fec170194599cae6e7d294e5178dd72e3a27a41d515fc1df0431",
     ("csr.sddmm", (8, 2, 2, "float16")): "b7ffe729baddfe3fae189b1cfe8b22e89a946dc2016342dbde43ba2f7cc619c1",
     ("csr.sddmm", (16, 8, 1, "bfloat16", 1)): "2b4f832bd22e7d7165e7c519a50b9c9d583b2553b8b366cdcf4cb79bcdc4da31",
@@ -609,8 +609,9 @@ def test_warp_slices_partition():
 
 @pytest.mark.parametrize("reduce", REDUCES)
 def test_spmm_warp_combine_emulation_matches_reference(reduce):
-    """warp_combine 1 / 2 (one-segment row groups narrower than a warp): the packed arrays (hub
-    rows first, W slices a flagged slot; rows one warp holds whole next) and launch shape
+    """warp_combine 1 / 2 (one-segment row groups narrower than a warp, or 32-lane groups of a
+    block of warps): the packed arrays (hub rows first, W slices a flagged slot; rows one combine
+    unit holds whole next) and launch shape
     reproduce the float64 reference in the numpy emulation, both the vector instance and its
     VEC = 1 fallback; the arrays pass the artifact checks; the slices are flagged as the rule
     says."""
@@ -626,12 +627,12 @@ def test_spmm_warp_combine_emulation_matches_reference(reduce):
         ref = reference.spmm(as_csr(A), X, reduce)
         lens = np.diff(as_csr(A).indptr)
         for ms, (group, vec, cf), wpb, wc in itertools.product(
-                (8, 16, 64), ((4, 4, 2), (8, 2, 1), (16, 1, 4), (32, 4, 1)), (1, 4), (1, 2)):
+                (8, 16, 64), ((4, 4, 2), (8, 2, 1), (16, 1, 4), (32, 4, 1), (32, 2, 2)), (1, 4, 8), (1, 2)):
             p = {**t.default_params(mod), "max_seg": ms, "group": group, "vec": vec, "cf": cf, "rows_per_warp": 1,
                  "warps_per_block": wpb, "warp_combine": wc}
             k = t.build(mod, p, compile=False)
             W = t.warp_slices(p)
-            assert W == 32 // group
+            assert W == (32 // group if group < 32 else wpb if wpb > 1 else 1)     # a block's warps at 32 lanes
             nch = -(-lens // ms)
             slot = k.arrays["seg_slot"]
             want_f = int(np.sum(-(-nch[nch > W] // W) * W)) if W > 1 else 0
@@ -704,7 +705,8 @@ def test_spmm_warp_combine_arrays_checked():
 
 def test_warp_combine_rule_and_space():
     """warp_combine: in the tuner's space and checks; no effect (normalised to 0) without
-    one-segment groups narrower than a warp; quick selection's second round measures it, and
+    one-segment groups narrower than a warp or a block of 32-lane ones; quick selection's second
+    round measures it, and
     with twice as long slices, next to a lead that would cut some row into a warp's slices."""
     from spcompile.core.ir import SparseModule as SM
 
@@ -733,14 +735,26 @@ def test_warp_combine_rule_and_space():
         [{**f, "warp_combine": 1}, {**f, "warp_combine": 1, "max_seg": 128}]
     assert t.warp_combined({**base, "max_seg": 128}, hop) == []             # 257 < 4 slices of 128... 3 slices
     assert t.warp_combined({**base, "max_seg": 0}, hop) == []
-    assert t.warp_combined({**base, "group": 32}, hop) == []                # one group a warp
+    # 32-lane groups: the block's warps are the unit (none with one warp a block, nor where its
+    # shared memory would pass BLOCK_COMBINE_SMEM)
+    g32 = {**base, "group": 32, "warps_per_block": 4}
+    assert t.warp_slices({**g32, "warp_combine": 1}) == 4
+    assert t.warp_combined(g32, hop) == [{**g32, "warp_combine": 1}, {**g32, "warp_combine": 1, "max_seg": 128}]
+    assert t.warp_combined({**g32, "max_seg": 128}, hop) == []                 # 257: 3 slices of 128
+    assert t.warp_combined({**g32, "warps_per_block": 2, "max_seg": 128}, hop) == [
+        {**g32, "warps_per_block": 2, "max_seg": 128, "warp_combine": 1},
+        {**g32, "warps_per_block": 2, "max_seg": 256, "warp_combine": 1}]
+    assert t.warp_combined({**g32, "warps_per_block": 1}, hop) == []
+    assert t.warp_slices({**g32, "warp_combine": 1, "warps_per_block": 8, "cf": 8, "vec": 8}) == 1   # 64 KiB
+    assert t.block_combine_smem(8, 4, 4) <= t.BLOCK_COMBINE_SMEM < t.block_combine_smem(8, 8, 8)
     assert t.warp_combined({**base, "rows_per_warp": 2}, hop) == []
     assert t.warp_combined({**base, "flat": 1}, hop) == []
     assert t.warp_combined({**base, "warp_combine": 1}, hop) == []
     assert t.warp_combined(base, make_op(random_matrix(300, 257, density=0.03, seed=0, long_row=False), "spmm", 64,
                                          "sum", "float16")) == []         # no row of 4 slices
     assert t.warp_combined(base, None) == []
-    for q, wc in (({**base, "warp_combine": 1}, 1), ({**base, "warp_combine": 1, "group": 32}, 0),
+    for q, wc in (({**base, "warp_combine": 1}, 1), ({**base, "warp_combine": 1, "group": 32}, 1),
+                  ({**base, "warp_combine": 1, "group": 32, "warps_per_block": 1}, 0),
                   ({**base, "warp_combine": 1, "flat": 1}, 0), ({**base, "warp_combine": 1, "rows_per_warp": 4}, 0)):
         assert t.search_params(q)["warp_combine"] == wc
     with pytest.raises(ValueError, match="warp_combine"):

@@ -346,23 +346,32 @@ WARP_COMBINE_SPMM_PARAMS = (
     {"group": 4, "vec": 4, "cf": 2, "warps_per_block": 2, "rows_per_warp": 1, "max_seg": 16, "unroll": 8},
     {"group": 16, "vec": 4, "cf": 1, "warps_per_block": 8, "rows_per_warp": 1, "max_seg": 32, "unroll": 16},
     {"group": 8, "vec": 8, "cf": 1, "warps_per_block": 4, "rows_per_warp": 1, "max_seg": 16, "unroll": 8,
-     "combine_vals": 16, "min_blocks": 4})
+     "combine_vals": 16, "min_blocks": 4},
+    # 32-lane groups: the block's warps reduce through shared memory (8, 4 and 2 warps)
+    {"group": 32, "vec": 4, "cf": 2, "warps_per_block": 8, "rows_per_warp": 1, "max_seg": 8, "unroll": 2},
+    {"group": 32, "vec": 4, "cf": 1, "warps_per_block": 4, "rows_per_warp": 1, "max_seg": 16, "unroll": 8,
+     "min_blocks": 4},
+    {"group": 32, "vec": 2, "cf": 4, "warps_per_block": 2, "rows_per_warp": 1, "max_seg": 32, "unroll": 4})
 
 
 @pytest.mark.parametrize("dtype, tol", [("float32", 1e-5), ("float16", 2e-2), ("bfloat16", 5e-2)])
 @pytest.mark.parametrize("K", [1, 33, 128])
 def test_warp_combine_spmm(dtype, tol, K):
     """csr.crc_cwm with warp_combine 1 / 2: every reduction, the split rows' slices reduced across
-    each warp's row groups (flagged slots, one per warp) before the combine, rows a warp holds
-    whole written by it (2: every split row of fewer slices than the warp's groups), empty rows,
-    with and without a degree order; the NaN-poisoned output fully written and equal to the
+    each combine unit's row groups (a warp's narrower groups by shuffles, a block's 32-lane
+    groups through shared memory; flagged slots, one per unit) before the combine, rows a unit
+    holds whole written by it (2: every split row of fewer slices than the unit's groups), empty
+    rows, with and without a degree order; the NaN-poisoned output fully written and equal to the
     float64 reference, twice in a row (the split-row counters reset)."""
+    from spcompile.kernels.base import get_template
     from spcompile.kernels.csr.packer import WARP_ROW, WARP_SLICES
 
     def warp_reduced(mod, p):
         slot = mod.kernel.arrays["seg_slot"]
-        assert (slot >= WARP_SLICES).sum() >= 2 * (32 // p["group"])
-        assert p["warp_combine"] == 1 or (slot == WARP_ROW).sum() >= 2 * (32 // p["group"])
+        W = 32 // p["group"] if p["group"] < 32 else p["warps_per_block"]
+        assert get_template("csr.crc_cwm").warp_slices(mod.kernel.params) == W
+        assert (slot >= WARP_SLICES).sum() >= 2 * W
+        assert p["warp_combine"] == 1 or (slot == WARP_ROW).sum() >= 2 * W
 
     _check_crc_cwm(dtype, tol, K, [({**deep_unroll_params(p, dtype), "warp_combine": wc},
                                     ["reorder.degree"] if i == 1 else [])

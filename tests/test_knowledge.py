@@ -751,7 +751,11 @@ def test_crc_cwm_probe_variants():
     sop = make_op(random_matrix(200, 200, density=0.05, seed=4), "spmm", 128, "sum", "float32")
     mod = SparseModule.from_op(sop)
     base = {**t.default_params(mod), "max_seg": 64, **t.shape_params("u2", 1)}
+    assert base["group"] == 32 and base["warps_per_block"] == 4
     got = t.probe_variants(base, sop)
+    # a row of 200 > 3 x 64 entries: the block's 4 warps combine its slices, last (twice as long too)
+    assert got[-2:] == [{**base, "warp_combine": 1}, {**base, "warp_combine": 1, "max_seg": 128}]
+    got = got[:-2]
     assert [p["max_seg"] for p in got[:2]] == [32, 256]
     assert {(p["warps_per_block"], p["rows_per_warp"], p["unroll"]) for p in got[2:]} == {(4, 1, 8), (8, 2, 2)}
     assert all(p["max_seg"] == 64 for p in got[2:]) and base not in got and len(got) == 4

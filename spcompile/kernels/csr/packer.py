@@ -12,11 +12,12 @@ from ..base import csr_kernel_arrays
 __all__ = ["WARP_SLICES", "WARP_ROW", "spmm_partition", "warp_slice_order", "flat_groups", "sddmm_partition", "pack_spmm",
            "pack_sddmm"]
 
-#: ``seg_slot`` bit of a slice whose warp reduces its row groups' accumulators before writing one
-#: partial (``spmm_crc_cwm.cu``'s SPC_WARP_SLICES)
+#: ``seg_slot`` bit of a slice whose combine unit (a warp, or a block of 32-lane row groups)
+#: reduces its row groups' accumulators before writing one partial (``spmm_crc_cwm.cu``'s
+#: SPC_WARP_SLICES)
 WARP_SLICES = 1 << 30
-#: ``seg_slot`` of the slices of a row one warp's row groups hold whole (SPC_WARP_ROW): the warp's
-#: sum is written as the row
+#: ``seg_slot`` of the slices of a row one combine unit's row groups hold whole (SPC_WARP_ROW):
+#: the unit's sum is written as the row
 WARP_ROW = -2
 
 
@@ -71,13 +72,14 @@ def spmm_partition(indptr: np.ndarray, row_ids: np.ndarray, max_seg: int, warp_s
     """Cut rows into segments of at most ``max_seg`` nonzeros (0: whole rows).  Returns the arrays
     of ``spmm_crc_cwm.cu``: seg_ptr, seg_out, seg_slot, grp_ptr, slot_grp, grp_out, grp_len.
 
-    ``warp_slices`` W > 1 (one-segment row groups of 32 / W lanes): a row of more than W slices
-    gets a multiple of W, and every W consecutive slices of it (one warp's row groups) share one
-    partial slot, flagged ``WARP_SLICES`` in ``seg_slot``: the warp reduces them before writing
-    it.  A row of exactly W slices (with ``warp_rows`` any row of 2 .. W slices, cut into W) is
-    one warp's: ``seg_slot`` ``WARP_ROW`` on its W slices, the warp's sum written as the row, no
+    ``warp_slices`` W > 1 (one-segment row groups, W to a combine unit: the 32 / W-lane groups of
+    a warp, or the W warps of a block of 32-lane groups): a row of more than W slices gets a
+    multiple of W, and every W consecutive slices of it (one unit's row groups) share one partial
+    slot, flagged ``WARP_SLICES`` in ``seg_slot``: the unit reduces them before writing it.  A
+    row of exactly W slices (with ``warp_rows`` any row of 2 .. W slices, cut into W) is one
+    unit's: ``seg_slot`` ``WARP_ROW`` on its W slices, the unit's sum written as the row, no
     partial.  These rows must come first, in that order (:func:`warp_slice_order`), so that
-    their warps are aligned."""
+    their units are aligned."""
     indptr = np.asarray(indptr, dtype=np.int64)
     lens = np.diff(indptr)
     W = max(1, int(warp_slices))

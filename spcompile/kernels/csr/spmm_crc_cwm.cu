@@ -38,9 +38,11 @@
 //   seg_ptr[s]..seg_ptr[s+1]  nonzeros of segment s (a whole row, or a bounded slice of a long row)
 //   seg_out[s]                output row (caller's order) of a whole-row segment
 //   seg_slot[s]               -1 for a whole row; else its slot in the partial-result workspace,
-//                             with bit 30 (SPC_WARP_SLICES) set where the warp's 32 / G groups
-//                             (one segment each) hold slices of one row that share the slot;
-//                             -2 (SPC_WARP_ROW) where they hold all of one row (written directly)
+//                             with bit 30 (SPC_WARP_SLICES) set where the W groups of a combine
+//                             unit (one segment each; the warp's 32 / G groups for G < 32, the
+//                             block's warps for G = 32) hold slices of one row that share the
+//                             slot; -2 (SPC_WARP_ROW) where they hold all of one row (written
+//                             directly)
 // Split rows (load balance for very long rows) are combined in the same launch: every slice writes
 // its partial to part[slot*K ...], and the last slice to finish (atomic counter per row group and
 // column tile, classic threadfence-reduction pattern) combines all partials in slot order
@@ -52,9 +54,10 @@
 
 namespace spc {
 
-// seg_slot bit of a slice whose warp combines its groups' accumulators before writing one partial
+// seg_slot bit of a slice whose combine unit (warp, or block of 32-lane groups) reduces its
+// groups' accumulators before writing one partial
 #define SPC_WARP_SLICES (1 << 30)
-// seg_slot of a slice whose warp holds the whole row: the warp's sum is written as the row
+// seg_slot of a slice whose combine unit holds the whole row: the unit's sum is written as the row
 #define SPC_WARP_ROW (-2)
 
 template <int R> __device__ __forceinline__ float red_init() {
@@ -209,24 +212,49 @@ __device__ __forceinline__ void spmm_crc_cwm(
   auto finish = [&](const int seg_slot_value, const int out_row, float (&acc)[CF][VEC], const int seg_len) {
     int slot = seg_slot_value, len = seg_len;
     if (slot == SPC_WARP_ROW || (slot >= 0 && (slot & SPC_WARP_SLICES))) {
-      // the warp's 32 / G row groups (one segment each, warp-aligned: the packer's warp_combine)
-      // hold consecutive slices of one row: their accumulators are reduced across the warp
-      // (butterfly, a fixed order) and the warp's first group goes on with the sum -- as the
-      // whole row (SPC_WARP_ROW: the warp holds all of it) or as one partial of the shared slot,
-      // so a hub's combine reads 32 / G times fewer partials
-#pragma unroll
-      for (int off = G; off < 32; off *= 2)
+      // the combine unit's row groups (one segment each, aligned by the packer's warp_combine:
+      // the warp's 32 / G groups for G < 32, the block's warps for G = 32) hold consecutive
+      // slices of one row: their accumulators are reduced in a fixed order and the unit's first
+      // group goes on with the sum -- as the whole row (SPC_WARP_ROW: the unit holds all of it)
+      // or as one partial of the shared slot, so a hub's combine reads W times fewer partials
+      if constexpr (G == 32) {
+        // through shared memory (the launch sizes it for [warp][c][v][lane] floats and the
+        // warps' lengths): every warp of the block is here (the packer fills whole blocks with
+        // flagged slices and puts them first; the artifact check refuses anything else)
+        const int nw = blockDim.x / 32, w = threadIdx.x / 32;
+        float* red = reinterpret_cast<float*>(smem);
+        int* red_len = reinterpret_cast<int*>(red + nw * CF * VEC * 32);
+        __syncthreads();                            // every warp is done with its row cache
 #pragma unroll
         for (int c = 0; c < CF; ++c)
 #pragma unroll
-          for (int v = 0; v < VEC; ++v) acc[c][v] = red_op<R>(acc[c][v], __shfl_xor_sync(0xffffffffu, acc[c][v], off));
-      if (slot == SPC_WARP_ROW) {
+          for (int v = 0; v < VEC; ++v) red[((w * CF + c) * VEC + v) * 32 + lane] = acc[c][v];
+        if (lane == 0) red_len[w] = len;
+        __syncthreads();
+        if (w != 0) return;
+#pragma unroll 1
+        for (int j = 1; j < nw; ++j) {              // warp order: deterministic
 #pragma unroll
-        for (int off = G; off < 32; off *= 2) len += __shfl_xor_sync(0xffffffffu, len, off);
-        slot = -1;
+          for (int c = 0; c < CF; ++c)
+#pragma unroll
+            for (int v = 0; v < VEC; ++v) acc[c][v] = red_op<R>(acc[c][v], red[((j * CF + c) * VEC + v) * 32 + lane]);
+          len += red_len[j];
+        }
       } else {
-        slot &= ~SPC_WARP_SLICES;
+        // across the warp by shuffles (butterfly, a fixed order)
+#pragma unroll
+        for (int off = G; off < 32; off *= 2)
+#pragma unroll
+          for (int c = 0; c < CF; ++c)
+#pragma unroll
+            for (int v = 0; v < VEC; ++v) acc[c][v] = red_op<R>(acc[c][v], __shfl_xor_sync(0xffffffffu, acc[c][v], off));
+        if (slot == SPC_WARP_ROW) {
+#pragma unroll
+          for (int off = G; off < 32; off *= 2) len += __shfl_xor_sync(0xffffffffu, len, off);
+        }
       }
+      if (slot == SPC_WARP_ROW) slot = -1;
+      else slot &= ~SPC_WARP_SLICES;
       if (threadIdx.x % 32 >= G) return;
     }
     if (slot < 0) {                                 // whole row: finish and write

@@ -86,10 +86,14 @@ class CrcCwmKernel(NvccKernel):
         groups = threads // int(p["group"])
         # flat layout: the row groups of grp_seg; else rows_per_warp segments per group
         ngroups = int(self.arrays["grp_seg"].size) - 1 if self.arrays["grp_seg"].size else -(-nseg // rpw)
-        # shared memory: a chunk of column ids and values per row group (chunk_entries)
+        # shared memory: a chunk of column ids and values per row group (chunk_entries); 32-lane
+        # groups that combine a block's slices reduce their accumulators through it as well
         chunk = chunk_entries(int(p["group"]), int(p["unroll"]))
+        smem = groups * chunk * 8
+        if int(p["group"]) == 32 and CrcCwm.warp_slices(p) > 1:
+            smem = max(smem, CrcCwm.block_combine_smem(int(p["warps_per_block"]), int(p["cf"]), vec))
         return LaunchSpec(grid=(-(-ngroups // groups), self._tiles(vec), 1), block=(threads, 1, 1),
-                          smem=groups * chunk * 8, args={"nseg": nseg, "ngroups": ngroups, "K": int(self.meta["K"]),
+                          smem=smem, args={"nseg": nseg, "ngroups": ngroups, "K": int(self.meta["K"]),
                                                   "segs_per_group": rpw})
 
     def empty(self):
@@ -105,11 +109,12 @@ class CrcCwm(NvccTemplate):
     flight across row ends): ``rows_per_warp`` of them (for short, even rows), or with
     ``flat_nnz`` > 0 runs of about ``flat_nnz`` nonzeros (many short rows or one slice of a long
     one, cut by ``max_seg``: an nnz-balanced schedule for graphs of short rows and hubs);
-    ``warp_combine=1``: a row of at least a warp's worth of slices (32 / ``group`` one-segment
-    row groups) has its slices reduced across the warp by shuffles before one partial a warp
+    ``warp_combine=1``: a row of at least a combine unit's worth of slices (the 32 / ``group``
+    one-segment row groups of a warp, or for 32-lane groups the block's warps) has its slices
+    reduced across the unit (shuffles; shared memory for a block) before one partial a unit
     goes to the split-row combine (hub rows combine from fewer partials), or is written by the
-    warp when it holds all of it; ``warp_combine=2``: also rows of fewer slices, each cut into a
-    warp's slices and written by it.  Any K >= 1.  X / Y in
+    unit when it holds all of it; ``warp_combine=2``: also rows of fewer slices, each cut into a
+    unit's slices and written by it.  Any K >= 1.  X / Y in
     float32, float16 or bfloat16 (fp32 accumulation, one rounding of Y)."""
 
     name = "csr.crc_cwm"
@@ -391,19 +396,36 @@ class CrcCwm(NvccTemplate):
                 "max_seg": AtLeast(0), "flat": (0, 1), "min_blocks": self.MIN_BLOCKS, "flat_nnz": AtLeast(0),
                 "combine_vals": self.COMBINE_VALS, "warp_combine": (0, 1, 2)}
 
+    #: the most shared memory (bytes) the block-level combine of 32-lane groups may take: a float
+    #: per lane, accumulator and warp (``warps_per_block`` x ``cf`` x ``vec`` x 128 bytes)
+    BLOCK_COMBINE_SMEM = 20480
+
     @staticmethod
     def warp_slices(params) -> int:
-        """Row groups of a warp that take slices of one row together and reduce them by shuffles
-        (``warp_combine``): 32 / ``group`` for one-segment groups (``flat`` 0, ``rows_per_warp``
-        1) narrower than a warp, else 1 (``warp_combine`` has no effect).  ``warp_combine`` 1: rows
-        of W = 32 / ``group`` slices or more (a multiple of W; one partial a warp, or the row
-        itself when the warp holds all of it); 2: also rows of 2 .. W - 1 slices, cut into W and
-        written by their warp (no partial, no combine)."""
+        """Row groups of a combine unit that take slices of one row together and reduce them
+        (``warp_combine``), for one-segment groups (``flat`` 0, ``rows_per_warp`` 1): the warp's
+        32 / ``group`` groups (shuffles) for groups narrower than a warp; the block's
+        ``warps_per_block`` warps (shared memory, at most ``BLOCK_COMBINE_SMEM`` bytes) for 32-lane
+        groups; else 1 (``warp_combine`` has no effect).  ``warp_combine`` 1: rows of W slices or
+        more (a multiple of W; one partial a unit, or the row itself when the unit holds all of
+        it); 2: also rows of 2 .. W - 1 slices, cut into W and written by their unit (no partial,
+        no combine)."""
         p = {**CrcCwm.absent_params, **params}
         g = int(p["group"])
-        if not int(p["warp_combine"]) or int(p["flat"]) or int(p["rows_per_warp"]) != 1 or g >= 32:
+        if not int(p["warp_combine"]) or int(p["flat"]) or int(p["rows_per_warp"]) != 1:
             return 1
-        return 32 // g
+        if g < 32:
+            return 32 // g
+        w = int(p["warps_per_block"])
+        if w < 2 or CrcCwm.block_combine_smem(w, int(p["cf"]), int(p["vec"])) > CrcCwm.BLOCK_COMBINE_SMEM:
+            return 1
+        return w
+
+    @staticmethod
+    def block_combine_smem(warps: int, cf: int, vec: int) -> int:
+        """Shared memory (bytes) of the block-level combine (32-lane groups): ``warps`` x ``cf`` x
+        ``vec`` x 32 floats and ``warps`` lengths (``spmm_crc_cwm.cu``'s ``red`` / ``red_len``)."""
+        return 4 * warps * (cf * vec * 32 + 1)
 
     def pack(self, mod, params):
         p = {**self.absent_params, **params}
@@ -446,20 +468,22 @@ class CrcCwm(NvccTemplate):
             raise ValueError("kernel meta 'instances' mix the flat and the one-segment-after-another layouts")
         W = 1
         if warp.any() or wrow.any():
-            # warp-reduced slices fill all 32 / G row groups of one warp (one segment each: the
-            # kernel's full-warp shuffles must find every lane there), with one slot or one row
+            # warp-reduced slices fill all W row groups of one combine unit (one segment each: the
+            # kernel's full-warp shuffles, or for 32-lane groups its block barriers, must find
+            # every lane there), with one slot or one row
             W = self.warp_slices(params)
             if W == 1 or int(inst[0][1][6]) or any(int(i[1][4]) != int(params["group"]) for i in inst):
                 raise ValueError("array 'seg_slot' flags warp-reduced slices, which need warp_combine with "
-                                 "one-segment row groups (flat 0, rows_per_warp 1) narrower than a warp")
+                                 "one-segment row groups (flat 0, rows_per_warp 1): narrower than a warp, "
+                                 "or 32-lane groups of a block of at least two warps")
             fill = -raw_slot.size % W
             pad = np.concatenate([raw_slot, np.full(fill, -1, np.int64)]).reshape(-1, W)
             outs = np.concatenate([seg_out, np.full(fill, -1, np.int64)]).reshape(-1, W)
             flagged = ((pad >= WARP_SLICES) | (pad == WARP_ROW)).any(axis=1)
             if not (np.all(pad[flagged] == pad[flagged][:, :1])
                     and np.all(outs[pad[:, 0] == WARP_ROW] == outs[pad[:, 0] == WARP_ROW][:, :1])):
-                raise ValueError(f"array 'seg_slot': warp-reduced slices must be every one of a warp's {W} "
-                                 f"segments (warp-aligned), of one slot or one output row")
+                raise ValueError(f"array 'seg_slot': warp-reduced slices must be every one of a combine unit's "
+                                 f"{W} segments (aligned), of one slot or one output row")
         # who writes each output row: a whole-row segment, a warp holding a row, a row group
         writers = np.concatenate([seg_out[seg_slot == -1], seg_out[np.flatnonzero(wrow)[::W]], grp_out])
         if writers.size != m or (m and not np.all(np.bincount(writers, minlength=m) == 1)):
