@@ -740,6 +740,35 @@ def test_quick_selection_second_round_measures_the_leaders_neighbours(monkeypatc
         assert [r["source"] for r in info["candidates"]] == ["model"]
 
 
+def test_second_round_builds_do_not_spend_the_budget(monkeypatch):
+    """Building the second round (nvcc on a cold kernel cache) is not measurement: neighbours
+    whose build outlasts the whole budget are still checked and timed, not skipped."""
+    import time as _time
+
+    from spcompile.compile import default_config
+    from spcompile.kernels import get_template
+
+    sop = make_op(random_matrix(300, 300, density=0.03, seed=12), "spmm", 16, "sum", "float32")
+    d = default_config(sop, "cpu")
+    tpl = get_template(d.template)
+    lead = tpl.make_config({**dict(d.params), "parallel": False}, [], "cpu", sop.dtype)
+    monkeypatch.setattr(type(tpl), "probe_variants",
+                        lambda self, params, op=None: [{**dict(params), "parallel": not params["parallel"]}])
+    real = select.build_from_config
+
+    def slow(op, c, ctx=None, module=None):
+        if c.params["parallel"]:
+            _time.sleep(0.6)                                     # a compile of the neighbour
+        return real(op, c, ctx, module=module)
+
+    monkeypatch.setattr(select, "build_from_config", slow)
+    _, info = select.quick_select(sop, "cpu", [(lead, None)], budget_s=0.3, vendor=False)
+    rows = info["candidates"]
+    assert [r["source"] for r in rows] == ["model", "probe"]
+    assert "skipped" not in rows[1] and rows[1]["kernel_ms"] > 0
+    assert info["second_round_s"] >= 0.6
+
+
 def test_crc_cwm_probe_variants():
     """csr.crc_cwm's second-round neighbours: max_seg one step shorter and longer in
     PROBE_MAX_SEG (0, whole rows, is the longest), the other block shapes at the same max_seg;
