@@ -893,18 +893,21 @@ def mode_markdown(doc) -> str:
 # -------------------------------------------------------------------------------------------------
 def _model_candidates(a, A, sop) -> list:
     """What quick selection in ``build()`` builds for ``sop``: the model's first choices, their
-    unranked variants and, for 16-bit inputs, the float32 shape (with ``--loo`` the graph's own records left out, as in the
-    default column), and the second round's neighbours of each."""
+    unranked variants, native and locality orders and, for 16-bit inputs, the float32 shape (with
+    ``--loo`` the graph's own records left out, as in the default column), and the second round's
+    neighbours of each."""
     from spcompile.autotune import knowledge
-    from spcompile.autotune.knowledge import unranked_variants
+    from spcompile.autotune.knowledge import locality_order_variants, native_order_variants, unranked_variants
     from spcompile.autotune.select import DEFAULT_CANDIDATES, MORE_CANDIDATES, RANKED, pick_candidates
 
     with (knowledge.excluded(A) if a.loo else contextlib.nullcontext()):
         try:
-            got = pick_candidates(knowledge.ranked_configs(sop, "cuda", a.precision, k=RANKED), DEFAULT_CANDIDATES,
-                                  MORE_CANDIDATES)
+            ranked = knowledge.ranked_configs(sop, "cuda", a.precision, k=RANKED)
+            got = pick_candidates(ranked, DEFAULT_CANDIDATES, MORE_CANDIDATES)
             got += knowledge.cross_dtype_configs(sop, "cuda", a.precision)
-            got += [(c, None) for c in unranked_variants(got, "cuda", sop.dtype, sop)]
+            got += [(c, None) for c in unranked_variants(ranked, "cuda", sop.dtype, sop)]
+            got += [(c, None) for c in native_order_variants(ranked, "cuda", sop.dtype, sop)]
+            got += [(c, None) for c in locality_order_variants(ranked, "cuda", sop.dtype, sop)]
             # the second round's neighbours of whichever of them is fastest
             for c, _ in list(got):
                 tpl = get_template(c.template)
