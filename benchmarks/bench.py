@@ -297,6 +297,16 @@ def _checked(w: Workload, name, mod, rec, dtype=None) -> Column:
     return Column(name, rec, call, dtype, mod)
 
 
+def time_config(w: Workload, config, timer, module=None) -> dict:
+    """One cell of a parameter sweep: ``config`` built for ``w``'s op through the product's
+    ``build_from_config`` (on the pipeline's ``module`` when given), checked against float64 and
+    timed by ``timer`` over ``w``'s input sets.  ``{"us": kernel time or None when the check
+    failed, "status": ...}``; a ValueError of a combination the template refuses propagates."""
+    col = _checked(w, "x", build_from_config(w.sop, config, module=module), {})
+    us = timer.time(col.call, n_sets=w.n_sets).seconds * 1e6 if col.call else None
+    return {"us": us, "status": col.rec.get("status")}
+
+
 def col_baseline(w: Workload, dtype=None) -> Column:
     sop = w.sop
     name = "baseline" if dtype is None else "baseline_fp32"

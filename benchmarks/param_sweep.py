@@ -97,14 +97,10 @@ def main(argv=None) -> int:
             module = bench.PipelineCache().get(w.sop, spec) if spec else None
             for p in variants:
                 try:
-                    mod = bench.build_from_config(w.sop, tpl.make_config(p, spec, "cuda", a.dtype), module=module)
+                    cell = bench.time_config(w, tpl.make_config(p, spec, "cuda", a.dtype), timer, module)
                 except ValueError as e:                  # a combination the template refuses
-                    res["cells"].append({"params": p, "pipeline": spec, "us": None, "status": "refused",
-                                         "error": str(e)[:200]})
-                    continue
-                col = bench._checked(w, "x", mod, {})
-                us = timer.time(col.call, n_sets=w.n_sets).seconds * 1e6 if col.call else None
-                res["cells"].append({"params": p, "pipeline": spec, "us": us, "status": col.rec.get("status")})
+                    cell = {"us": None, "status": "refused", "error": str(e)[:200]}
+                res["cells"].append({"params": p, "pipeline": spec, **cell})
         t0 = res["cells"][0]["us"]
         best = min((c for c in res["cells"] if c["us"]), key=lambda c: c["us"])
         shown = {**{k: best["params"].get(k) for k in names}, "pipeline": "+".join(x["name"] for x in best["pipeline"])}

@@ -139,6 +139,26 @@ def test_wrong_module_is_excluded():
     assert row["speedup"] == {"default": 2.0}          # the wrong column has no ratio
 
 
+def test_time_config_builds_checks_and_times_one_cell():
+    """bench.time_config (the sweeps' cell): a config built for the workload's op, checked against
+    float64 and timed over its input sets; a parameter the template refuses raises ValueError."""
+    from spcompile.autotune.measure import Timer
+    from spcompile.kernels import get_template
+
+    A = random_matrix(60, 70, density=0.1, seed=4)
+    w = bench.Workload(A, "spmm", "sum", 8, "float32", "cpu", n_sets=3)
+    tpl = get_template("cpu.csr_spmm")
+    p = dict(tpl.default_params(spcompile.SparseModule.from_op(w.sop)))
+    cell = bench.time_config(w, tpl.make_config(p, [], "cpu"), Timer("cpu", repeats=3, min_sample_s=1e-3))
+    assert cell["status"] == "ok" and cell["us"] > 0
+    deg = [{"name": "reorder.degree", "options": {}}]
+    cell = bench.time_config(w, tpl.make_config(p, deg, "cpu"), Timer("cpu", repeats=3, min_sample_s=1e-3),
+                             bench.PipelineCache().get(w.sop, deg))
+    assert cell["status"] == "ok" and cell["us"] > 0
+    with pytest.raises(ValueError):
+        bench.time_config(w, tpl.make_config({**p, "k_tile": -3}, [], "cpu"), Timer("cpu"))
+
+
 def test_find_graphs_filters_and_orders(graphs, tmp_path):
     found = common.find_graphs(data_dir=str(graphs))
     assert sorted(g for g, _, _ in found) == ["small", "wide"]

@@ -61,16 +61,21 @@ for g in GRAPHS:
         w = bench.Workload(A, "spmm", "sum", K, "float16", "cuda") if not build_only else None
         sop = w.sop if w else bench.make_op(A, "spmm", K, "sum", "float16")
         module = bench.PipelineCache().get(sop, spec) if spec else None
+        config = tpl.make_config(p, spec, "cuda", "float16")
         try:
-            mod = bench.build_from_config(sop, tpl.make_config(p, spec, "cuda", "float16"), module=module)
+            if build_only:
+                bench.build_from_config(sop, config, module=module)
+                print(g, label, "built", flush=True)
+                continue
+            cell = bench.time_config(w, config, timer, module)
         except ValueError as e:
-            print(g, label, "refused", e, flush=True); continue
-        if build_only:
-            print(g, label, "built", flush=True); continue
-        col = bench._checked(w, "x", mod, {})
-        us = timer.time(col.call, n_sets=w.n_sets).seconds * 1e6 if col.call else None
-        print(f"{g:20s} {label:22s} {us if us else float('nan'):7.1f} us  {col.rec.get('status')}", flush=True)
-        out.append({"graph": g, "case": label, "params": p, "us": us, "status": col.rec.get("status"), "m": A.shape[0], "nnz": int(A.nnz)})
+            print(g, label, "refused", e, flush=True)
+            if w is not None:
+                w.release()
+            continue
+        us = cell["us"]
+        print(f"{g:20s} {label:22s} {us if us else float('nan'):7.1f} us  {cell['status']}", flush=True)
+        out.append({"graph": g, "case": label, "params": p, **cell, "m": A.shape[0], "nnz": int(A.nnz)})
         w.release()
 if not build_only:
     json.dump(out, open(os.path.join(os.environ.get("OUT", "."), "hubdiag.json"), "w"), indent=1)

@@ -66,12 +66,10 @@ for table, dt, K in CASES:
         module = bench.PipelineCache().get(sop, spec) if spec else None
         res = []
         for p in uniq:
-            mod = bench.build_from_config(sop, tpl.make_config(p, spec, "cuda", dt), module=module)
             if build_only:
+                bench.build_from_config(sop, tpl.make_config(p, spec, "cuda", dt), module=module)
                 continue
-            col = bench._checked(w, "x", mod, {})
-            us = timer.time(col.call, n_sets=w.n_sets).seconds * 1e6 if col.call else None
-            res.append({"params": p, "us": us, "status": col.rec.get("status")})
+            res.append({"params": p, **bench.time_config(w, tpl.make_config(p, spec, "cuda", dt), timer, module)})
         if build_only:
             print(r["graph"], dt, K, len(uniq), "built", flush=True); continue
         b = r["columns"]["default"].get("seconds")
