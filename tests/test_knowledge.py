@@ -781,6 +781,33 @@ def test_second_round_builds_do_not_spend_the_budget(monkeypatch):
     assert info["second_round_s"] >= 0.6
 
 
+def test_quick_selection_runs_a_shared_pipeline_prefix_once(monkeypatch):
+    """Candidates on RCM alone and on RCM followed by another pass: quick selection runs RCM once
+    (the longer pipeline continues from the shorter one's module, in either order), and each
+    candidate's module is the one its whole pipeline gives."""
+    from spcompile.compile import default_config
+    from spcompile.kernels import get_template
+    from spcompile.passes.reorder_simple import RCMReorder
+
+    sop = make_op(random_matrix(300, 300, density=0.03, seed=12), "spmm", 16, "sum", "float32")
+    d = default_config(sop, "cpu")
+    tpl = get_template(d.template)
+    rcm = [{"name": "reorder.rcm", "options": {}}]
+    both = rcm + [{"name": "reorder.degree", "options": {}}]
+    calls = []
+    real = RCMReorder.transform
+    monkeypatch.setattr(RCMReorder, "transform", lambda self, mod, ctx: calls.append(1) or real(self, mod, ctx))
+    for first, second in ((both, rcm), (rcm, both)):
+        calls.clear()
+        cands = [(tpl.make_config(dict(d.params), p, "cpu", sop.dtype), None) for p in (first, second)]
+        mod, info = select.quick_select(sop, "cpu", cands, budget_s=5.0, vendor=False, probe=False)
+        rows = info["candidates"]
+        assert len(calls) == 1 and len(rows) == 2 and all("kernel_ms" in r for r in rows)
+        assert [r["pipeline"] for r in rows] == [[p["name"] for p in first], [p["name"] for p in second]]
+        log = [r["name"] if isinstance(r, dict) else r.name for r in mod.pass_log]
+        assert log == [p["name"] for p in mod.config.pipeline]
+
+
 def test_crc_cwm_probe_variants():
     """csr.crc_cwm's second-round neighbours: max_seg one step shorter and longer in
     PROBE_MAX_SEG (0, whole rows, is the longest), the other block shapes at the same max_seg;

@@ -228,17 +228,26 @@ def quick_select(op: SparseOp, target: str, ranked: list[tuple[Config, float | N
     base = SparseModule.from_op(op)
 
     def run_pipelines(items):
+        # pass by pass, each prefix's module kept: a pipeline that starts with one already run
+        # (RCM alone, RCM + LSH + SGT) continues from it instead of running its passes again
         for _, c, _ in items:
-            key = repr(c.pipeline)
-            if key not in pipes:
-                try:
-                    pipes[key] = Pipeline(c.pipeline)(base, ctx) if c.pipeline else base
-                except Exception as e:  # noqa: BLE001 - a pass failing on this matrix drops its candidates
-                    pipes[key] = e
+            spec = tuple(c.pipeline)
+            if repr(spec) in pipes:
+                continue
+            done = next((i for i in range(len(spec) - 1, 0, -1) if repr(spec[:i]) in pipes), 0)
+            mod = pipes[repr(spec[:done])] if done else base
+            for i in range(done, len(spec)):
+                if not isinstance(mod, Exception):
+                    try:
+                        mod = Pipeline(spec[i:i + 1])(mod, ctx)
+                    except Exception as e:  # noqa: BLE001 - a pass failing on this matrix drops its candidates
+                        mod = e
+                pipes[repr(spec[:i + 1])] = mod
+            pipes[repr(spec)] = mod
 
     def make(item):
         src, c, sp = item
-        mod = pipes[repr(c.pipeline)]
+        mod = pipes[repr(tuple(c.pipeline))]
         if isinstance(mod, Exception):
             raise mod
         return build_from_config(op, c, ctx, module=mod)
