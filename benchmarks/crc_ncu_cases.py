@@ -7,6 +7,13 @@ configuration (fp32 K=64/128, fp16 K=64, and two ``max_seg`` variants) and calle
         --page details python benchmarks/crc_ncu_cases.py
     python benchmarks/crc_ncu_cases.py --build-only     # CPU: fill $SPCOMPILE_KERNEL_CACHE
 
+Other cases: ``--table T.json --cells GRAPH:K [GRAPH:K ...]`` takes each cell's ``build()``
+configuration (column ``default``) from the bench table T.json (its dtype) instead, e.g. the
+fp32 graphs of short rows furthest from the floor:
+
+    ... python benchmarks/crc_ncu_cases.py --table docs/benchmarks/h200_spmm_fp32_default_big.json \
+        --cells snap_sx_askubuntu:64 snap_sx_askubuntu:128 dimacs10_wing:64 tu_nci1:64
+
 Graphs come from $SPCOMPILE_GRAPHS (default: the shared graph folder)."""
 import json
 import os
@@ -19,16 +26,59 @@ from spcompile.core.config import Config  # noqa: E402
 from spcompile.kernels import get_template  # noqa: E402
 
 build_only = "--build-only" in sys.argv
+
+
+def _after(flag):
+    """The arguments after ``flag`` up to the next option."""
+    if flag not in sys.argv:
+        return []
+    rest = sys.argv[sys.argv.index(flag) + 1:]
+    out = []
+    for a in rest:
+        if a.startswith("--"):
+            break
+        out.append(a)
+    return out
+
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-t32 = {(r["graph"], r["K"]): r for r in json.load(open(os.path.join(ROOT, "docs", "benchmarks", "h100_spmm_fp32_default_big.json")))["rows"]}
-t16 = {(r["graph"], r["K"]): r for r in json.load(open(os.path.join(ROOT, "docs", "benchmarks", "h100_spmm_fp16_default.json")))["rows"]}
-cases = []
-for g in ("twitch_de", "fb100_mit8", "snap_email_enron"):
-    cases.append((g, 64, "float32", t32[(g, 64)]["columns"]["default"]["config"], {}))
-    cases.append((g, 64, "float16", t16[(g, 64)]["columns"]["default"]["config"], {}))
-for ms in (16, 256):
-    cases.append(("twitch_de", 64, "float16", t16[("twitch_de", 64)]["columns"]["default"]["config"], {"max_seg": ms}))
-cases.append(("twitch_de", 128, "float32", t32[("twitch_de", 128)]["columns"]["default"]["config"], {}))
+
+
+def default_cases():
+    """The cases of the experiments document's section 2 (H100 tables)."""
+    bdir = os.path.join(ROOT, "docs", "benchmarks")
+    t32 = {(r["graph"], r["K"]): r for r in json.load(open(os.path.join(bdir, "h100_spmm_fp32_default_big.json")))["rows"]}
+    t16 = {(r["graph"], r["K"]): r for r in json.load(open(os.path.join(bdir, "h100_spmm_fp16_default.json")))["rows"]}
+    cases = []
+    for g in ("twitch_de", "fb100_mit8", "snap_email_enron"):
+        cases.append((g, 64, "float32", t32[(g, 64)]["columns"]["default"]["config"], {}))
+        cases.append((g, 64, "float16", t16[(g, 64)]["columns"]["default"]["config"], {}))
+    for ms in (16, 256):
+        cases.append(("twitch_de", 64, "float16", t16[("twitch_de", 64)]["columns"]["default"]["config"], {"max_seg": ms}))
+    cases.append(("twitch_de", 128, "float32", t32[("twitch_de", 128)]["columns"]["default"]["config"], {}))
+    return cases
+
+
+def table_cases(path, cells):
+    """``build()``'s csr.crc_cwm configuration of each GRAPH:K cell of a bench table."""
+    table = json.load(open(path))
+    rows = {(r["graph"], r["K"]): r for r in table["rows"]}
+    cases = []
+    for cell in cells:
+        g, K = cell.rsplit(":", 1)
+        if (g, int(K)) not in rows:
+            sys.exit(f"crc_ncu_cases: no row {g} K={K} in {path}")
+        cfgd = rows[(g, int(K))]["columns"]["default"]["config"]
+        if cfgd["template"] != "csr.crc_cwm":
+            sys.exit(f"crc_ncu_cases: {g} K={K} is not a csr.crc_cwm module ({cfgd['template']})")
+        cases.append((g, int(K), table["settings"]["dtype"], cfgd, {}))
+    return cases
+
+
+if "--table" in sys.argv:
+    cases = table_cases(_after("--table")[0], _after("--cells"))
+else:
+    cases = default_cases()
 for i, (g, K, dt, cfgd, over) in enumerate(cases):
     A = common.load_matrix(os.path.join(common.default_graph_dir(), g + ".npz"))
     cfg = Config.from_dict(cfgd)
