@@ -903,9 +903,9 @@ def mode_markdown(doc) -> str:
 # -------------------------------------------------------------------------------------------------
 def _model_candidates(a, A, sop) -> list:
     """What quick selection in ``build()`` builds for ``sop``: the model's first choices, their
-    unranked variants, native and locality orders and, for 16-bit inputs, the float32 shape (with
-    ``--loo`` the graph's own records left out, as in the default column), and the second round's
-    neighbours of each."""
+    unranked variants, native and locality orders, the row-window reuse candidates and, for 16-bit
+    inputs, the float32 shape (with ``--loo`` the graph's own records left out, as in the default
+    column), and the second round's neighbours of each."""
     from spcompile.autotune import knowledge
     from spcompile.autotune.knowledge import locality_order_variants, native_order_variants, unranked_variants
     from spcompile.autotune.select import DEFAULT_CANDIDATES, MORE_CANDIDATES, RANKED, pick_candidates
@@ -918,6 +918,7 @@ def _model_candidates(a, A, sop) -> list:
             got += [(c, None) for c in unranked_variants(ranked, "cuda", sop.dtype, sop)]
             got += [(c, None) for c in native_order_variants(ranked, "cuda", sop.dtype, sop)]
             got += [(c, None) for c in locality_order_variants(ranked, "cuda", sop.dtype, sop)]
+            got += [(c, None) for c in knowledge.reuse_configs(sop, "cuda", a.precision)]
             # the second round's neighbours of whichever of them is fastest
             for c, _ in list(got):
                 tpl = get_template(c.template)

@@ -910,3 +910,65 @@ def test_build_and_the_benchmark_draw_from_the_same_ranked_count(no_tuning_db, m
     seen.clear()
     assert bench._model_candidates(Args(), A, make_op(A, "spmm", 64, "sum", "float32"))
     assert seen and seen[0] == 5
+
+
+def dense_blocks(nblocks=24, seed=3, lo=20, hi=60, density=0.7):
+    """A batch of small dense graphs: block-diagonal, blocks of ``lo``..``hi`` rows at
+    ``density`` (the shape of tu_collab's dense ego networks), shuffled within each block."""
+    rng = np.random.default_rng(seed)
+    blocks = [sp.random(s, s, density=density, random_state=rng, format="csr", dtype=np.float32)
+              for s in rng.integers(lo, hi, nblocks)]
+    return sp.block_diag(blocks, format="csr")
+
+
+def test_reuse_configs_on_dense_row_windows():
+    """A matrix whose 32-row windows reuse their columns at least REUSE_MIN times gets the
+    tensor-core template on condensed windows of its own order and of RCM, with the template's
+    defaults: split tf32 for float32 (fp32-level), the input's precision for 16-bit; nothing for a
+    matrix of scattered columns, another op or reduction, or the CPU."""
+    A = dense_blocks()
+    sop = make_op(A, "spmm", 96, "sum", "float32")
+    assert kn.features(sop.A)["window_reuse"] >= kn.REUSE_MIN
+    got = kn.reuse_configs(sop, "cuda")
+    tpl = spcompile.get_template(kn.REUSE_TEMPLATE)
+    mod0 = spcompile.SparseModule.from_op(sop)
+    assert [c.template for c in got] == [kn.REUSE_TEMPLATE] * 2
+    assert [[p["name"] for p in c.pipeline] for c in got] == [["tile.sgt"], ["reorder.rcm", "tile.sgt"]]
+    assert all(c.precision == "3xtf32" and dict(c.params) == {**tpl.default_params(mod0), "precision": "3xtf32"}
+               for c in got)
+    assert list(got[1].pipeline[:1]) == list(kn._PIPES["rcm"])
+    half = kn.reuse_configs(make_op(A, "spmm", 64, "sum", "float16"), "cuda")
+    assert [c.precision for c in half] == ["fp16", "fp16"]
+    assert kn.reuse_configs(make_op(A, "spmm", 96, "max", "float32"), "cuda") == []
+    assert kn.reuse_configs(make_op(A, "sddmm", 96, None, "float32"), "cuda") == []
+    assert kn.reuse_configs(sop, "cpu") == []
+    scattered = make_op(random_matrix(1200, 1200, density=0.02, seed=4), "spmm", 96, "sum", "float32")
+    assert kn.features(scattered.A)["window_reuse"] < kn.REUSE_MIN and kn.reuse_configs(scattered, "cuda") == []
+
+
+def test_features_are_computed_once_per_matrix(monkeypatch):
+    """The model's ranking and the candidates beside it ask for the same matrix's features; a
+    canonical CSR's are computed once (a copy is returned, so a caller cannot change them)."""
+    sop = make_op(dense_blocks(nblocks=6), "spmm", 32, "sum", "float32")
+    calls = []
+    real = kn._features
+    monkeypatch.setattr(kn, "_features", lambda A: calls.append(1) or real(A))
+    f = kn.features(sop.A)
+    f["window_reuse"] = -1.0
+    assert kn.features(sop.A)["window_reuse"] > 1 and len(calls) == 1
+    kn.features(sop.A.to_scipy())          # not a canonical CSR: computed again
+    assert len(calls) == 2
+
+
+def test_build_measures_reuse_candidates(monkeypatch, no_tuning_db):
+    """ss_bcsstk25_pattern (3.65 entries per distinct column of a 32-row window) held out of the
+    model: quick selection measures the tensor-core template on its condensed windows beside the
+    model's choices, under its own label; fb100_mit8 (1.38) gets no such candidate."""
+    A, seen, decide_held_out = _recorded_quick_selection(monkeypatch, "ss_bcsstk25_pattern")
+    decide_held_out("spmm", 128, "sum", "float32")
+    reuse = [c for src, c, _ in seen["extra"] if src == "model (row-window reuse)"]
+    assert [c.template for c in reuse] == [kn.REUSE_TEMPLATE] * 2 and {c.precision for c in reuse} == {"3xtf32"}
+    assert all(c.template != kn.REUSE_TEMPLATE for c, _ in seen["ranked"])
+    A, seen, decide_held_out = _recorded_quick_selection(monkeypatch, "fb100_mit8")
+    decide_held_out("spmm", 128, "sum", "float32")
+    assert not [c for src, c, _ in seen["extra"] if src == "model (row-window reuse)"]

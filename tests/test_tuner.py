@@ -1262,6 +1262,25 @@ def test_locality_order_variants_are_seeds(db, monkeypatch):
     assert dict(seeds[1][1].params) == base and list(seeds[1][1].pipeline) == list(specs[-1]) != list(specs[0])
 
 
+def test_reuse_configs_are_seeds(db):
+    """On a batch of small dense graphs (32-row windows reusing their columns many times) the
+    tensor-core template on condensed windows of the stored and the RCM order -- what quick
+    selection measures beside the model -- are seeds of the study, and both are points of its
+    space (the tuner can enqueue them)."""
+    from spcompile.autotune import knowledge
+
+    rng = np.random.default_rng(3)
+    A = sp.block_diag([sp.random(s, s, density=0.7, random_state=rng, format="csr", dtype=np.float32)
+                       for s in rng.integers(20, 60, 24)], format="csr")
+    op = make_op(A, "spmm", 64)
+    tn = Tuner(op, "cuda", storage=db, runner=FakeRunner())
+    seeds = tn.seed_configs()
+    reuse = [(s, c) for s, c in seeds if s.startswith("model-reuse:")]
+    assert [s for s, _ in reuse] == ["model-reuse:0", "model-reuse:1"]
+    assert [c for _, c in reuse] == knowledge.reuse_configs(op, "cuda", "fp32")
+    assert all(tn.params_from_config(c) is not None for _, c in reuse)
+
+
 def test_start_from_is_the_first_seed(db):
     """``start_from``: a config the study measures first (source "quick"), once; none without it."""
     op = make_op(graph(), "spmm", 16)

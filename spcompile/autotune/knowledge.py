@@ -16,13 +16,15 @@ seen.
 
 :func:`ranked_configs` is what :func:`spcompile.build` (quick selection) and the tuner (seeds)
 call; for 16-bit inputs :func:`cross_dtype_configs` adds the ``float32`` class's first choice when
-the 16-bit portfolio never measured it.
+the 16-bit portfolio never measured it; on matrices whose row windows reuse their columns many
+times :func:`reuse_configs` adds the tensor-core template on condensed row windows.
 """
 from __future__ import annotations
 
 import json
 import math
 import os
+import weakref
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
@@ -31,7 +33,7 @@ import numpy as np
 from ..core.config import Config
 from ..core.ir import SparseOp, pattern_hash
 
-__all__ = ["ranked_configs", "cross_dtype_configs", "features", "portfolio", "candidate_config", "Knowledge", "load_knowledge",
+__all__ = ["ranked_configs", "cross_dtype_configs", "reuse_configs", "features", "portfolio", "candidate_config", "Knowledge", "load_knowledge",
            "cross_validate", "excluded", "FEATURES", "KNOWLEDGE_K"]
 
 #: feature names, in the model's order
@@ -46,13 +48,34 @@ _DATA_DIR = os.path.join(os.path.dirname(__file__), "data")
 
 
 # -- features --------------------------------------------------------------------------------
+#: features of the canonical CSR matrices they were computed for (read-only arrays: a matrix's
+#: features never change), so that the model's ranking and the candidates added beside it
+#: (:func:`cross_dtype_configs`, :func:`reuse_configs`) compute them once per build (2-3 s on a
+#: 2-core host for 24.6M entries)
+_FEATURE_CACHE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
 def features(A) -> dict[str, float]:
     """Cheap structure features of a CSR matrix (vectorised, O(nnz)); see :data:`FEATURES`.
 
     * ``window_reuse``: nonzeros per distinct column inside windows of 32 consecutive rows (how
       often a gathered X row is reused by neighbouring rows; sampled on up to 4096 windows);
     * ``locality``: mean ``|i - j| / n`` (1 - ...: near 1 for banded patterns).
+
+    Computed once per :class:`~spcompile.core.formats.CSR` object (kept while it lives); other
+    inputs (scipy matrices) are computed on every call.
     """
+    from ..core.formats import CSR
+
+    if isinstance(A, CSR):
+        got = _FEATURE_CACHE.get(A)
+        if got is None:
+            got = _FEATURE_CACHE[A] = _features(A)
+        return dict(got)
+    return _features(A)
+
+
+def _features(A) -> dict[str, float]:
     m, n = A.shape
     nnz = int(A.nnz)
     lens = np.diff(np.asarray(A.indptr, dtype=np.int64)).astype(np.float64)
@@ -389,6 +412,54 @@ def cross_dtype_configs(op: SparseOp, target: str, precision: str = "fp32", k: i
         out.append((cfg, None))
         if len(out) >= k:
             break
+    return out
+
+
+#: ``window_reuse`` (nonzeros per distinct column of 32-row windows, the matrix's own order) from
+#: which :func:`reuse_configs` offers the tensor-core template on condensed 16-row windows.  Such
+#: matrices (dense diagonal blocks: batches of dense ego networks, stiffness matrices) let a
+#: window gather each X row once for many of its rows, which the CSR kernels do not: on the H200
+#: tu_collab (24.6M entries, 14.5) ran 2.9-3.4x faster on it than on the CSR module ``build()``
+#: kept at K = 64-256, while on the H100 the shared graphs of 2.7-2.9 ran 1.5-1.9x slower on it
+#: than on the CSR kernels and ss_bcsstk25_pattern (3.65) 0.84 / 1.04 of the time at K = 128 / 256
+#: (``docs/benchmarks/h200_tu_collab_oracle.md``)
+REUSE_MIN = 3.0
+#: the template :func:`reuse_configs` offers
+REUSE_TEMPLATE = "tc.wmma_sgt"
+
+
+def reuse_configs(op: SparseOp, target: str, precision: str = "fp32") -> list[Config]:
+    """Configs quick selection measures (and the tuner seeds) beside the model's ranking on a
+    matrix whose row windows reuse their columns (``window_reuse`` at least :data:`REUSE_MIN`):
+    :data:`REUSE_TEMPLATE` with its default parameters, on its condensed 16-row windows of the
+    matrix's own order and of an RCM order.  For float32 inputs the split-tf32 precision
+    (``3xtf32``, fp32-level results) when the precision policy admits it, else nothing (the
+    portfolio of float32 has no tensor-core member); 16-bit inputs in their own precision.
+    Empty where the template does not apply (target, op, GPU) or the reuse is lower."""
+    from ..core.ir import SparseModule
+    from ..core.numerics import allowed_precisions
+    from ..kernels import get_template
+    from ..passes import Pipeline
+
+    if target != "cuda" or not _applies(REUSE_TEMPLATE, op, target) or op.A.nnz == 0:
+        return []
+    tpl = get_template(REUSE_TEMPLATE)
+    if not tpl.available() or features(op.A)["window_reuse"] < REUSE_MIN:
+        return []
+    allowed = set(allowed_precisions(precision, op.dtype))
+    mod0 = SparseModule.from_op(op)
+    params = dict(tpl.default_params(mod0))
+    if op.dtype == "float32":
+        params["precision"] = "3xtf32"
+    if params["precision"] not in allowed:
+        return []
+    own = list(tpl.pipelines(mod0)[0])
+    out = []
+    for spec in (own, list(_PIPES["rcm"]) + own):
+        try:
+            out.append(tpl.make_config(params, Pipeline(spec).spec(), target, op.dtype))
+        except Exception:  # noqa: BLE001 - a candidate the template refuses is not offered
+            continue
     return out
 
 

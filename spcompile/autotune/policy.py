@@ -112,7 +112,7 @@ def decide(sop: SparseOp, target: str, storage: str | None = None, tune: bool = 
             ranked = [r for r in ranked_configs(sop, target, precision, k=RANKED) if takes_values(r[0])]
             if ranked:
                 from .knowledge import (cross_dtype_configs, locality_order_variants, native_order_variants,
-                                        unranked_variants)
+                                        reuse_configs, unranked_variants)
 
                 cross = [("model (float32 shape)", c, sp) for c, sp in cross_dtype_configs(sop, target, precision)
                          if takes_values(c)]
@@ -122,6 +122,8 @@ def decide(sop: SparseOp, target: str, storage: str | None = None, tune: bool = 
                           for c in native_order_variants(ranked, target, sop.dtype, sop) if takes_values(c)]
                 cross += [("model (locality order)", c, None)
                           for c in locality_order_variants(ranked, target, sop.dtype, sop) if takes_values(c)]
+                cross += [("model (row-window reuse)", c, None)
+                          for c in reuse_configs(sop, target, precision) if takes_values(c)]
         except Exception as e:  # noqa: BLE001 - knowledge is an optimisation: never a reason to fail
             model_error = f"{type(e).__name__}: {e}"[:300]
     if model_error:

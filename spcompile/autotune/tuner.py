@@ -497,7 +497,7 @@ class Tuner:
         try:   # the variants quick selection measures beside the model's choices (what build()
             # tries), right behind the first choice: a short study measures them before the
             # model's lower-ranked choices
-            from .knowledge import locality_order_variants, native_order_variants, unranked_variants
+            from .knowledge import locality_order_variants, native_order_variants, reuse_configs, unranked_variants
 
             ranked = [(cfg, sp) for src, cfg, sp in model if src.startswith("model:")]
             variants = [(f"model-variant:{i}", c)
@@ -506,6 +506,8 @@ class Tuner:
                          for i, c in enumerate(native_order_variants(ranked, self.target, self.op.dtype, self.op))]
             variants += [(f"model-locality:{i}", c)
                          for i, c in enumerate(locality_order_variants(ranked, self.target, self.op.dtype, self.op))]
+            variants += [(f"model-reuse:{i}", c)
+                         for i, c in enumerate(reuse_configs(self.op, self.target, self.precision))]
             seeds[1:1] = variants
         except Exception:  # noqa: BLE001 - knowledge is an optimisation, never a reason to fail
             pass
