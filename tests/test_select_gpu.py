@@ -105,3 +105,27 @@ def test_second_round_on_the_gpu(no_tuning_db):
     mod(X, out=Y)
     ref = A.astype(np.float64) @ X.double().cpu().numpy()
     assert reference.rel_error(Y.double().cpu().numpy(), ref) < 1e-5
+
+
+@pytest.mark.parametrize("K", [1, 40, 96])
+def test_build_measures_reuse_candidates_on_the_gpu(no_tuning_db, K):
+    """A batch of small dense graphs (32-row windows reusing their columns many times): build()
+    builds, checks and times the tensor-core template on condensed windows (split tf32, the
+    stored and the RCM order) beside the model's choices, and whatever it keeps computes the
+    float64 result at fp32 level (NaN-poisoned output, K=1 and K not a multiple of 32)."""
+    import torch
+    from spcompile.autotune import knowledge as kn
+
+    rng = np.random.default_rng(K)
+    A = sp.block_diag([sp.random(s, s, density=0.7, random_state=rng, format="csr", dtype=np.float32)
+                       for s in rng.integers(20, 60, 24)], format="csr")
+    mod = spcompile.build(A, "spmm", K, target="cuda")
+    reuse = [r for r in mod.tuning["candidates"] if r["source"] == "model (row-window reuse)"]
+    assert [r["template"] for r in reuse] == [kn.REUSE_TEMPLATE] * 2
+    assert all("kernel_ms" in r for r in reuse), reuse            # built, checked and timed
+    m, n = A.shape
+    X = torch.from_numpy(rng.standard_normal((n, K)).astype(np.float32)).cuda()
+    Y = torch.full((m, K), float("nan"), device="cuda")
+    mod(X, out=Y)
+    ref = A.astype(np.float64) @ X.double().cpu().numpy()
+    assert reference.rel_error(Y.double().cpu().numpy(), ref) < 1e-5
