@@ -75,9 +75,10 @@ def test_quick_selection_inputs_on_the_gpu():
 
 def test_second_round_on_the_gpu(no_tuning_db):
     """The second round next to the fastest csr.crc_cwm candidate: max_seg one step shorter and
-    longer and the two other block shapes, on its pipeline, each built, checked against the
-    reference and timed within the budget; the kept module is the fastest timed one and its
-    NaN-poisoned output matches float64."""
+    longer, the two other block shapes and (a 32-lane lead whose full row is cut into slices) the
+    block-level combine of the hub row's slices, with and without the next longer max_seg, on its
+    pipeline, each built, checked against the reference and timed within the budget; the kept
+    module is the fastest timed one and its NaN-poisoned output matches float64."""
     import torch
 
     from spcompile.compile import make_op
@@ -96,8 +97,12 @@ def test_second_round_on_the_gpu(no_tuning_db):
     rows = info["candidates"]
     probes = [r for r in rows if r["source"] == "probe"]
     assert [r["params"]["max_seg"] for r in probes[:2]] == [32, 256]
-    assert {(r["params"]["warps_per_block"], r["params"]["rows_per_warp"], r["params"]["unroll"]) for r in probes[2:]} \
+    shapes = [r for r in probes[2:] if not r["params"].get("warp_combine")]
+    assert {(r["params"]["warps_per_block"], r["params"]["rows_per_warp"], r["params"]["unroll"]) for r in shapes} \
         == {(4, 1, 8), (8, 2, 2)}
+    combined = [r["params"] for r in probes if r["params"].get("warp_combine")]
+    assert [(q["max_seg"], q["warps_per_block"], q["unroll"]) for q in combined] == [(64, 4, 2), (128, 4, 2)]
+    assert len(probes) == 2 + len(shapes) + len(combined)
     assert all(r["pipeline"] == ["reorder.degree"] and "kernel_ms" in r for r in probes)
     assert info["kernel_ms"] == pytest.approx(min(r["kernel_ms"] for r in rows if "kernel_ms" in r))
     X = torch.randn(A.shape[1], K, device="cuda")
