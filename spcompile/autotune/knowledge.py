@@ -419,10 +419,12 @@ def cross_dtype_configs(op: SparseOp, target: str, precision: str = "fp32", k: i
 #: which :func:`reuse_configs` offers the tensor-core template on condensed 16-row windows.  Such
 #: matrices (dense diagonal blocks: batches of dense ego networks, stiffness matrices) let a
 #: window gather each X row once for many of its rows, which the CSR kernels do not: on the H200
-#: tu_collab (24.6M entries, 14.5) ran 2.9-3.4x faster on it than on the CSR module ``build()``
-#: kept at K = 64-256, while on the H100 the shared graphs of 2.7-2.9 ran 1.5-1.9x slower on it
-#: than on the CSR kernels and ss_bcsstk25_pattern (3.65) 0.84 / 1.04 of the time at K = 128 / 256
-#: (``docs/benchmarks/h200_tu_collab_oracle.md``)
+#: tu_collab (24.6M entries, 14.5) ran 2.3-3.4x faster on it than on the CSR module ``build()``
+#: kept at K = 64-256.  In the H100 oracle tables (fastest seed of each template) no shared graph
+#: below 3 gains from it at K=128 (2.71-2.85: 1.5-2.0x slower than the best other template), and
+#: ss_bcsstk25_pattern (3.65) runs it at 1.11 / 1.23x that time at K = 128 / 256; quick selection
+#: measures it, so a matrix near the threshold pays build time only
+#: (``docs/benchmarks/h100_crc_cwm_experiments.md`` section 15, ``h200_tu_collab_oracle.md``)
 REUSE_MIN = 3.0
 #: the template :func:`reuse_configs` offers
 REUSE_TEMPLATE = "tc.wmma_sgt"
