@@ -508,3 +508,43 @@ def test_runner_reuses_its_pipelines_per_op(monkeypatch):
     assert n == 6
     r.measure(op2, rcm)                                   # five pipelines since: the first was dropped
     assert len(calls) == n + 1
+
+
+def test_runner_continues_a_pipeline_from_its_cached_prefix(monkeypatch):
+    """A pipeline that starts with one the runner already ran (RCM, then RCM + degree) continues
+    from its module: RCM runs once; the module is the one the whole pipeline gives (its pass log)
+    and its preprocessing seconds are the whole pipeline's (the prefix's plus the rest, so at least
+    the prefix's); the longer pipeline's own prefix is cached too (RCM after it: no run)."""
+    import spcompile
+    from spcompile.compile import default_config
+    from spcompile.passes.reorder_simple import DegreeSort, RCMReorder
+
+    calls = []
+    for cls in (RCMReorder, DegreeSort):
+        real = cls.transform
+        monkeypatch.setattr(cls, "transform", lambda self, mod, ctx, real=real, n=cls.__name__:
+                            calls.append(n) or real(self, mod, ctx))
+    A = sp.random(400, 400, density=0.02, format="csr", random_state=2, dtype=np.float32)
+    base = default_config(make_op(A, "spmm", 8), "cpu")
+    tpl = spcompile.get_template(base.template)
+    rcm = [{"name": "reorder.rcm", "options": {}}]
+    both = rcm + [{"name": "reorder.degree", "options": {}}]
+    for first, second in ((rcm, both), (both, rcm)):
+        op = make_op(A, "spmm", 8)
+        r = CPURunner(isolate=False)
+        calls.clear()
+        a = r.measure(op, tpl.make_config(dict(base.params), first, "cpu"))
+        b = r.measure(op, tpl.make_config(dict(base.params), second, "cpu"))
+        assert a.ok and b.ok and calls == ["RCMReorder", "DegreeSort"]
+        short, long_ = (a, b) if first is rcm else (b, a)
+        assert long_.preprocess_s >= short.preprocess_s > 0
+    from spcompile.autotune.measure import build_timed
+
+    cache = {}
+    cm, pre1, _ = build_timed(op, tpl.make_config(dict(base.params), rcm, "cpu"), cache)
+    cm2, pre2, _ = build_timed(op, tpl.make_config(dict(base.params), both, "cpu"), cache)
+    log = [p["name"] if isinstance(p, dict) else p.name for p in cm2.pass_log]
+    assert log == ["reorder.rcm", "reorder.degree"] and pre2 >= pre1
+    X = np.random.default_rng(0).standard_normal((400, 8)).astype(np.float32)
+    ref = A.astype(np.float64) @ X
+    assert np.allclose(cm2(X), ref, rtol=1e-4, atol=1e-4)

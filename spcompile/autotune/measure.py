@@ -456,24 +456,39 @@ def build_timed(op: SparseOp, config: Config, pipelines: dict | None = None,
                 deadline: float | None = None) -> tuple[CompiledModule, float, float]:
     """Replay ``config`` like :func:`spcompile.compile.build_from_config`, timing the pass
     pipeline (preprocessing) and the template build (compilation) separately.  ``pipelines``: a
-    cache ``{pipeline key: (module, seconds)}`` of this op's pipeline outputs; a hit reuses the
-    module and reports the seconds its pipeline took when it ran.  ``deadline`` (perf_counter):
+    cache ``{pipeline key: (module, seconds)}`` of this op's pipeline outputs (and of the prefixes
+    of those run pass by pass); a hit reuses the module and reports the seconds its pipeline took
+    when it ran, and a pipeline that starts with a cached one continues from that module.  ``deadline`` (perf_counter):
     :class:`DeadlineExceeded` when it has passed after the pipeline (the build is not started)."""
     tpl = get_template(config.template)
     if tpl.target != config.target:
         raise ValueError(f"template {tpl.name!r} is for target {tpl.target!r}, not {config.target!r}")
     if not tpl.available():
         raise RuntimeError(f"template {tpl.name!r} cannot be built on this machine")
-    key = json.dumps(list(config.pipeline), sort_keys=True, default=str)
-    hit = pipelines.get(key) if pipelines is not None else None
+    spec = list(config.pipeline)
+
+    def key(n):
+        return json.dumps(spec[:n], sort_keys=True, default=str)
+
+    hit = pipelines.get(key(len(spec))) if pipelines is not None else None
     if hit is not None:
         mod, pre_s = hit
     else:
-        t0 = time.perf_counter()
-        mod = Pipeline(config.pipeline)(SparseModule.from_op(op))
-        pre_s = time.perf_counter() - t0
-        if pipelines is not None:
-            pipelines[key] = (mod, pre_s)
+        # continue from the longest cached prefix (RCM alone, then RCM + LSH + SGT: RCM runs
+        # once); the passes after it run one at a time when there are several, so that each
+        # prefix is cached for the pipelines that start with it, and the seconds reported are
+        # the whole pipeline's (the prefix's as it ran, plus the rest)
+        done = next((n for n in range(len(spec) - 1, 0, -1) if pipelines is not None and key(n) in pipelines), 0)
+        mod, pre_s = pipelines[key(done)] if done else (SparseModule.from_op(op), 0.0)
+        steps = [spec[done:]] if len(spec) - done <= 1 else [[p] for p in spec[done:]]
+        n = done
+        for part in steps:
+            t0 = time.perf_counter()
+            mod = Pipeline(part)(mod)
+            pre_s += time.perf_counter() - t0
+            n += len(part)
+            if pipelines is not None:
+                pipelines[key(n)] = (mod, pre_s)
     Timer._check(deadline)
     t1 = time.perf_counter()
     cm = build_from_config(op, config, module=mod)
