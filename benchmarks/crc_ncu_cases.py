@@ -15,6 +15,7 @@ fp32 graphs of short rows furthest from the floor:
         --cells snap_sx_askubuntu:64 snap_sx_askubuntu:128 dimacs10_wing:64 tu_nci1:64
 
 Graphs come from $SPCOMPILE_GRAPHS (default: the shared graph folder)."""
+import argparse
 import json
 import os
 import sys
@@ -24,22 +25,6 @@ import bench  # noqa: E402
 import common  # noqa: E402
 from spcompile.core.config import Config  # noqa: E402
 from spcompile.kernels import get_template  # noqa: E402
-
-build_only = "--build-only" in sys.argv
-
-
-def _after(flag):
-    """The arguments after ``flag`` up to the next option."""
-    if flag not in sys.argv:
-        return []
-    rest = sys.argv[sys.argv.index(flag) + 1:]
-    out = []
-    for a in rest:
-        if a.startswith("--"):
-            break
-        out.append(a)
-    return out
-
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -75,10 +60,15 @@ def table_cases(path, cells):
     return cases
 
 
-if "--table" in sys.argv:
-    cases = table_cases(_after("--table")[0], _after("--cells"))
-else:
-    cases = default_cases()
+ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+ap.add_argument("--build-only", action="store_true", help="fill $SPCOMPILE_KERNEL_CACHE, no GPU")
+ap.add_argument("--table", help="a bench.py JSON whose default column's configurations to run")
+ap.add_argument("--cells", nargs="+", default=[], metavar="GRAPH:K", help="with --table: its cells")
+a = ap.parse_args()
+if a.cells and not a.table:
+    ap.error("--cells needs --table")
+build_only = a.build_only
+cases = table_cases(a.table, a.cells) if a.table else default_cases()
 for i, (g, K, dt, cfgd, over) in enumerate(cases):
     A = common.load_matrix(os.path.join(common.default_graph_dir(), g + ".npz"))
     cfg = Config.from_dict(cfgd)

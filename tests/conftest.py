@@ -96,6 +96,16 @@ def hub_matrix(seed: int = 3) -> sp.csr_matrix:
     return A.astype(np.float32)
 
 
+def dense_blocks(nblocks: int = 24, seed: int = 3, lo: int = 20, hi: int = 60, density: float = 0.7) -> sp.csr_matrix:
+    """A batch of small dense graphs: block-diagonal, blocks of ``lo``..``hi`` rows at
+    ``density`` (the shape of tu_collab's dense ego networks: 32-row windows that reuse their
+    columns many times)."""
+    rng = np.random.default_rng(seed)
+    blocks = [sp.random(s, s, density=density, random_state=rng, format="csr", dtype=np.float32)
+              for s in rng.integers(lo, hi, nblocks)]
+    return sp.block_diag(blocks, format="csr")
+
+
 def random_matrix(m: int, n: int, *, density: float = 0.05, seed: int = 0, empty_rows: int = 3,
                   long_row: bool = True, dtype=np.float32) -> sp.csr_matrix:
     """Random m x n CSR with ``empty_rows`` rows that hold nothing and (when ``long_row``) one row

@@ -16,7 +16,7 @@ from spcompile.autotune.policy import decide
 from spcompile.compile import make_op
 from spcompile.core import reference
 
-from conftest import random_matrix
+from conftest import dense_blocks, random_matrix
 
 
 # -- features ---------------------------------------------------------------------------------
@@ -910,15 +910,6 @@ def test_build_and_the_benchmark_draw_from_the_same_ranked_count(no_tuning_db, m
     seen.clear()
     assert bench._model_candidates(Args(), A, make_op(A, "spmm", 64, "sum", "float32"))
     assert seen and seen[0] == 5
-
-
-def dense_blocks(nblocks=24, seed=3, lo=20, hi=60, density=0.7):
-    """A batch of small dense graphs: block-diagonal, blocks of ``lo``..``hi`` rows at
-    ``density`` (the shape of tu_collab's dense ego networks), shuffled within each block."""
-    rng = np.random.default_rng(seed)
-    blocks = [sp.random(s, s, density=density, random_state=rng, format="csr", dtype=np.float32)
-              for s in rng.integers(lo, hi, nblocks)]
-    return sp.block_diag(blocks, format="csr")
 
 
 def test_reuse_configs_on_dense_row_windows():

@@ -12,6 +12,8 @@ from spcompile.autotune import select
 from spcompile.core import reference
 from spcompile.runtime import cuda_available
 
+from conftest import dense_blocks
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not cuda_available(), reason="no usable CUDA GPU")]
 
 
@@ -121,9 +123,8 @@ def test_build_measures_reuse_candidates_on_the_gpu(no_tuning_db, K):
     import torch
     from spcompile.autotune import knowledge as kn
 
-    rng = np.random.default_rng(K)
-    A = sp.block_diag([sp.random(s, s, density=0.7, random_state=rng, format="csr", dtype=np.float32)
-                       for s in rng.integers(20, 60, 24)], format="csr")
+    A = dense_blocks(seed=K)
+    rng = np.random.default_rng(K + 1)
     mod = spcompile.build(A, "spmm", K, target="cuda")
     reuse = [r for r in mod.tuning["candidates"] if r["source"] == "model (row-window reuse)"]
     assert [r["template"] for r in reuse] == [kn.REUSE_TEMPLATE] * 2

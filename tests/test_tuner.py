@@ -23,6 +23,8 @@ from spcompile.autotune.policy import choose_config
 from spcompile.autotune.space import candidates
 from spcompile.autotune.tuner import Tuner, tune
 
+from conftest import dense_blocks
+
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 TV = optuna.trial.TrialState
 
@@ -1269,10 +1271,7 @@ def test_reuse_configs_are_seeds(db):
     space (the tuner can enqueue them)."""
     from spcompile.autotune import knowledge
 
-    rng = np.random.default_rng(3)
-    A = sp.block_diag([sp.random(s, s, density=0.7, random_state=rng, format="csr", dtype=np.float32)
-                       for s in rng.integers(20, 60, 24)], format="csr")
-    op = make_op(A, "spmm", 64)
+    op = make_op(dense_blocks(), "spmm", 64)
     tn = Tuner(op, "cuda", storage=db, runner=FakeRunner())
     seeds = tn.seed_configs()
     reuse = [(s, c) for s, c in seeds if s.startswith("model-reuse:")]

@@ -475,14 +475,13 @@ def build_timed(op: SparseOp, config: Config, pipelines: dict | None = None,
         mod, pre_s = hit
     else:
         # continue from the longest cached prefix (RCM alone, then RCM + LSH + SGT: RCM runs
-        # once); the passes after it run one at a time when there are several, so that each
-        # prefix is cached for the pipelines that start with it, and the seconds reported are
+        # once); the passes after it run one at a time, each prefix cached for the pipelines
+        # that start with it (the empty pipeline runs once, as itself); the seconds reported are
         # the whole pipeline's (the prefix's as it ran, plus the rest)
         done = next((n for n in range(len(spec) - 1, 0, -1) if pipelines is not None and key(n) in pipelines), 0)
         mod, pre_s = pipelines[key(done)] if done else (SparseModule.from_op(op), 0.0)
-        steps = [spec[done:]] if len(spec) - done <= 1 else [[p] for p in spec[done:]]
         n = done
-        for part in steps:
+        for part in [[p] for p in spec[done:]] or [[]]:
             t0 = time.perf_counter()
             mod = Pipeline(part)(mod)
             pre_s += time.perf_counter() - t0
