@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+import numpy as np
+
 from .core.formats import as_csr
 from .core import numerics
 from .core.ir import SparseModule, SparseOp, values_hash
@@ -115,5 +117,8 @@ def build_from_config(op: SparseOp, config: Config, ctx: PassContext | None = No
     cfg = tpl.make_config(params, ran, config.target, op.dtype)
     out = CompiledModule(op.key(), cfg, kernel, [r.to_dict() for r in mod.log], values_hash(op.A), tuning)
     out.matrix = op.A
-    out.values_src = mod.nnz_perm
+    # call-time values' slots: the passes' entry order, then any move the packer made
+    src = getattr(kernel, "entry_src", None)
+    out.values_src = mod.nnz_perm if src is None else (
+        np.asarray(src, np.int64) if mod.nnz_perm is None else np.asarray(mod.nnz_perm)[np.asarray(src, np.int64)])
     return out

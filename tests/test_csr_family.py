@@ -759,3 +759,57 @@ def test_warp_combine_rule_and_space():
         assert t.search_params(q)["warp_combine"] == wc
     with pytest.raises(ValueError, match="warp_combine"):
         t.build(hmod, {**base, "warp_combine": 3}, compile=False)
+
+
+# ------------------------------------------------------------------------------------------
+# call-time values
+# ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("op", ["spmm", "sddmm"])
+def test_call_time_values_reach_their_entries(op, monkeypatch):
+    """A module built for one set of values computes with the values a call passes: written
+    into the kernel's value array through the module's ``values_src`` (as a call does), they
+    reproduce the float64 reference of the matrix with those values, for every row order and
+    every layout that moves entries (warp-reduced hub rows first: ``warp_combine`` 1 and 2, flat
+    groups, split rows)."""
+    from spcompile.compile import build_from_config
+    from spcompile.kernels.nvcc import NvccTemplate
+
+    monkeypatch.setattr(NvccTemplate, "compile", lambda self, inst, arch=None, name=None: b"")  # arrays only
+    t = get_template("csr.crc_cwm" if op == "spmm" else "csr.sddmm")
+    rng = np.random.default_rng(11)
+    moved = 0
+    for (name, A), pipe in itertools.product(_matrices().items(), sorted(PIPES)):
+        C = as_csr(A)
+        for reduce in (REDUCES if op == "spmm" else (None,)):
+            sop = make_op(A, op, 33, reduce)
+            mod0 = SparseModule.from_op(sop)
+            if op == "spmm":
+                grid = [{"max_seg": ms, "group": g, "vec": v, "cf": cf, "rows_per_warp": 1, "warps_per_block": w,
+                         "warp_combine": wc}
+                        for ms, (g, v, cf), w, wc in itertools.product((8, 64), ((8, 4, 1), (32, 1, 2)), (1, 4),
+                                                                        (0, 1, 2))]
+                grid += [{"max_seg": 8, "group": 8, "vec": 4, "cf": 1, "rows_per_warp": 4, "flat": 1}]
+            else:
+                grid = [{}, {"flat": 1}]
+            for params in grid:
+                try:
+                    p = t.check_params(mod0, {**t.default_params(mod0), **params})
+                except ValueError:
+                    continue
+                mod = build_from_config(sop, t.make_config(p, [{"name": s, "options": {}} for s in PIPES[pipe]],
+                                                           "cuda"))
+                k = mod.kernel
+                src = np.arange(C.nnz) if mod.values_src is None else np.asarray(mod.values_src)
+                moved += int(np.any(src != np.arange(C.nnz)) and pipe == "none")
+                v = rng.standard_normal(C.nnz).astype(np.float32)
+                k.arrays[t.call_values_array] = v[src]          # what a call with values=v writes
+                Cv = sp.csr_matrix((v, C.indices, C.indptr), shape=C.shape)
+                if op == "spmm":
+                    X = rng.standard_normal((A.shape[1], 33)).astype(np.float32)
+                    _close(em.emulate_kernel(k, X), reference.spmm(as_csr(Cv), X, reduce))
+                else:
+                    X = rng.standard_normal((A.shape[0], 33)).astype(np.float32)
+                    Y = rng.standard_normal((A.shape[1], 33)).astype(np.float32)
+                    _close(em.emulate_kernel(k, X, Y), reference.sddmm(as_csr(Cv), X, Y))
+    if op == "spmm":
+        assert moved > 0      # the packer moved entries of the stored order (warp-reduced rows first)

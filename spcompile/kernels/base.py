@@ -100,7 +100,8 @@ class Template:
         """The kernel array holding the matrix values as one entry per stored entry of the permuted
         CSR (``csr_kernel_arrays``' ``data``, in the workload's arithmetic type), so that a call
         may pass new values (``mod(X, values=v)``); None where the format bakes the values into a
-        packed layout.  Declared in :data:`CALL_VALUE_ARRAYS`."""
+        packed layout.  Declared in :data:`CALL_VALUE_ARRAYS`.  A packer that moves the entries
+        further says where each slot's entry came from (:data:`ENTRY_SRC`)."""
         return CALL_VALUE_ARRAYS.get(self.name)
     #: the saved arrays are :func:`csr_kernel_arrays` (or a subset of their names), checked by
     #: :func:`check_csr_arrays` when an artifact is loaded; ``csr_values``: ``data`` holds the
@@ -259,6 +260,11 @@ CALL_VALUE_ARRAYS: dict[str, str] = {
     "csr.crc_cwm": "data", "csr.sddmm": "data",
     "tvm.cuda_csr_spmm": "data", "tvm.cuda_csr_sddmm": "data",
 }
+
+#: the key under which a packer returns, beside its arrays, the position in ``mod.A``'s stored
+#: entries of each slot of the call-time values array, when it moved the entries (not a kernel
+#: array: the build takes it out and composes it into the module's ``values_src``)
+ENTRY_SRC = "_entry_src"
 
 _TEMPLATES: dict[str, Template] = {}
 _LOCK = threading.Lock()

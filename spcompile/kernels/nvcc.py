@@ -29,7 +29,7 @@ from ..core.ir import SparseModule
 from ..core.numerics import DTYPES
 from ..runtime import cuda as rt
 from ..runtime.driver import DeviceArray
-from .base import Template, source_hash_of
+from .base import ENTRY_SRC, Template, source_hash_of
 
 __all__ = ["NvccTemplate", "NvccKernel", "LaunchSpec", "LaunchSequence", "AtLeast", "_NvccTemplate", "_NvccKernel"]
 
@@ -177,13 +177,16 @@ class NvccTemplate(Template):
         if arch < self.min_arch:
             raise ValueError(f"{self.name} needs sm_{self.min_arch} or newer, this GPU is sm_{arch}")
         arrays = self.pack(mod, params)
+        entry_src = arrays.pop(ENTRY_SRC, None)
         args = self.instance_args(mod, params)
         inst = self.instances(**args)
         meta = {"K": mod.op.K, "m": mod.A.shape[0], "dtype": mod.op.dtype, "arch": arch,
                 **({"vec": int(args[self.fallback_param])} if self.fallback_param else {}),
                 **self.extra_meta(mod, params, arrays), "instances": [[n, list(a)] for n, a in inst]}
         files = {"kernel.fatbin": self.compile(inst, arch=arch, name=inst[0][0])} if compile else {}
-        return self.kernel_class_for(meta)(self.name, params, arrays, files, meta, self)
+        kernel = self.kernel_class_for(meta)(self.name, params, arrays, files, meta, self)
+        kernel.entry_src = entry_src
+        return kernel
 
     def load(self, params, arrays, files, meta):
         return self.kernel_class_for(meta)(self.name, params, arrays, files, meta, self)
@@ -238,6 +241,9 @@ class NvccKernel(rt.CUDAKernel):
     output: str = "Y"
     #: the per-call pointers the vector instance needs aligned to its width (default: all)
     aligned: tuple[str, ...] | None = None
+
+    #: set by the build when the packer moved the stored entries (:data:`~spcompile.kernels.base.ENTRY_SRC`)
+    entry_src: np.ndarray | None = None
 
     def __init__(self, template, params, arrays, files, meta, tpl):
         super().__init__(template, params, arrays, files, meta)

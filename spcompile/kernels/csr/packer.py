@@ -7,7 +7,7 @@ import numpy as np
 
 from ...core.formats import permute_csr
 from ...core.ir import SparseModule
-from ..base import csr_kernel_arrays
+from ..base import ENTRY_SRC, csr_kernel_arrays
 
 __all__ = ["WARP_SLICES", "WARP_ROW", "spmm_partition", "warp_slice_order", "flat_groups", "sddmm_partition", "pack_spmm",
            "pack_sddmm"]
@@ -151,9 +151,12 @@ def pack_spmm(mod: SparseModule, max_seg: int, flat: bool = False, segs_per_grou
     """Arrays of ``csr.crc_cwm``: the CSR columns / values, the row partition and, for the flat
     layout, the row groups (``grp_seg``, :func:`flat_groups`; empty otherwise).  ``warp_slices``
     > 1: the rows whole warps take moved first (:func:`warp_slice_order`; outputs still go to
-    each row's ``row_ids``) and cut for :func:`spmm_partition`."""
+    each row's ``row_ids``) and cut for :func:`spmm_partition`; the entries then move with their
+    rows, and ``ENTRY_SRC`` says from where (``mod.A``'s entry of each value slot), so that values
+    passed at call time land in the slots of their entries."""
     ka = csr_kernel_arrays(mod, np.int32)
     indptr, indices, data, row_ids = ka["indptr"], ka["indices"], ka["data"], ka["row_ids"]
+    src = None
     if int(warp_slices) > 1:
         order = warp_slice_order(indptr, max_seg, warp_slices, warp_rows)
         if np.any(order != np.arange(order.size)):
@@ -162,7 +165,10 @@ def pack_spmm(mod: SparseModule, max_seg: int, flat: bool = False, segs_per_grou
             indptr, indices, data, row_ids = permuted.indptr, indices[src], data[src], np.asarray(row_ids)[order]
     part = spmm_partition(indptr, row_ids, max_seg, warp_slices, warp_rows)
     grp_seg = flat_groups(part["seg_ptr"], segs_per_group, group_nnz) if flat else np.zeros(0, np.int32)
-    return {"indices": _i32(indices), "data": data, **part, "grp_seg": grp_seg}
+    out = {"indices": _i32(indices), "data": data, **part, "grp_seg": grp_seg}
+    if src is not None:
+        out[ENTRY_SRC] = src    # which of mod.A's entries each value slot holds (call-time values)
+    return out
 
 
 def pack_sddmm(mod: SparseModule, nnz_per_warp: int, flat: bool = False) -> dict[str, np.ndarray]:
