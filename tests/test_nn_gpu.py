@@ -59,6 +59,29 @@ def test_cuda_call_values(template):
     assert np.array_equal(mod(*ins).cpu().numpy(), built)   # back to the built values
 
 
+@pytest.mark.parametrize("warp_combine", [1, 2])
+def test_cuda_call_values_with_warp_reduced_rows(warp_combine, tmp_path):
+    """Call-time values reach their entries where the kernel's layout moves hub rows' entries
+    first (csr.crc_cwm ``warp_combine``), through torch, numpy and a saved and loaded module."""
+    A = random_matrix(400, 300, density=0.03, seed=7)          # one 300-long row: tens of slices
+    params = {"cf": 1, "vec": 4, "group": 8, "warps_per_block": 4, "rows_per_warp": 1, "max_seg": 8, "unroll": 2,
+              "warp_combine": warp_combine}
+    mod = spcompile.build(A, "spmm", K=33, reduce="sum", target="cuda", template="csr.crc_cwm", params=params,
+                          pipeline=[{"name": "reorder.rcm"}])
+    assert mod.config.params["warp_combine"] == warp_combine and mod.supports_call_values
+    assert mod.kernel.entry_src is not None     # RCM leaves the hub row inside: the packer moves it first
+    rng = np.random.default_rng(3)
+    X = rng.standard_normal((300, 33)).astype(np.float32)
+    path = mod.save(str(tmp_path / "m.spc"))
+    for m in (mod, spcompile.load(path, A)):
+        for seed in range(2):
+            v = np.random.default_rng(seed + 9).standard_normal(A.nnz)
+            ref = reference.run("spmm", "sum", as_csr(_with_values(A, v)), X)
+            got = m(torch.from_numpy(X).cuda(), values=torch.from_numpy(v).cuda()).cpu().numpy()
+            assert reference.rel_error(got, ref) < 1e-5
+            assert reference.rel_error(m(X, values=v.astype(np.float32)), ref) < 1e-5
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("reduce", ["sum", "mean", "max", "min"])
 def test_spmm_grads_on_gpu(dtype, reduce):
