@@ -354,3 +354,46 @@ def test_run_helper():
     out = run_pass("reorder.degree", sp.eye(3, format="csr") + sp.csr_matrix(([1.0], ([2], [0])), shape=(3, 3)),
                    descending=True)
     assert out.row_perm[0] == 2 and "reorder.degree" in out.metrics
+
+
+def test_run_prefixed_runs_a_common_start_once(monkeypatch):
+    """Pipelines through one cache run a shared prefix once: RCM, then RCM + degree continues
+    from RCM's module; the result is the whole pipeline's (its log, its matrix); the seconds
+    are the whole pipeline's; a cached pipeline comes back as it ran; a pass that fails is cached
+    as its error, raised again (without running) for every pipeline that starts with it, and
+    other pipelines still run."""
+    from spcompile.passes import pipeline_key, run_prefixed
+    from spcompile.passes.reorder_simple import DegreeSort, RCMReorder
+
+    calls = []
+    for cls in (RCMReorder, DegreeSort):
+        real = cls.transform
+        monkeypatch.setattr(cls, "transform", lambda self, mod, ctx, real=real, n=cls.__name__:
+                            calls.append(n) or real(self, mod, ctx))
+    A = random_matrix(300, 300, density=0.02, seed=4)
+    start = SparseModule.from_op(SparseOp("spmm", "sum", as_csr(A), 4))
+    rcm = [{"name": "reorder.rcm", "options": {}}]
+    both = rcm + [{"name": "reorder.degree", "options": {}}]
+    direct = Pipeline(both)(start)
+    calls.clear()
+    cache = {}
+    m1, s1 = run_prefixed(rcm, start, cache)
+    m2, s2 = run_prefixed(both, start, cache)
+    assert calls == ["RCMReorder", "DegreeSort"] and s2 >= s1 > 0
+    assert [r.name for r in m2.log] == ["reorder.rcm", "reorder.degree"]
+    assert np.array_equal(m2.A.indices, direct.A.indices) and np.array_equal(m2.nnz_perm, direct.nnz_perm)
+    assert run_prefixed(both, start, cache) == (m2, s2) and run_prefixed([], start, cache) == (start, 0.0)
+    assert calls == ["RCMReorder", "DegreeSort"] and set(cache) == {pipeline_key(p) for p in ([], rcm, both)}
+
+    def broken(self, mod, ctx):
+        calls.append("broken")
+        raise ValueError("no order for this matrix")
+
+    monkeypatch.setattr(DegreeSort, "transform", broken)
+    deg = [{"name": "reorder.degree", "options": {}}]
+    longer = deg + rcm
+    for spec in (deg, longer, deg):
+        with pytest.raises(ValueError, match="no order"):
+            run_prefixed(spec, start, cache)
+    assert calls.count("broken") == 1 and isinstance(cache[pipeline_key(deg)][0], ValueError)
+    assert run_prefixed(rcm, start, cache)[0] is m1

@@ -17,7 +17,6 @@ error=...)`` -- never an exception.
 from __future__ import annotations
 
 import itertools
-import json
 import math
 import os
 import pickle
@@ -37,7 +36,7 @@ from ..core.ir import SparseModule, SparseOp
 from ..core.numerics import round_to
 from ..kernels import get_template
 from ..module import CompiledModule
-from ..passes import Pipeline
+from ..passes import run_prefixed
 
 __all__ = ["Timer", "Timing", "MODES", "Pruned", "DeadlineExceeded", "MeasureResult", "Runner", "CPURunner",
            "CUDARunner", "make_runner", "build_timed", "make_inputs", "device_rel_error",
@@ -455,39 +454,19 @@ class _BoundedCache(dict):
 def build_timed(op: SparseOp, config: Config, pipelines: dict | None = None,
                 deadline: float | None = None) -> tuple[CompiledModule, float, float]:
     """Replay ``config`` like :func:`spcompile.compile.build_from_config`, timing the pass
-    pipeline (preprocessing) and the template build (compilation) separately.  ``pipelines``: a
-    cache ``{pipeline key: (module, seconds)}`` of this op's pipeline outputs (and of the prefixes
-    of those run pass by pass); a hit reuses the module and reports the seconds its pipeline took
-    when it ran, and a pipeline that starts with a cached one continues from that module.  ``deadline`` (perf_counter):
+    pipeline (preprocessing) and the template build (compilation) separately.  ``pipelines``: this
+    op's cache of pipeline outputs (:func:`~spcompile.passes.run_prefixed`: a hit reuses the module
+    and reports the seconds its pipeline took when it ran; a pipeline that starts with a cached one
+    continues from that module).  ``deadline`` (perf_counter):
     :class:`DeadlineExceeded` when it has passed after the pipeline (the build is not started)."""
     tpl = get_template(config.template)
     if tpl.target != config.target:
         raise ValueError(f"template {tpl.name!r} is for target {tpl.target!r}, not {config.target!r}")
     if not tpl.available():
         raise RuntimeError(f"template {tpl.name!r} cannot be built on this machine")
-    spec = list(config.pipeline)
-
-    def key(n):
-        return json.dumps(spec[:n], sort_keys=True, default=str)
-
-    hit = pipelines.get(key(len(spec))) if pipelines is not None else None
-    if hit is not None:
-        mod, pre_s = hit
-    else:
-        # continue from the longest cached prefix (RCM alone, then RCM + LSH + SGT: RCM runs
-        # once); the passes after it run one at a time, each prefix cached for the pipelines
-        # that start with it (the empty pipeline runs once, as itself); the seconds reported are
-        # the whole pipeline's (the prefix's as it ran, plus the rest)
-        done = next((n for n in range(len(spec) - 1, 0, -1) if pipelines is not None and key(n) in pipelines), 0)
-        mod, pre_s = pipelines[key(done)] if done else (SparseModule.from_op(op), 0.0)
-        n = done
-        for part in [[p] for p in spec[done:]] or [[]]:
-            t0 = time.perf_counter()
-            mod = Pipeline(part)(mod)
-            pre_s += time.perf_counter() - t0
-            n += len(part)
-            if pipelines is not None:
-                pipelines[key(n)] = (mod, pre_s)
+    # a pipeline that starts with a cached one continues from it (RCM alone, then RCM + LSH +
+    # SGT: RCM runs once); the seconds are the whole pipeline's
+    mod, pre_s = run_prefixed(config.pipeline, SparseModule.from_op(op), {} if pipelines is None else pipelines)
     Timer._check(deadline)
     t1 = time.perf_counter()
     cm = build_from_config(op, config, module=mod)

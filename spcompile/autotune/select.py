@@ -25,7 +25,7 @@ from ..core.config import Config
 from ..core.ir import SparseModule, SparseOp
 from ..core.numerics import DTYPES, result_tolerance
 from ..kernels import get_template
-from ..passes import Pipeline
+from ..passes import pipeline_key, run_prefixed
 from .measure import Timer, device_rel_error, make_inputs
 
 __all__ = ["quick_select", "vendor_config", "pick_candidates", "config_pipeline", "VENDOR", "DEFAULT_BUDGET_S", "DEFAULT_CANDIDATES",
@@ -229,25 +229,17 @@ def quick_select(op: SparseOp, target: str, ranked: list[tuple[Config, float | N
 
     def run_pipelines(items):
         # pass by pass, each prefix's module kept: a pipeline that starts with one already run
-        # (RCM alone, RCM + LSH + SGT) continues from it instead of running its passes again
+        # (RCM alone, RCM + LSH + SGT) continues from it instead of running its passes again; a
+        # pass failing on this matrix drops the candidates behind it (make raises its error)
         for _, c, _ in items:
-            spec = tuple(c.pipeline)
-            if repr(spec) in pipes:
-                continue
-            done = next((i for i in range(len(spec) - 1, 0, -1) if repr(spec[:i]) in pipes), 0)
-            mod = pipes[repr(spec[:done])] if done else base
-            for i in range(done, len(spec)):
-                if not isinstance(mod, Exception):
-                    try:
-                        mod = Pipeline(spec[i:i + 1])(mod, ctx)
-                    except Exception as e:  # noqa: BLE001 - a pass failing on this matrix drops its candidates
-                        mod = e
-                pipes[repr(spec[:i + 1])] = mod
-            pipes[repr(spec)] = mod
+            try:
+                run_prefixed(c.pipeline, base, pipes, ctx)
+            except Exception:  # noqa: BLE001
+                pass
 
     def make(item):
         src, c, sp = item
-        mod = pipes[repr(tuple(c.pipeline))]
+        mod = pipes[pipeline_key(c.pipeline)][0]
         if isinstance(mod, Exception):
             raise mod
         return build_from_config(op, c, ctx, module=mod)

@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 from .base import (ENTRY_POINT_GROUP, FunctionPass, Pass, PassContext, PassInfo, PassInstrument,
-                   Pipeline, TimingInstrument, get_pass, list_passes, register_pass)
+                   Pipeline, TimingInstrument, get_pass, list_passes, pipeline_key, register_pass, run_prefixed)
 
 __all__ = ["Pass", "PassInfo", "FunctionPass", "PassContext", "PassInstrument", "TimingInstrument",
-           "Pipeline", "register_pass", "get_pass", "list_passes", "run", "ENTRY_POINT_GROUP"]
+           "Pipeline", "register_pass", "get_pass", "list_passes", "run", "ENTRY_POINT_GROUP", "pipeline_key",
+           "run_prefixed"]
 
 
 def run(name: str, A, *, op: str = "spmm", K: int = 1, reduce: str | None = None,

@@ -10,6 +10,7 @@ only reorder (recording permutations in the module) or add format data.
 from __future__ import annotations
 
 import inspect
+import json
 import threading
 import time
 from dataclasses import dataclass, field
@@ -20,7 +21,8 @@ from ..core.ir import PassRecord, SparseModule
 ENTRY_POINT_GROUP = "spcompile.passes"
 
 __all__ = ["PassInfo", "Pass", "FunctionPass", "register_pass", "get_pass", "list_passes",
-           "Pipeline", "PassContext", "PassInstrument", "TimingInstrument", "ENTRY_POINT_GROUP"]
+           "Pipeline", "PassContext", "PassInstrument", "TimingInstrument", "ENTRY_POINT_GROUP", "pipeline_key",
+           "run_prefixed"]
 
 
 @dataclass(frozen=True)
@@ -283,3 +285,37 @@ class Pipeline:
 
     def __repr__(self):
         return f"Pipeline({[p.name for p in self.passes]})"
+
+
+def pipeline_key(spec: Sequence) -> str:
+    """The cache key of a pipeline spec (``Pipeline.spec()``-style items): JSON, keys sorted."""
+    return json.dumps(list(spec), sort_keys=True, default=str)
+
+
+def run_prefixed(spec: Sequence, start: SparseModule, cache, ctx: PassContext | None = None
+                 ) -> tuple[SparseModule, float]:
+    """``(module, seconds)`` of the pipeline ``spec`` run on ``start``, through ``cache`` (a
+    dict-like ``{pipeline_key(prefix): (module, or the exception its last pass raised, seconds)}``
+    of one op): a cached pipeline comes back as it ran; else the run continues from its longest
+    cached prefix one pass at a time, caching every prefix, so that pipelines with a common start
+    (RCM alone, then RCM + LSH + SGT) run it once.  The seconds are the whole pipeline's (the
+    prefix's as it ran, plus the rest).  A pass that raises is cached as its exception (the
+    pipelines that start with that prefix raise it too) and raised."""
+    spec = list(spec)
+    keys = [pipeline_key(spec[:n]) for n in range(len(spec) + 1)]
+    done = next((n for n in range(len(spec), 0, -1) if keys[n] in cache), 0)
+    mod, secs = cache[keys[done]] if done else (start, 0.0)
+    if isinstance(mod, BaseException):
+        raise mod
+    if not spec:
+        cache[keys[0]] = (mod, secs)       # the empty pipeline: no pass, the start as it is
+    for n in range(done, len(spec)):
+        t0 = time.perf_counter()
+        try:
+            mod = Pipeline(spec[n:n + 1])(mod, ctx)
+        except Exception as e:
+            cache[keys[n + 1]] = (e, secs + time.perf_counter() - t0)
+            raise
+        secs += time.perf_counter() - t0
+        cache[keys[n + 1]] = (mod, secs)
+    return mod, secs
