@@ -907,7 +907,6 @@ def _model_candidates(a, A, sop) -> list:
     inputs, the float32 shape (with ``--loo`` the graph's own records left out, as in the default
     column), and the second round's neighbours of each."""
     from spcompile.autotune import knowledge
-    from spcompile.autotune.knowledge import locality_order_variants, native_order_variants, unranked_variants
     from spcompile.autotune.select import DEFAULT_CANDIDATES, MORE_CANDIDATES, RANKED, pick_candidates
 
     with (knowledge.excluded(A) if a.loo else contextlib.nullcontext()):
@@ -915,10 +914,7 @@ def _model_candidates(a, A, sop) -> list:
             ranked = knowledge.ranked_configs(sop, "cuda", a.precision, k=RANKED)
             got = pick_candidates(ranked, DEFAULT_CANDIDATES, MORE_CANDIDATES)
             got += knowledge.cross_dtype_configs(sop, "cuda", a.precision)
-            got += [(c, None) for c in unranked_variants(ranked, "cuda", sop.dtype, sop)]
-            got += [(c, None) for c in native_order_variants(ranked, "cuda", sop.dtype, sop)]
-            got += [(c, None) for c in locality_order_variants(ranked, "cuda", sop.dtype, sop)]
-            got += [(c, None) for c in knowledge.reuse_configs(sop, "cuda", a.precision)]
+            got += [(c, None) for _, c in knowledge.beside_ranking(ranked, sop, "cuda", a.precision)]
             # the second round's neighbours of whichever of them is fastest
             for c, _ in list(got):
                 tpl = get_template(c.template)

@@ -33,7 +33,7 @@ import numpy as np
 from ..core.config import Config
 from ..core.ir import SparseOp, pattern_hash
 
-__all__ = ["ranked_configs", "cross_dtype_configs", "reuse_configs", "features", "portfolio", "candidate_config", "Knowledge", "load_knowledge",
+__all__ = ["ranked_configs", "cross_dtype_configs", "reuse_configs", "beside_ranking", "features", "portfolio", "candidate_config", "Knowledge", "load_knowledge",
            "cross_validate", "excluded", "FEATURES", "KNOWLEDGE_K"]
 
 #: feature names, in the model's order
@@ -622,3 +622,19 @@ def unranked_variants(ranked, target: str, dtype: str, op=None) -> list:
     (``Template.unranked_variants``)."""
     return [tpl.make_config(p, cfg.pipeline, target, dtype)
             for cfg, tpl in _first_of_each_template(ranked) for p in tpl.unranked_variants(dict(cfg.params), op)]
+
+
+#: the kinds of :func:`beside_ranking`, in its order
+BESIDE_KINDS = ("variant", "native", "locality", "reuse")
+
+
+def beside_ranking(ranked, op: SparseOp, target: str, precision: str = "fp32") -> list[tuple[str, Config]]:
+    """``[(kind, config)]``: what quick selection measures beside the model's ranking ``ranked``
+    (and the tuner seeds right behind its first choice), in :data:`BESIDE_KINDS` order: the
+    unranked variants of each template's first choice, its native-order and locality-order
+    versions, and the row-window reuse candidates."""
+    dtype = op.dtype
+    return ([("variant", c) for c in unranked_variants(ranked, target, dtype, op)]
+            + [("native", c) for c in native_order_variants(ranked, target, dtype, op)]
+            + [("locality", c) for c in locality_order_variants(ranked, target, dtype, op)]
+            + [("reuse", c) for c in reuse_configs(op, target, precision)])

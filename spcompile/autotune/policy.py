@@ -25,6 +25,12 @@ def choose_config(sop: SparseOp, target: str, storage: str | None = None, tune: 
     return cfg, info
 
 
+#: quick selection's source labels of the candidates measured beside the model's ranking
+#: (:func:`~spcompile.autotune.knowledge.beside_ranking`'s kinds)
+_BESIDE_LABELS = {"variant": "model (variant)", "native": "model (native order)",
+                  "locality": "model (locality order)", "reuse": "model (row-window reuse)"}
+
+
 def decide(sop: SparseOp, target: str, storage: str | None = None, tune: bool = False,
            trials: int | None = None, timeout: float | None = None, objective: str = "kernel_time",
            expected_calls: float | None = None, precision: str = "fp32", select_budget: float | None = None,
@@ -111,19 +117,12 @@ def decide(sop: SparseOp, target: str, storage: str | None = None, tune: bool = 
 
             ranked = [r for r in ranked_configs(sop, target, precision, k=RANKED) if takes_values(r[0])]
             if ranked:
-                from .knowledge import (cross_dtype_configs, locality_order_variants, native_order_variants,
-                                        reuse_configs, unranked_variants)
+                from .knowledge import beside_ranking, cross_dtype_configs
 
                 cross = [("model (float32 shape)", c, sp) for c, sp in cross_dtype_configs(sop, target, precision)
                          if takes_values(c)]
-                cross += [("model (variant)", c, None) for c in unranked_variants(ranked, target, sop.dtype, sop)
+                cross += [(_BESIDE_LABELS[kind], c, None) for kind, c in beside_ranking(ranked, sop, target, precision)
                           if takes_values(c)]
-                cross += [("model (native order)", c, None)
-                          for c in native_order_variants(ranked, target, sop.dtype, sop) if takes_values(c)]
-                cross += [("model (locality order)", c, None)
-                          for c in locality_order_variants(ranked, target, sop.dtype, sop) if takes_values(c)]
-                cross += [("model (row-window reuse)", c, None)
-                          for c in reuse_configs(sop, target, precision) if takes_values(c)]
         except Exception as e:  # noqa: BLE001 - knowledge is an optimisation: never a reason to fail
             model_error = f"{type(e).__name__}: {e}"[:300]
     if model_error:

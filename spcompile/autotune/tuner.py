@@ -497,17 +497,15 @@ class Tuner:
         try:   # the variants quick selection measures beside the model's choices (what build()
             # tries), right behind the first choice: a short study measures them before the
             # model's lower-ranked choices
-            from .knowledge import locality_order_variants, native_order_variants, reuse_configs, unranked_variants
+            from .knowledge import beside_ranking
 
             ranked = [(cfg, sp) for src, cfg, sp in model if src.startswith("model:")]
-            variants = [(f"model-variant:{i}", c)
-                        for i, c in enumerate(unranked_variants(ranked, self.target, self.op.dtype, self.op))]
-            variants += [(f"model-native:{i}", c)
-                         for i, c in enumerate(native_order_variants(ranked, self.target, self.op.dtype, self.op))]
-            variants += [(f"model-locality:{i}", c)
-                         for i, c in enumerate(locality_order_variants(ranked, self.target, self.op.dtype, self.op))]
-            variants += [(f"model-reuse:{i}", c)
-                         for i, c in enumerate(reuse_configs(self.op, self.target, self.precision))]
+            beside = beside_ranking(ranked, self.op, self.target, self.precision)
+            count: dict = {}
+            variants = []
+            for kind, c in beside:         # numbered within each kind: model-variant:0, :1, model-reuse:0
+                variants.append((f"model-{kind}:{count.setdefault(kind, 0)}", c))
+                count[kind] += 1
             seeds[1:1] = variants
         except Exception:  # noqa: BLE001 - knowledge is an optimisation, never a reason to fail
             pass
