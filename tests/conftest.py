@@ -96,6 +96,17 @@ def hub_matrix(seed: int = 3) -> sp.csr_matrix:
     return A.astype(np.float32)
 
 
+def count_pass_runs(monkeypatch, *classes) -> list:
+    """The list to which each pass class of ``classes`` appends its name whenever it transforms
+    a module (it still does its work)."""
+    calls = []
+    for cls in classes:
+        real = cls.transform
+        monkeypatch.setattr(cls, "transform", lambda self, mod, ctx, real=real, n=cls.__name__:
+                            calls.append(n) or real(self, mod, ctx))
+    return calls
+
+
 def dense_blocks(nblocks: int = 24, seed: int = 3, lo: int = 20, hi: int = 60, density: float = 0.7) -> sp.csr_matrix:
     """A batch of small dense graphs: block-diagonal, blocks of ``lo``..``hi`` rows at
     ``density`` (the shape of tu_collab's dense ego networks: 32-row windows that reuse their

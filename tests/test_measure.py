@@ -15,6 +15,8 @@ import scipy.sparse as sp
 from spcompile.autotune.measure import MODES, DeadlineExceeded, Pruned, Timer, Timing
 from spcompile.runtime.target import cuda_available
 
+from conftest import count_pass_runs
+
 
 def busy(seconds: float):
     t0 = time.perf_counter()
@@ -519,11 +521,7 @@ def test_runner_continues_a_pipeline_from_its_cached_prefix(monkeypatch):
     from spcompile.compile import default_config
     from spcompile.passes.reorder_simple import DegreeSort, RCMReorder
 
-    calls = []
-    for cls in (RCMReorder, DegreeSort):
-        real = cls.transform
-        monkeypatch.setattr(cls, "transform", lambda self, mod, ctx, real=real, n=cls.__name__:
-                            calls.append(n) or real(self, mod, ctx))
+    calls = count_pass_runs(monkeypatch, RCMReorder, DegreeSort)
     A = sp.random(400, 400, density=0.02, format="csr", random_state=2, dtype=np.float32)
     base = default_config(make_op(A, "spmm", 8), "cpu")
     tpl = spcompile.get_template(base.template)

@@ -17,7 +17,7 @@ from spcompile.core.ir import SparseModule, SparseOp
 from spcompile.passes import base, get_pass, list_passes
 from spcompile.passes import run as run_pass
 
-from conftest import check_result, inputs_for, random_matrix
+from conftest import check_result, count_pass_runs, inputs_for, random_matrix
 
 pytestmark = pytest.mark.usefixtures("no_tuning_db")
 
@@ -365,11 +365,7 @@ def test_run_prefixed_runs_a_common_start_once(monkeypatch):
     from spcompile.passes import pipeline_key, run_prefixed
     from spcompile.passes.reorder_simple import DegreeSort, RCMReorder
 
-    calls = []
-    for cls in (RCMReorder, DegreeSort):
-        real = cls.transform
-        monkeypatch.setattr(cls, "transform", lambda self, mod, ctx, real=real, n=cls.__name__:
-                            calls.append(n) or real(self, mod, ctx))
+    calls = count_pass_runs(monkeypatch, RCMReorder, DegreeSort)
     A = random_matrix(300, 300, density=0.02, seed=4)
     start = SparseModule.from_op(SparseOp("spmm", "sum", as_csr(A), 4))
     rcm = [{"name": "reorder.rcm", "options": {}}]
