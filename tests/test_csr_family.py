@@ -239,6 +239,7 @@ def test_partition_covers_every_nonzero_once():
 # ------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("template,op,extra", [("csr.crc_cwm", "spmm", {}), ("csr.crc_cwm", "spmm", {"flat": 1}),
                                                ("csr.crc_cwm", "spmm", {"flat": 1, "flat_nnz": 32}),
+                                               ("csr.crc_cwm", "spmm", {"flat": 2, "flat_nnz": 32, "unroll": 8}),
                                                ("csr.sddmm", "sddmm", {})])
 @pytest.mark.parametrize("K", [1, 33, 64])
 def test_plan_arguments_follow_the_signature(template, op, extra, K):
@@ -386,13 +387,14 @@ def test_binary_rebuilt_for_another_arch(monkeypatch):
 #: sha256 of the rendered source (the on-disk kernel cache key) of csr instances; a change here
 #: invalidates every cached csr kernel binary -- update only for an intended kernel change
 RENDER_SHA256 = {
-    ("csr.crc_cwm", ("sum", 1, 4, 32, 2, "float32")): "a31b232958b7d29ab142c61aa6f730fa789841950db17cc5b4a4ee4742d5981d",
-    ("csr.crc_cwm", ("mean", 4, 8, 4, 8, "bfloat16")): "0195b53e907a8acb96e311a389b8bd6d62560220c74abe98c1b1c9332af0cffd",
-    ("csr.crc_cwm", ("max", 2, 1, 8, 4, "float16")): "c06191dbc63f8f8eafe795d8af58476fd986d800ecf6f2e206f3ed41b5559b05",
-    ("csr.crc_cwm", ("sum", 1, 4, 32, 2, "float32", 1)): "31831bea74af5e5fbdf3af3d5c711101d3ee575b127d80e728a269a45ea74ca1",
-    ("csr.crc_cwm", ("sum", 1, 4, 32, 1, "float32", 0, 8)): "ca849269683c9a1703f179ac8ed61681f02927644ecead27b5d49fccb930e602",
-    ("csr.crc_cwm", ("sum", 1, 8, 8, 8, "float16", 0, 1, 16)): "e220ee216404328ea210e1c3c0dde1caaea3d27a1a0887f3775996dfea19a42e",
-    ("csr.crc_cwm", ('sum', 1, 8, 8, 16, 'float16')): "0d55481c76350aa62c5928fcfd5edb783fe6e12696ebca13b8852758ab71e583",
+    ("csr.crc_cwm", ("sum", 1, 4, 32, 2, "float32")): "1314b3c3559bbf503c04438675e24706eeaff40143fb2bbfc13259e118f0b96d",
+    ("csr.crc_cwm", ("mean", 4, 8, 4, 8, "bfloat16")): "27b1e02a2108d417447256e1c421576dbad49946a80ace52299afed1ce48dc6b",
+    ("csr.crc_cwm", ("max", 2, 1, 8, 4, "float16")): "cd3ec77f1ba4ba0e565a1dfee080d73d84f2d0dd0b8ca5edb6bdd4bc50a4aeba",
+    ("csr.crc_cwm", ("sum", 1, 4, 32, 2, "float32", 1)): "2d6397c7d312654a3f633a7be20fd265677cd43d3b3e333088d8ed53a80b8210",
+    ("csr.crc_cwm", ("sum", 1, 4, 32, 1, "float32", 0, 8)): "ee8fe6227134b018e243db50c66e0416fdade4b904cdcc41fbd2d0134e887fb6",
+    ("csr.crc_cwm", ("sum", 1, 8, 8, 8, "float16", 0, 1, 16)): "a2dbba9ffb6795bf5fb91e2bcebb3f2702f03695be82b9382a34475ce82da9c0",
+    ("csr.crc_cwm", ('sum', 1, 8, 8, 16, 'float16')): "48f516d274a71a67b2a394ded80a76223b27704bade41dd1d57b68dac775d54f",
+    ("csr.crc_cwm", ("sum", 1, 4, 16, 8, "float32", 2, 4)): "4b180ea6420ba085a3aa91a6f87c553549acebdd956756f807ad4306f1d3f39f",
     ("csr.sddmm", (32, 4, 4, "float32")): "51a4d13079f8fec170194599cae6e7d294e5178dd72e3a27a41d515fc1df0431",
     ("csr.sddmm", (8, 2, 2, "float16")): "b7ffe729baddfe3fae189b1cfe8b22e89a946dc2016342dbde43ba2f7cc619c1",
     ("csr.sddmm", (16, 8, 1, "bfloat16", 1)): "2b4f832bd22e7d7165e7c519a50b9c9d583b2553b8b366cdcf4cb79bcdc4da31",
@@ -417,11 +419,12 @@ def test_spmm_min_blocks_rule_seeds_and_names():
     ring = sp.diags([1.0, 1.0, 1.0], [-1, 0, 1], shape=(500, 500), format="csr", dtype=np.float32)
     dense = random_matrix(400, 300, density=0.1, seed=1)                                   # ~30 a row
     first = t.heuristic(64, 3, 3.0)
-    assert t.unranked_variants(first, make_op(ring, "spmm", 64))[-1] == {**first, "min_blocks": 8, "unroll": 1}
+    # (the ring's rows are tiny: the staged stream comes last)
+    assert t.unranked_variants(first, make_op(ring, "spmm", 64))[-2] == {**first, "min_blocks": 8, "unroll": 1}
     wide = t.heuristic(256, 3, 3.0)                                 # two column slices per lane
-    assert wide["cf"] == 2 and t.unranked_variants(wide, make_op(ring, "spmm", 256))[-1] == \
+    assert wide["cf"] == 2 and t.unranked_variants(wide, make_op(ring, "spmm", 256))[-2] == \
         {**wide, "cf": 1, "min_blocks": 8, "unroll": 1}
-    assert t.unranked_variants({**first, "min_blocks": 4}, make_op(ring, "spmm", 64)) == []
+    assert [v["flat"] for v in t.unranked_variants({**first, "min_blocks": 4}, make_op(ring, "spmm", 64))] == [2]
     assert t.unranked_variants(first, make_op(dense, "spmm", 64)) == []
     assert tuple(t.space(_mod(ring, "spmm", 64))["min_blocks"].choices) == t.MIN_BLOCKS
     for A in (ring, dense):
@@ -519,6 +522,14 @@ def test_spmm_flat_nnz_arrays_checked():
     with pytest.raises(ValueError, match="mix"):
         t.check_arrays(op.key(), k.params, k.arrays, {**k.meta, "instances": [k.meta["instances"][0],
                                                                               k0.meta["instances"][0]]}, vh)
+    # the staged stream (flat=2) saves the same arrays under its own instances
+    ks = t.build(mod, {**t.default_params(mod), "flat": 2, "flat_nnz": 32, "max_seg": 32, "unroll": 8}, compile=False)
+    t.check_arrays(op.key(), ks.params, ks.arrays, ks.meta, vh)
+    with pytest.raises(ValueError, match="grp_seg"):         # staged instances without groups
+        t.check_arrays(op.key(), ks.params, {**ks.arrays, "grp_seg": k0.arrays["grp_seg"]}, ks.meta, vh)
+    with pytest.raises(ValueError, match="mix"):
+        t.check_arrays(op.key(), ks.params, ks.arrays, {**ks.meta, "instances": [ks.meta["instances"][0],
+                                                                                k.meta["instances"][0]]}, vh)
     with pytest.raises(ValueError, match="flat_nnz"):
         t.build(mod, {**t.default_params(mod), "flat": 1, "flat_nnz": -1}, compile=False)
     # a tuner seed on sparse rows around hub rows (mean <= OCC_MAX_MEAN, rows too long for the
@@ -544,10 +555,11 @@ def test_spmm_flat_rule_seeds_and_names():
     for A, rpw in ((ring, 8), (mesh, 4)):
         op = make_op(A, "spmm", 64)
         assert t.unranked_variants(first, op)[0] == {**first, "flat": 1, "rows_per_warp": rpw, "warps_per_block": 4}
-        assert t.unranked_variants({**first, "flat": 1}, op) == []
+        # on top of a flat first choice only the staged stream, where the rows are tiny (the ring)
+        assert [v["flat"] for v in t.unranked_variants({**first, "flat": 1}, op)] == ([2] if A is ring else [])
         seeds = t.seed_params(_mod(A, "spmm", 64))
         assert sorted(s["rows_per_warp"] for s in seeds if s.get("flat")) == [4, 8]
-    assert not any(v.get("flat") for v in t.unranked_variants(first, make_op(hub, "spmm", 64)))
+    assert not any(v.get("flat") == 1 for v in t.unranked_variants(first, make_op(hub, "spmm", 64)))
     assert t.unranked_variants(first) == []                     # no workload: nothing to judge by
     # on rows too long for it, the only flat seed is the nnz-balanced one (flat_nnz)
     assert all(s.get("flat_nnz") for s in t.seed_params(_mod(hub, "spmm", 64)) if s.get("flat"))
@@ -564,8 +576,54 @@ def test_spmm_flat_rule_seeds_and_names():
     # the numpy emulation of the flat kernel's launch (its segments and their writes) is exact
     X = np.random.default_rng(0).standard_normal((500, 64)).astype(np.float32)
     _close(em.emulate_kernel(f, X), reference.spmm(as_csr(ring), X, "sum"))
+    # flat=2 (staged) packs the same arrays under its own instances, chunks of unroll (at least 4)
+    # entries; 32-entry chunks only there
+    st = t.build(mod, {**old, "flat": 2, "rows_per_warp": 8}, compile=False)
+    assert [n for n, _ in st.meta["instances"]] == [n.replace("_flat", "_staged") for n in names]
+    assert all(np.array_equal(st.arrays[a], f.arrays[a]) for a in f.arrays)
+    assert st.launch_spec(4).smem == 8 * 4 * (8 + 16 * 4 * 4) and f.launch_spec(4).smem == 8 * 16 * 8
+    _close(em.emulate_kernel(st, X), reference.spmm(as_csr(ring), X, "sum"))
+    assert t.build(mod, {**old, "flat": 2, "unroll": 32}, compile=False).launch_spec(4).smem == 8 * 32 * (8 + 256)
     with pytest.raises(ValueError, match="flat"):
-        t.build(mod, {**old, "flat": 2}, compile=False)
+        t.build(mod, {**old, "flat": 3}, compile=False)
+    with pytest.raises(ValueError, match="unroll=32 needs flat=2"):
+        t.build(mod, {**old, "flat": 1, "unroll": 32}, compile=False)
+    with pytest.raises(ValueError, match="flat=2 stages 262144 bytes"):   # 16 groups x 32 entries x 2 x 64 floats
+        t.build(mod, {**old, "flat": 2, "unroll": 32, "cf": 2, "warps_per_block": 8}, compile=False)
+
+
+def test_spmm_staged_rule():
+    """The staged stream (flat=2) is a quick-selection variant of the model's first choice where
+    most rows are tiny (mean at most 4, or half the rows at most 2 nonzeros), whatever the first
+    choice's launch bounds or layout (not on top of another staged one), with its column shape
+    and max_seg, without a hub combine; it builds and passes the artifact checks."""
+    t = get_template("csr.crc_cwm")
+    rng = np.random.default_rng(3)
+    m = 3000
+    # reply threads: most rows 1-2 entries, one hub of 1500 per thread of 401 rows (mean above 4)
+    hub_rows = np.arange(0, m, 401)
+    lens = np.where(np.isin(np.arange(m), hub_rows), 1500, rng.integers(1, 3, m))
+    rows = np.repeat(np.arange(m), lens)
+    threads = sp.csr_matrix((np.ones(rows.size, np.float32), (rows, rng.integers(0, m, rows.size))), shape=(m, m))
+    threads.sum_duplicates()
+    dense = random_matrix(400, 300, density=0.1, seed=1)                                   # ~30 a row
+    mesh = sp.diags([1.0] * 9, list(range(-4, 5)), shape=(800, 800), format="csr", dtype=np.float32)   # 9 a row
+    first = {**t.heuristic(64, 400, 4.0), "warp_combine": 1, "max_seg": 64}
+    for A, want in ((threads, True), (dense, False), (mesh, False)):
+        lens = np.diff(A.indptr)
+        assert t.tiny_rows(lens) == want, (lens.mean(), np.mean(lens <= 2))
+        got = [v for v in t.unranked_variants(first, make_op(A, "spmm", 64)) if v.get("flat") == 2]
+        assert got == ([{**{k: v for k, v in first.items() if k != "warp_combine"}, **t.STAGED}] if want else [])
+    assert np.mean(np.diff(threads.indptr) <= 2) >= t.STAGED_TINY_SHARE and np.diff(threads.indptr).mean() > 4
+    op = make_op(threads, "spmm", 64)
+    for base in ({**first, "min_blocks": 8}, {**first, "flat": 1, "flat_nnz": 32}):
+        assert [v["flat"] for v in t.unranked_variants(base, op)] == [2]
+    assert t.unranked_variants({**first, **t.STAGED}, op) == []
+    v = t.unranked_variants(first, op)[-1]
+    k = t.build(_mod(threads, "spmm", 64), v, compile=False)
+    assert k.meta["instances"][0][0].endswith("_g16_u8_staged_mb4") and k.arrays["grp_seg"].size > 2
+    X = rng.standard_normal((m, 64)).astype(np.float32)
+    _close(em.emulate_kernel(k, X), reference.spmm(as_csr(threads), X, "sum"))
 
 
 # ------------------------------------------------------------------------------------------

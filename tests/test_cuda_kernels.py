@@ -248,6 +248,41 @@ def test_flat_nnz_spmm_balanced_groups(dtype, tol, K):
                                    for i, p in enumerate(FLAT_NNZ_SPMM_PARAMS)], balanced)
 
 
+#: flat=2, the staged stream (a chunk's X slices copied to shared memory by cp.async): chunks of 32,
+#: 16, 8 and 4 entries (unroll; wider and narrower than the group), nnz-balanced groups and runs of 3 / 40 rows, the
+#: long row's slices combined across groups, 16-, 8-, 4- and (16-bit vec 1) 2-byte copies, two
+#: column slices a lane, launch bounds
+STAGED_SPMM_PARAMS = (
+    {"group": 16, "vec": 4, "cf": 1, "warps_per_block": 4, "max_seg": 32, "unroll": 32, "flat_nnz": 32},
+    {"group": 8, "vec": 2, "cf": 2, "warps_per_block": 4, "rows_per_warp": 40, "max_seg": 64, "unroll": 16},
+    {"group": 32, "vec": 1, "cf": 2, "warps_per_block": 2, "rows_per_warp": 3, "max_seg": 0, "unroll": 2,
+     "min_blocks": 8},
+    {"group": 4, "vec": 4, "cf": 1, "warps_per_block": 8, "max_seg": 128, "unroll": 8, "flat_nnz": 64, "min_blocks": 4})
+
+
+@pytest.mark.parametrize("dtype, tol", [("float32", 1e-5), ("float16", 2e-2), ("bfloat16", 5e-2)])
+@pytest.mark.parametrize("K", [1, 33, 128])
+def test_staged_spmm_streams_rows(dtype, tol, K):
+    """csr.crc_cwm with flat=2 (X slices of a chunk staged in shared memory): every reduction,
+    empty rows (first and last too), a row holding every column cut into slices, with and without
+    a degree order; the instances are the _staged ones and the launch carries the stage; the
+    NaN-poisoned output fully written and equal to the float64 reference, twice in a row."""
+    from spcompile.kernels.csr.template import CrcCwm, chunk_entries
+
+    def staged(mod, p):
+        assert all(n.endswith("_staged") or "_staged_mb" in n for n, _ in mod.kernel.meta["instances"])
+        vec = int(mod.kernel.meta["vec"])
+        groups = 32 * p["warps_per_block"] // p["group"]
+        chunk = chunk_entries(p["group"], p["unroll"], 2)
+        assert chunk == max(4, p["unroll"])
+        esize = 4 if dtype == "float32" else 2
+        assert mod.kernel.launch_spec(vec).smem == groups * chunk * (8 + p["cf"] * p["group"] * vec * esize)
+        assert CrcCwm.stage_bytes(mod.kernel.params, vec, dtype) == chunk * p["cf"] * p["group"] * vec * esize
+
+    _check_crc_cwm(dtype, tol, K, [({"flat": 2, **p}, ["reorder.degree"] if i % 2 else [])
+                                   for i, p in enumerate(STAGED_SPMM_PARAMS)], staged)
+
+
 #: eight row segments per row group, one after another (rows_per_warp=8 is in the tuner's space)
 ROWS_PER_WARP_SPMM_PARAMS = (
     {"group": 16, "vec": 4, "cf": 1, "warps_per_block": 4, "rows_per_warp": 8, "max_seg": 32, "unroll": 2},

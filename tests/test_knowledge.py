@@ -470,14 +470,20 @@ def test_build_offers_the_flat_sddmm_variant_of_the_models_choice(monkeypatch, n
     assert {k: x for k, x in v.params.items() if k not in ("flat", "nnz_per_warp")} == \
         {k: x for k, x in first.params.items() if k not in ("flat", "nnz_per_warp")}
     assert all(not r.params.get("flat") for r, _ in seen["ranked"] if r.template == "csr.sddmm")
-    # a SpMM decision on cora (rows of 4 entries on average, up to 168) offers csr.crc_cwm's
-    # full-occupancy variant of the model's choice and no flat one (a row longer than 32)
+    # a SpMM decision on cora (rows of 3.9 entries on average, up to 168) offers csr.crc_cwm's
+    # full-occupancy variant of the model's choice and its staged stream (tiny rows), no flat=1
+    # one (a row longer than 32)
     seen.clear()
     decide_held_out("spmm", 64)
     variants = [c for src, c, _ in seen["extra"] if src == "model (variant)"]
     first = next(r for r, _ in seen["ranked"] if r.template == "csr.crc_cwm")
-    assert [v.template for v in variants] == ["csr.crc_cwm"]
+    assert [v.template for v in variants] == ["csr.crc_cwm"] * 2
     assert dict(variants[0].params) == {**dict(first.params), "cf": 1, "min_blocks": 8, "unroll": 1}
+    from spcompile.kernels import get_template
+
+    tpl = get_template("csr.crc_cwm")
+    assert dict(variants[1].params) == {**{k: x for k, x in first.params.items() if k not in ("warp_combine", "combine_vals")},
+                                        **tpl.STAGED}
 
 
 def test_native_order_variants_of_a_degree_ordered_choice():
@@ -544,13 +550,15 @@ def test_locality_order_variants_on_sparse_rows():
     assert kn.locality_order_variants([(deg, 1.2)], "cuda", "float32", dense) == []
     assert kn.locality_order_variants([(deg, 1.2)], "cuda", "float32", None) == []
     # csr.crc_cwm (SpMM) the same: its first choice and unranked variants (here the flat layout of
-    # short rows and the full-occupancy one of sparse rows) on RCM, for sparse rows only
+    # short rows, the full-occupancy one of sparse rows and the staged stream of tiny ones) on
+    # RCM, for sparse rows only
     crc = get_template("csr.crc_cwm")
     sop = make_op(ring, "spmm", 64)
     q = crc.heuristic(64, 3, 3.0)
     got = kn.locality_order_variants([(crc.make_config(q, kn._PIPES["degree"], "cuda"), 1.2)], "cuda", "float32", sop)
     assert [dict(c.params) for c in got] == [q] + crc.unranked_variants(q, sop)
-    assert len(got) == 3 and all(list(c.pipeline) == list(kn._PIPES["rcm"]) for c in got)
+    assert len(got) == 4 and all(list(c.pipeline) == list(kn._PIPES["rcm"]) for c in got)
+    assert [c.params.get("flat") for c in got[1:]] == [1, None, 2]
     assert crc.RCM_MAX_MEAN == sdd.RCM_MAX_MEAN
     dense_spmm = make_op(random_matrix(200, 200, density=0.2, seed=2), "spmm", 64)
     assert kn.locality_order_variants([(crc.make_config(q, kn._PIPES["degree"], "cuda"), 1.2)], "cuda", "float32",

@@ -26,7 +26,10 @@
 //        grp_seg[g] .. grp_seg[g+1]-1 are one run of nonzeros, cached a chunk at a time, with the U X
 //        loads in flight across segment ends and the segment bounds / outputs read G at a time
 //        (the packer makes the groups either `segs_per_group` segments each, or runs of about
-//        equal nonzeros: many short rows or one slice of a long one)
+//        equal nonzeros: many short rows or one slice of a long one); 2 (staged): as 1, but a
+//        chunk's X slices are copied to shared memory with cp.async (all CH x CF of a lane in
+//        flight, no register holds them) and accumulated from there; U then only sets CH
+//        (U nonzeros, at least 4: fewer than G where a row of X is wide)
 //   CQ   0: the split-row combine loads U partials of VEC fp32 values per lane at a time; > 0: at
 //        most CQ values (parameter combine_vals; instance macros *_CQ)
 // Launch bounds (the instance macro, not the body): SPC_SPMM_INSTANCE_MB's MB resident 256-thread
@@ -139,7 +142,10 @@ template <int R, int CF, int VEC> __device__ __forceinline__ void reset_acc(floa
     for (int v = 0; v < VEC; ++v) acc[c][v] = red_init<R>();
 }
 // nonzeros of one chunk of the coalesced row cache: G (one id a lane) for U <= 8, else max(G, U)
-template <int G, int U> struct chunk_of { static constexpr int value = (U > 8 && U > G) ? U : G; };
+// (FL = 2: U nonzeros, at least 4, whatever G: the stage holds the X slices of a chunk)
+template <int G, int U, int FL = 0> struct chunk_of {
+  static constexpr int value = FL == 2 ? (U < 4 ? 4 : U) : ((U > 8 && U > G) ? U : G);
+};
 // coalesced row caching: the group's lanes copy n <= CH column ids and values to shared memory
 template <int G, int CH>
 __device__ __forceinline__ void cache_chunk(const int* __restrict__ indices, const float* __restrict__ data,
@@ -188,6 +194,31 @@ __device__ __forceinline__ void accumulate(float (&acc)[CF][VEC], const float a,
   }
 }
 
+// FL = 2: the stage of X slices starts after the row cache (column ids and values of CH nonzeros
+// a row group), in ints; 16-byte aligned (CH is a multiple of 4)
+template <int G, int CH> __device__ __forceinline__ int stage_offset_ints(const int groups_per_block) {
+  return 2 * groups_per_block * CH;
+}
+// BYTES of global memory to shared memory.  sm_80+: cp.async (.ca: cached in L1 as the __ldg
+// loads are), no register holds the data in flight; 2-byte copies (a 16-bit VEC 1 instance) and
+// older GPUs: a load and a store
+template <int BYTES> __device__ __forceinline__ void copy_async(void* dst, const void* src) {
+  typedef typename raw_t<BYTES>::type RT;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  if constexpr (BYTES >= 4) {
+    const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(s), "l"(src), "n"(BYTES) : "memory");
+    return;
+  }
+#endif
+  *reinterpret_cast<RT*>(dst) = __ldg(reinterpret_cast<const RT*>(src));
+}
+// the calling lane's copies have landed (each lane reads back only the slices it copied)
+__device__ __forceinline__ void copy_async_wait_all() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
+#endif
+}
 template <typename T, int R, int CF, int VEC, int G, int U, int FL, int CQ = 0>
 __device__ __forceinline__ void spmm_crc_cwm(
     const int* __restrict__ seg_ptr, const int* __restrict__ seg_out, const int* __restrict__ seg_slot,
@@ -196,7 +227,7 @@ __device__ __forceinline__ void spmm_crc_cwm(
     const int* __restrict__ slot_grp, const int* __restrict__ grp_out, const int* __restrict__ grp_len,
     const int* __restrict__ grp_seg, int nseg, int ngroups, int K, int segs_per_group) {
   extern __shared__ int smem[];
-  constexpr int CH = chunk_of<G, U>::value;        // nonzeros a chunk (G for U <= 8)
+  constexpr int CH = chunk_of<G, U, FL>::value;    // nonzeros a chunk (G for U <= 8, FL < 2)
   const int lane = threadIdx.x % G;
   const int gib = threadIdx.x / G;                 // group in block
   const int groups_per_block = blockDim.x / G;
@@ -295,8 +326,11 @@ __device__ __forceinline__ void spmm_crc_cwm(
         // added in slot order.  CQ > 0 caps the values in flight at CQ (QB = CQ / VEC, at least 1):
         // fewer registers for the whole kernel (16-bit T at VEC 8, U 8: 91 instead of 151 on sm_90)
         // at the price of a longer chain of loads in the combine
-        constexpr int CQE = (U > 8 && CQ == 0) ? 16 : CQ;   // U = 16: always capped
-        constexpr int QB = (CQE > 0 && U * VEC > CQE) ? (CQE / VEC > 0 ? CQE / VEC : 1) : U;
+        // (FL = 2 keeps no X rows in registers: its U sets only the chunk, and its combine loads
+        // 2 partials at a time)
+        constexpr int UQ = FL == 2 ? 2 : U;
+        constexpr int CQE = (UQ > 8 && CQ == 0) ? 16 : CQ;   // U = 16: always capped
+        constexpr int QB = (CQE > 0 && UQ * VEC > CQE) ? (CQE / VEC > 0 ? CQE / VEC : 1) : UQ;
 #pragma unroll
         for (int c = 0; c < CF; ++c) {
           const int col = col_base + c * G * VEC;
@@ -359,24 +393,60 @@ __device__ __forceinline__ void spmm_crc_cwm(
     int cur = 0, seg_lo = __shfl_sync(gmask, myptr, gl), seg_hi = ptr_at(1);
     float acc[CF][VEC];
     reset_acc<R>(acc);
+    auto reach = [&](const int e) {                 // the stream is at nonzero e: finish the
+      while (e >= seg_hi) {                         // segments it left (and empty ones)
+        finish_cur(cur, acc, seg_hi - seg_lo);
+        reset_acc<R>(acc);
+        ++cur;
+        seg_lo = seg_hi;
+        seg_hi = ptr_at(cur + 1);
+      }
+    };
     for (int base = seg_lo; base < e_end; base += CH) {
       const int n = min(CH, e_end - base);
       cache_chunk<G, CH>(indices, data, s_idx, s_val, base, n, lane, gmask);
-      for (int e0 = 0; e0 < n; e0 += U) {
-        pack_t<T, VEC> xv[U][CF];
-        float a[U];
-        load_x<T, CF, VEC, G, U>(X, s_idx, s_val, e0, n, K, col_base, xv, a);
+      if constexpr (FL == 2) {
+        // staged: every X slice of the chunk is copied to the lane's part of the group's stage
+        // (cp.async: n x CF copies in flight, no registers held), then the chunk is accumulated
+        // from shared memory in nonzero order by a loop that is not unrolled (one copy of the
+        // segment-end code, few registers)
+        typedef pack_t<T, VEC> PK;
+        PK* stage = reinterpret_cast<PK*>(smem + stage_offset_ints<G, CH>(groups_per_block)) + gib * (CH * CF * G);
+#pragma unroll 4
+        for (int e = 0; e < n; ++e) {
+          const T* xrow = X + (size_t)s_idx[e] * K;
 #pragma unroll
-        for (int u = 0; u < U; ++u) {
-          if (e0 + u < n) {
-            while (base + e0 + u >= seg_hi) {       // the stream left segment cur (and empty ones)
-              finish_cur(cur, acc, seg_hi - seg_lo);
-              reset_acc<R>(acc);
-              ++cur;
-              seg_lo = seg_hi;
-              seg_hi = ptr_at(cur + 1);
+          for (int c = 0; c < CF; ++c) {
+            const int col = col_base + c * G * VEC;
+            if (col < K) copy_async<sizeof(PK)>(&stage[(e * CF + c) * G + lane], xrow + col);
+          }
+        }
+        copy_async_wait_all();
+#pragma unroll 1
+        for (int e = 0; e < n; ++e) {
+          reach(base + e);
+          const float a = s_val[e];
+#pragma unroll
+          for (int c = 0; c < CF; ++c) {
+            const int col = col_base + c * G * VEC;
+            if (col < K) {
+              const PK x = stage[(e * CF + c) * G + lane];
+#pragma unroll
+              for (int v = 0; v < VEC; ++v) acc[c][v] = red_op<R>(acc[c][v], a * to_f(x.e[v]));
             }
-            accumulate<T, R, CF, VEC, G>(acc, a[u], xv[u], K, col_base);
+          }
+        }
+      } else {
+        for (int e0 = 0; e0 < n; e0 += U) {
+          pack_t<T, VEC> xv[U][CF];
+          float a[U];
+          load_x<T, CF, VEC, G, U>(X, s_idx, s_val, e0, n, K, col_base, xv, a);
+#pragma unroll
+          for (int u = 0; u < U; ++u) {
+            if (e0 + u < n) {
+              reach(base + e0 + u);
+              accumulate<T, R, CF, VEC, G>(acc, a[u], xv[u], K, col_base);
+            }
           }
         }
       }

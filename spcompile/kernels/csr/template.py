@@ -47,6 +47,8 @@ def _largest_vec(K: int, vec: int) -> int:
 #: ``chunk_entries`` column ids (two a lane in an 8-lane group); its split-row combine is always
 #: capped at 16 values a lane (``combine_vals`` has no effect on it)
 DEEP_UNROLL = 16
+#: ``unroll`` of ``flat=2`` only: chunks of 32 nonzeros staged in shared memory
+STAGED_UNROLL = 32
 
 
 def _unroll_choices(dtype: str) -> list[int]:
@@ -55,9 +57,12 @@ def _unroll_choices(dtype: str) -> list[int]:
     return [1, 2, 4, 8] + ([DEEP_UNROLL] if DTYPES[dtype].bytes == 2 else [])
 
 
-def chunk_entries(group: int, unroll: int) -> int:
+def chunk_entries(group: int, unroll: int, flat: int = 0) -> int:
     """Nonzeros of one chunk of ``spmm_crc_cwm.cu``'s coalesced row cache (its ``chunk_of``):
-    ``group`` for ``unroll`` <= 8, else the larger of the two."""
+    ``group`` for ``unroll`` <= 8, else the larger of the two; ``flat=2`` (staged): ``unroll``,
+    at least 4."""
+    if int(flat) == 2:
+        return max(4, int(unroll))
     return max(int(group), int(unroll)) if int(unroll) > 8 else int(group)
 
 
@@ -88,8 +93,8 @@ class CrcCwmKernel(NvccKernel):
         ngroups = int(self.arrays["grp_seg"].size) - 1 if self.arrays["grp_seg"].size else -(-nseg // rpw)
         # shared memory: a chunk of column ids and values per row group (chunk_entries); 32-lane
         # groups that combine a block's slices reduce their accumulators through it as well
-        chunk = chunk_entries(int(p["group"]), int(p["unroll"]))
-        smem = groups * chunk * 8
+        chunk = chunk_entries(int(p["group"]), int(p["unroll"]), int(p.get("flat", 0)))
+        smem = groups * chunk * 8 + groups * CrcCwm.stage_bytes(p, vec, self.meta.get("dtype", "float32"))
         if int(p["group"]) == 32 and CrcCwm.warp_slices(p) > 1:
             smem = max(smem, CrcCwm.block_combine_smem(int(p["warps_per_block"]), int(p["cf"]), vec))
         return LaunchSpec(grid=(-(-ngroups // groups), self._tiles(vec), 1), block=(threads, 1, 1),
@@ -134,7 +139,7 @@ class CrcCwm(NvccTemplate):
         return {"cf": C([1, 2, 4, 8]), "vec": C(_vec_choices(mod.op.dtype)), "group": C([4, 8, 16, 32]),
                 "warps_per_block": C([2, 4, 8]), "rows_per_warp": C([1, 2, 4, 8]),
                 "max_seg": C(list(self.MAX_SEG_SPACE)), "unroll": C(_unroll_choices(mod.op.dtype)),
-                "flat": C([0, 1]),
+                "flat": C([0, 1, 2]),
                 "min_blocks": C(list(self.MIN_BLOCKS)), "flat_nnz": C(list(self.FLAT_NNZ)),
                 "combine_vals": C(list(self.COMBINE_VALS)), "warp_combine": C([0, 1, 2])}
 
@@ -230,6 +235,24 @@ class CrcCwm(NvccTemplate):
         to be worth measuring: a long row would be one group's serial work."""
         return max_row <= cls.FLAT_MAX_ROW and mean_row <= cls.FLAT_MAX_MEAN
 
+    #: the staged stream (``flat=2``) as quick selection measures it: nnz-balanced groups of about
+    #: 32 nonzeros, chunks of 8 staged in shared memory, two warps a block under launch bounds of
+    #: 4 blocks (of the 24 staged shapes swept on the H200, the best geomean over four sparse-row
+    #: graphs at K=128 and within 1.5% of the best over five at K=64: section 17 of
+    #: ``docs/benchmarks/h100_crc_cwm_experiments.md``)
+    STAGED = {"flat": 2, "flat_nnz": 32, "unroll": 8, "min_blocks": 4, "warps_per_block": 2, "rows_per_warp": 1}
+    #: rows at most this long on average, or this share of rows of at most 2 nonzeros, make the
+    #: staged stream a candidate
+    STAGED_MAX_MEAN, STAGED_TINY_SHARE = 4.0, 0.5
+
+    @classmethod
+    def tiny_rows(cls, lens: np.ndarray) -> bool:
+        """Most rows hold a few nonzeros (``STAGED_MAX_MEAN`` on average, or ``STAGED_TINY_SHARE``
+        of them at most 2): a row group waits on a chain of loads for each, and the staged stream
+        (``flat=2``) keeps a chunk of many rows' gathers in flight."""
+        return bool(lens.size) and (float(lens.mean()) <= cls.STAGED_MAX_MEAN
+                                    or float(np.mean(lens <= 2)) >= cls.STAGED_TINY_SHARE)
+
     def unranked_variants(self, params, op=None) -> list:
         """Variants of the model's first choice that the shipped portfolio never measured:
 
@@ -238,20 +261,30 @@ class CrcCwm(NvccTemplate):
         - on sparse rows (mean at most ``OCC_MAX_MEAN``), one-row groups at full occupancy
           (``min_blocks=8``, one X load per lane in flight, one column slice per lane: at 32
           registers a second one spills): the gathers of such graphs miss L2 and wait on DRAM
-          latency, and more warps hide more of it."""
+          latency, and more warps hide more of it;
+        - where most rows hold a few nonzeros (:meth:`tiny_rows`), the staged stream ``STAGED``
+          with the first choice's column shape and ``max_seg`` (measured on the H200: 1.12x /
+          1.21x faster on snap_sx_askubuntu / a generated batch of reply threads at K=64, slower
+          on meshes and molecules, hence measured, not ruled)."""
         p = {**self.absent_params, **params}
-        if op is None or int(p["flat"]) or int(p["min_blocks"]) > 1:
+        if op is None or int(p["flat"]) == 2:
             return []
         lens = op.A.row_lengths
         if not lens.size:
             return []
+        staged = []
+        if self.tiny_rows(lens):
+            keep = {k: v for k, v in dict(params).items() if k not in ("warp_combine", "combine_vals")}
+            staged = [{**keep, **self.STAGED}]
+        if int(p["flat"]) or int(p["min_blocks"]) > 1:
+            return staged
         out = []
         mean = float(lens.mean())
         if self.short_rows(int(lens.max()), mean):
             out.append({**dict(params), "flat": 1, "rows_per_warp": 8 if mean <= 4 else 4, "warps_per_block": 4})
         if mean <= self.OCC_MAX_MEAN:
             out.append({**dict(params), "cf": 1, "min_blocks": 8, "unroll": 1})
-        return out
+        return out + staged
 
     #: rows at most this long on average make RCM a locality order quick selection measures
     RCM_MAX_MEAN = 12.0
@@ -386,15 +419,15 @@ class CrcCwm(NvccTemplate):
     def search_params(self, params):
         """``flat_nnz`` has no effect without ``flat`` (0 then), ``rows_per_warp`` none with
         ``flat_nnz`` > 0 (1 then), ``combine_vals`` none where ``unroll`` x ``vec`` partial
-        values already fit it or ``unroll`` is ``DEEP_UNROLL`` (0 then), ``warp_combine`` none where
-        :meth:`warp_slices` is 1 (0 then)."""
+        values already fit it, ``unroll`` is ``DEEP_UNROLL`` or ``flat`` is 2 (its combine loads two
+        partials at a time; 0 then), ``warp_combine`` none where :meth:`warp_slices` is 1 (0 then)."""
         p = dict(params)
         if not int(p.get("flat", 0)) and "flat_nnz" in p:
             p["flat_nnz"] = 0
         if int(p.get("flat", 0)) and int(p.get("flat_nnz", 0)) > 0 and "rows_per_warp" in p:
             p["rows_per_warp"] = 1
         if int(p.get("combine_vals", 0)) and (int(p.get("unroll", 4)) * int(p.get("vec", 1)) <= int(p["combine_vals"])
-                                              or int(p.get("unroll", 4)) > 8):
+                                              or int(p.get("unroll", 4)) > 8 or int(p.get("flat", 0)) == 2):
             p["combine_vals"] = 0
         if int(p.get("warp_combine", 0)) and self.warp_slices(p) == 1:
             p["warp_combine"] = 0
@@ -402,9 +435,9 @@ class CrcCwm(NvccTemplate):
 
     def checks(self, mod):
         return {"cf": (1, 2, 4, 8), "vec": _vec_choices(mod.op.dtype), "group": (4, 8, 16, 32),
-                "unroll": (1, 2, 4, 8, DEEP_UNROLL), "warps_per_block": (1, 2, 4, 8), "rows_per_warp": AtLeast(1),
-                "max_seg": AtLeast(0), "flat": (0, 1), "min_blocks": self.MIN_BLOCKS, "flat_nnz": AtLeast(0),
-                "combine_vals": self.COMBINE_VALS, "warp_combine": (0, 1, 2)}
+                "unroll": (1, 2, 4, 8, DEEP_UNROLL, STAGED_UNROLL), "warps_per_block": (1, 2, 4, 8),
+                "rows_per_warp": AtLeast(1), "max_seg": AtLeast(0), "flat": (0, 1, 2), "min_blocks": self.MIN_BLOCKS,
+                "flat_nnz": AtLeast(0), "combine_vals": self.COMBINE_VALS, "warp_combine": (0, 1, 2)}
 
     #: the most shared memory (bytes) the block-level combine of 32-lane groups may take: a float
     #: per lane, accumulator and warp (``warps_per_block`` x ``cf`` x ``vec`` x 128 bytes)
@@ -430,6 +463,33 @@ class CrcCwm(NvccTemplate):
         if w < 2 or CrcCwm.block_combine_smem(w, int(p["cf"]), int(p["vec"])) > CrcCwm.BLOCK_COMBINE_SMEM:
             return 1
         return w
+
+    #: the most shared memory (bytes) the X stage of ``flat=2`` may take a block
+    STAGE_SMEM = 96 * 1024
+
+    @staticmethod
+    def stage_bytes(params, vec: int, dtype: str) -> int:
+        """Shared memory (bytes) of one row group's X stage (``flat=2``; 0 otherwise): a chunk's
+        (:func:`chunk_entries`) ``cf`` x ``group`` x ``vec`` elements of ``dtype`` per nonzero."""
+        p = {**CrcCwm.absent_params, **params}
+        if int(p["flat"]) != 2:
+            return 0
+        return (chunk_entries(int(p["group"]), int(p["unroll"]), 2) * int(p["cf"]) * int(p["group"]) * int(vec)
+                * DTYPES[dtype].bytes)
+
+    def validate(self, mod, params):
+        """As every template's, and: ``unroll`` 32 only with ``flat=2`` (it sets the chunk of
+        nonzeros staged; 32 rows in flight a lane do not fit in registers), its stage at most
+        ``STAGE_SMEM`` bytes a block."""
+        super().validate(mod, params)
+        p = {**self.absent_params, **params}
+        if int(p.get("unroll", 1)) == STAGED_UNROLL and int(p["flat"]) != 2:
+            raise ValueError(f"invalid {self.name} parameters: unroll={STAGED_UNROLL} needs flat=2 (the staged stream)")
+        vec = _largest_vec(mod.op.K, int(p["vec"]))
+        stage = 32 * int(p["warps_per_block"]) // int(p["group"]) * self.stage_bytes(p, vec, mod.op.dtype)
+        if stage > self.STAGE_SMEM:
+            raise ValueError(f"invalid {self.name} parameters: flat=2 stages {stage} bytes of X a block, more than "
+                             f"{self.STAGE_SMEM} (fewer warps_per_block, a smaller cf or unroll)")
 
     @staticmethod
     def block_combine_smem(warps: int, cf: int, vec: int) -> int:
@@ -472,7 +532,7 @@ class CrcCwm(NvccTemplate):
         inst = meta.get("instances")
         if not (isinstance(inst, (list, tuple)) and inst and all(
                 isinstance(i, (list, tuple)) and len(i) == 2 and isinstance(i[1], (list, tuple)) and len(i[1]) >= 7
-                and isinstance(i[1][6], (int, np.integer)) and int(i[1][6]) in (0, 1) for i in inst)):
+                and isinstance(i[1][6], (int, np.integer)) and int(i[1][6]) in (0, 1, 2) for i in inst)):
             raise ValueError(f"kernel meta 'instances' must be SPC_SPMM_INSTANCE arguments, got {inst!r}")
         if len({int(i[1][6]) for i in inst}) != 1:
             raise ValueError("kernel meta 'instances' mix the flat and the one-segment-after-another layouts")
@@ -525,7 +585,7 @@ class CrcCwm(NvccTemplate):
 
     @staticmethod
     def instance_name(TN, R, CF, VEC, G, U, FL=0, MB=1, CQ=0) -> str:
-        return (f"spmm_crc_cwm_{_SHORT[TN]}_r{R}_cf{CF}_v{VEC}_g{G}_u{U}" + ("_flat" if FL else "")
+        return (f"spmm_crc_cwm_{_SHORT[TN]}_r{R}_cf{CF}_v{VEC}_g{G}_u{U}" + {0: "", 1: "_flat", 2: "_staged"}[int(FL)]
                 + (f"_mb{MB}" if MB > 1 else "") + (f"_cq{CQ}" if CQ else ""))
 
     def instance(self, reduce: str, cf: int, vec: int, group: int, unroll: int = 4, dtype: str = "float32",
