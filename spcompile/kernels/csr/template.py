@@ -238,7 +238,7 @@ class CrcCwm(NvccTemplate):
     #: the staged stream (``flat=2``) as quick selection measures it: nnz-balanced groups of about
     #: 32 nonzeros, chunks of 8 staged in shared memory, two warps a block under launch bounds of
     #: 4 blocks (of the 24 staged shapes swept on the H200, the best geomean over four sparse-row
-    #: graphs at K=128 and within 1.5% of the best over five at K=64: section 17 of
+    #: graphs at K=128 and within 2% of the best over five at K=64: section 17 of
     #: ``docs/benchmarks/h100_crc_cwm_experiments.md``)
     STAGED = {"flat": 2, "flat_nnz": 32, "unroll": 8, "min_blocks": 4, "warps_per_block": 2, "rows_per_warp": 1}
     #: rows at most this long on average, or this share of rows of at most 2 nonzeros, make the
