@@ -888,6 +888,35 @@ def test_probe_leads():
     assert select.probe_leads(t, 3, 1.0) == ["a"]
     assert select.probe_leads({}, 2, 1.05) == []
     assert select.probe_leads(t) == ["a", "d"][:select.PROBE_LEADS]
+    # a key with no neighbours to measure (a template without probe variants) takes no lead's
+    # place: the next one within the margin does; the margin stays relative to the fastest of all
+    has = lambda k: k != "a"                                                          # noqa: E731
+    assert select.probe_leads(t, 2, 1.05, probed=has) == ["d", "b"]
+    assert select.probe_leads(t, 2, 1.02, probed=has) == ["d"]
+    assert select.probe_leads({"a": 1.0, "c": 1.2}, 2, 1.05, probed=has) == []
+
+
+def test_second_round_asks_each_lead_for_neighbours(monkeypatch, no_tuning_db):
+    """Quick selection passes probe_leads whether each first-round candidate has neighbours to
+    measure (its template's probe_variants): on the CPU no template has, so no lead is chosen
+    and no probe is built, where before the fastest candidate was a lead with nothing to probe
+    (on the GPU a tensor-core reuse candidate 0.7% ahead of two csr.crc_cwm leads had halved the
+    neighbours measured on ss_bcsstk25_pattern at K=64)."""
+    leads_seen = []
+    orig = select.probe_leads
+
+    def spy(times, leads=None, margin=None, probed=None):
+        got = orig(times, leads, margin, probed)
+        leads_seen.append(([probed(k) for k in times] if probed else None, got))
+        return got
+
+    monkeypatch.setattr(select, "probe_leads", spy)
+    A = random_matrix(400, 400, density=0.02, seed=4)
+    mod = spcompile.build(A, "spmm", 16, target="cpu")
+    assert leads_seen
+    has, got = leads_seen[-1]
+    assert has is not None and len(has) >= 2 and not any(has) and got == []
+    assert not any(r["source"] == "probe" for r in mod.tuning.get("candidates", []))
 
 
 def test_build_and_the_benchmark_draw_from_the_same_ranked_count(no_tuning_db, monkeypatch):

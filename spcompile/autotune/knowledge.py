@@ -536,7 +536,8 @@ def cross_validate(kn: Knowledge, quick: int | None = None, k: int = 5, more: in
             first_round = [c for c in pick_candidates(order, quick, more, pipeline_of) if np.isfinite(tt[idx[c]])]
             picks = [tt[idx[c]] for c in first_round] + [tt[j] for j in base_idx]
             if probe and first_round:
-                for lead in probe_leads({c: tt[idx[c]] for c in first_round}):
+                for lead in probe_leads({c: tt[idx[c]] for c in first_round},
+                                        probed=lambda c: any(x in idx for x in probe_ids(c))):
                     picks += [tt[idx[c]] for c in probe_ids(lead) if c in idx]
             picks = [p for p in picks if np.isfinite(p)]
             qk = min(picks) if picks else np.nan

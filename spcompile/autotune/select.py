@@ -180,16 +180,21 @@ def _host_reference(op: SparseOp, host):
     return np.asarray(reference.run(op.op, op.reduce, op.A, *host), dtype=np.float64)
 
 
-def probe_leads(times: dict, leads: int | None = None, margin: float | None = None) -> list:
-    """The keys of ``times`` (``{key: seconds}``) whose neighbours the second round measures: the
-    fastest, and up to ``leads`` (``PROBE_LEADS``) in all within ``margin`` (``PROBE_MARGIN``) of
-    it, fastest first."""
+def probe_leads(times: dict, leads: int | None = None, margin: float | None = None, probed=None) -> list:
+    """The keys of ``times`` (``{key: seconds}``) whose neighbours the second round measures: up to
+    ``leads`` (``PROBE_LEADS``) of those within ``margin`` (``PROBE_MARGIN``) of the fastest,
+    fastest first.  ``probed(key)``: whether the key has neighbours to measure; keys without
+    (a template with no ``probe_variants``) take no lead's place, so that a near-tie with one
+    of them does not halve the neighbours measured of the others (default: every key has)."""
     leads = PROBE_LEADS if leads is None else leads
     margin = PROBE_MARGIN if margin is None else margin
     order = sorted(times, key=lambda k: times[k])
     if not order:
         return []
-    return [k for k in order if times[k] <= margin * times[order[0]]][:max(1, int(leads))]
+    near = [k for k in order if times[k] <= margin * times[order[0]]]
+    if probed is not None:
+        near = [k for k in near if probed(k)]
+    return near[:max(1, int(leads))]
 
 
 def quick_select(op: SparseOp, target: str, ranked: list[tuple[Config, float | None]], *,
@@ -331,16 +336,22 @@ def quick_select(op: SparseOp, target: str, ranked: list[tuple[Config, float | N
 
     time_all(round1)
     # second round: the neighbours of the fastest candidates (not the vendor library) on their pipelines
-    leads = probe_leads({i: timed[i][0] for i in timed if built[i][0][0] != "vendor"})
+    near: dict = {}
+
+    def neighbours(i):
+        if i not in near:
+            (_, lc, _), _, _ = built[i]
+            tpl = get_template(lc.template)
+            near[i] = [("probe", tpl.make_config(p, lc.pipeline, lc.target, op.dtype), None)
+                       for p in tpl.probe_variants(dict(lc.params), op)]
+        return near[i]
+
+    leads = probe_leads({i: timed[i][0] for i in timed if built[i][0][0] != "vendor"},
+                        probed=lambda i: bool(neighbours(i)))
     second_s = 0.0
     if probe and leads and time.perf_counter() <= deadline:
         t2 = time.perf_counter()
-        probes = []
-        for lead in leads:
-            (_, lc, _), _, _ = built[lead]
-            tpl = get_template(lc.template)
-            probes += [("probe", tpl.make_config(p, lc.pipeline, lc.target, op.dtype), None)
-                       for p in tpl.probe_variants(dict(lc.params), op)]
+        probes = [c for lead in leads for c in neighbours(lead)]
         round2 = build_all(unique(probes))
         check(round2)
         # building (nvcc on a cold kernel cache) and checking the second round is not
