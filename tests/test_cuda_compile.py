@@ -41,6 +41,13 @@ def _spmm_instances():
     inst.update(t.instances("max", 2, 8, 4, 16, "bfloat16", 1))
     inst.update(t.instances("mean", 1, 8, 32, 16, "float16", 0, 4))
     inst.update(t.instances("min", 1, 4, 16, 16, "float32"))
+    # the staged stream (flat=2, cp.async on sm_80+): every reduction, chunks of 4 / 8 / 32,
+    # 16- to 2-byte copies (16-bit vec 1: a plain load and store), launch bounds
+    for r in ("sum", "max", "min", "mean"):
+        inst.update(t.instances(r, 1, 4, 16, 8, "float32", 2, 4))
+    inst.update(t.instances("sum", 2, 4, 32, 2, "float32", 2))
+    inst.update(t.instances("mean", 1, 8, 8, 32, "float16", 2, 4))
+    inst.update(t.instances("max", 1, 2, 16, 8, "bfloat16", 2))
     return t, sorted(inst)
 
 
