@@ -392,4 +392,7 @@ def test_run_prefixed_runs_a_common_start_once(monkeypatch):
         with pytest.raises(ValueError, match="no order"):
             run_prefixed(spec, start, cache)
     assert calls.count("broken") == 1 and isinstance(cache[pipeline_key(deg)][0], ValueError)
+    # the longer pipeline has its own entry, the prefix's error (quick selection looks a
+    # candidate's pipeline up by its key: a KeyError there would hide the pass's error)
+    assert cache[pipeline_key(longer)][0] is cache[pipeline_key(deg)][0]
     assert run_prefixed(rcm, start, cache)[0] is m1

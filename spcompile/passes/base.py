@@ -300,12 +300,14 @@ def run_prefixed(spec: Sequence, start: SparseModule, cache, ctx: PassContext | 
     cached prefix one pass at a time, caching every prefix, so that pipelines with a common start
     (RCM alone, then RCM + LSH + SGT) run it once.  The seconds are the whole pipeline's (the
     prefix's as it ran, plus the rest).  A pass that raises is cached as its exception (the
-    pipelines that start with that prefix raise it too) and raised."""
+    pipelines that start with that prefix raise it too, and are cached as it) and raised: every
+    spec run through it has its own entry afterwards."""
     spec = list(spec)
     keys = [pipeline_key(spec[:n]) for n in range(len(spec) + 1)]
     done = next((n for n in range(len(spec), 0, -1) if keys[n] in cache), 0)
     mod, secs = cache[keys[done]] if done else (start, 0.0)
     if isinstance(mod, BaseException):
+        cache[keys[-1]] = (mod, secs)
         raise mod
     if not spec:
         cache[keys[0]] = (mod, secs)       # the empty pipeline: no pass, the start as it is
