@@ -387,14 +387,14 @@ def test_binary_rebuilt_for_another_arch(monkeypatch):
 #: sha256 of the rendered source (the on-disk kernel cache key) of csr instances; a change here
 #: invalidates every cached csr kernel binary -- update only for an intended kernel change
 RENDER_SHA256 = {
-    ("csr.crc_cwm", ("sum", 1, 4, 32, 2, "float32")): "1314b3c3559bbf503c04438675e24706eeaff40143fb2bbfc13259e118f0b96d",
-    ("csr.crc_cwm", ("mean", 4, 8, 4, 8, "bfloat16")): "27b1e02a2108d417447256e1c421576dbad49946a80ace52299afed1ce48dc6b",
-    ("csr.crc_cwm", ("max", 2, 1, 8, 4, "float16")): "cd3ec77f1ba4ba0e565a1dfee080d73d84f2d0dd0b8ca5edb6bdd4bc50a4aeba",
-    ("csr.crc_cwm", ("sum", 1, 4, 32, 2, "float32", 1)): "2d6397c7d312654a3f633a7be20fd265677cd43d3b3e333088d8ed53a80b8210",
-    ("csr.crc_cwm", ("sum", 1, 4, 32, 1, "float32", 0, 8)): "ee8fe6227134b018e243db50c66e0416fdade4b904cdcc41fbd2d0134e887fb6",
-    ("csr.crc_cwm", ("sum", 1, 8, 8, 8, "float16", 0, 1, 16)): "a2dbba9ffb6795bf5fb91e2bcebb3f2702f03695be82b9382a34475ce82da9c0",
-    ("csr.crc_cwm", ('sum', 1, 8, 8, 16, 'float16')): "48f516d274a71a67b2a394ded80a76223b27704bade41dd1d57b68dac775d54f",
-    ("csr.crc_cwm", ("sum", 1, 4, 16, 8, "float32", 2, 4)): "4b180ea6420ba085a3aa91a6f87c553549acebdd956756f807ad4306f1d3f39f",
+    ("csr.crc_cwm", ("sum", 1, 4, 32, 2, "float32")): "98ead4612b35655066ecc1f4341b25caa3b658de0c84456aa2f742a1a4be5c0e",
+    ("csr.crc_cwm", ("mean", 4, 8, 4, 8, "bfloat16")): "396d9ffbbddf4963e23fc6cec123905a3e59906cca70d8b3bcd47aaca55d6a5d",
+    ("csr.crc_cwm", ("max", 2, 1, 8, 4, "float16")): "772c9a1e77eb070846db11d322bbe2fa727a7cdfd16bf5ccba2e218e0cbe54b3",
+    ("csr.crc_cwm", ("sum", 1, 4, 32, 2, "float32", 1)): "c7143b1b08428eb0d3d5973be137efd1555a1ecbbb149de474bc6a80d6dc4028",
+    ("csr.crc_cwm", ("sum", 1, 4, 32, 1, "float32", 0, 8)): "3df18331abb3c7eab11e839ce13575c246bb0f1f181e12abe204c721fb3c06e9",
+    ("csr.crc_cwm", ("sum", 1, 8, 8, 8, "float16", 0, 1, 16)): "95b06885c539f936702c5d803ed7ef039b24913aeafb4fb3edb99f256ab1ede2",
+    ("csr.crc_cwm", ('sum', 1, 8, 8, 16, 'float16')): "7cf7c69bc6e3bc2170a106777f598393f924c6a6e94658b28a16b90aa091631e",
+    ("csr.crc_cwm", ("sum", 1, 4, 16, 8, "float32", 2, 4)): "8006f26704668f1546e06101c7caff09d7c11b76edd7bfd0015fcbccc7aebec9",
     ("csr.sddmm", (32, 4, 4, "float32")): "51a4d13079f8fec170194599cae6e7d294e5178dd72e3a27a41d515fc1df0431",
     ("csr.sddmm", (8, 2, 2, "float16")): "b7ffe729baddfe3fae189b1cfe8b22e89a946dc2016342dbde43ba2f7cc619c1",
     ("csr.sddmm", (16, 8, 1, "bfloat16", 1)): "2b4f832bd22e7d7165e7c519a50b9c9d583b2553b8b366cdcf4cb79bcdc4da31",

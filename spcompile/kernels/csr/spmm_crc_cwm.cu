@@ -462,7 +462,7 @@ __device__ __forceinline__ void spmm_crc_cwm(
     for (int r = 0; r < segs_per_group; ++r) {
       const long long s = group * segs_per_group + r;
       if (s >= nseg) return;                          // uniform within the group
-      const int lo = seg_ptr[s], hi = seg_ptr[s + 1];
+      const int lo = seg_ptr[s], hi = seg_ptr[s + 1], slot = seg_slot[s], out = seg_out[s];
       float acc[CF][VEC];
       reset_acc<R>(acc);
       for (int base = lo; base < hi; base += CH) {
@@ -491,7 +491,7 @@ __device__ __forceinline__ void spmm_crc_cwm(
         __syncwarp(gmask);
       }
 
-      finish(seg_slot[s], seg_out[s], acc, hi - lo);
+      finish(slot, out, acc, hi - lo);
     }
   }
 }
