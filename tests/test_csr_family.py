@@ -387,14 +387,14 @@ def test_binary_rebuilt_for_another_arch(monkeypatch):
 #: sha256 of the rendered source (the on-disk kernel cache key) of csr instances; a change here
 #: invalidates every cached csr kernel binary -- update only for an intended kernel change
 RENDER_SHA256 = {
-    ("csr.crc_cwm", ("sum", 1, 4, 32, 2, "float32")): "98ead4612b35655066ecc1f4341b25caa3b658de0c84456aa2f742a1a4be5c0e",
-    ("csr.crc_cwm", ("mean", 4, 8, 4, 8, "bfloat16")): "396d9ffbbddf4963e23fc6cec123905a3e59906cca70d8b3bcd47aaca55d6a5d",
-    ("csr.crc_cwm", ("max", 2, 1, 8, 4, "float16")): "772c9a1e77eb070846db11d322bbe2fa727a7cdfd16bf5ccba2e218e0cbe54b3",
-    ("csr.crc_cwm", ("sum", 1, 4, 32, 2, "float32", 1)): "c7143b1b08428eb0d3d5973be137efd1555a1ecbbb149de474bc6a80d6dc4028",
-    ("csr.crc_cwm", ("sum", 1, 4, 32, 1, "float32", 0, 8)): "3df18331abb3c7eab11e839ce13575c246bb0f1f181e12abe204c721fb3c06e9",
-    ("csr.crc_cwm", ("sum", 1, 8, 8, 8, "float16", 0, 1, 16)): "95b06885c539f936702c5d803ed7ef039b24913aeafb4fb3edb99f256ab1ede2",
-    ("csr.crc_cwm", ('sum', 1, 8, 8, 16, 'float16')): "7cf7c69bc6e3bc2170a106777f598393f924c6a6e94658b28a16b90aa091631e",
-    ("csr.crc_cwm", ("sum", 1, 4, 16, 8, "float32", 2, 4)): "8006f26704668f1546e06101c7caff09d7c11b76edd7bfd0015fcbccc7aebec9",
+    ("csr.crc_cwm", ("sum", 1, 4, 32, 2, "float32")): "a9d5d123ff9c0a76376de176ca5a2b9b930c43fcde8bd3ae34c21392a31c89cb",
+    ("csr.crc_cwm", ("mean", 4, 8, 4, 8, "bfloat16")): "5cb7e7f8bfea5d29350662c3e484b782bba92d806476a55f0ef18be2f5a1ac91",
+    ("csr.crc_cwm", ("max", 2, 1, 8, 4, "float16")): "70430e0640b2e20579968105ab0ac57d747ab5e2e28724a0deb1900f63d9e081",
+    ("csr.crc_cwm", ("sum", 1, 4, 32, 2, "float32", 1)): "4f56f200c70000392de7d12bb4a4c793b40a6b1e11ba706898e46534c81ec84d",
+    ("csr.crc_cwm", ("sum", 1, 4, 32, 1, "float32", 0, 8)): "73e2f0f26ea534948b360965aef6cfd0bf51c64a77b83577a91f36953b30f252",
+    ("csr.crc_cwm", ("sum", 1, 8, 8, 8, "float16", 0, 1, 16)): "ab08a4be008682506581682cfa80ac1d1e2a748307c299d18f91d2871eb346a7",
+    ("csr.crc_cwm", ('sum', 1, 8, 8, 16, 'float16')): "0cbe169168b885c93c4fdec4c6e65c8fdd323b2b0a8c1e716d9c97d54121f00d",
+    ("csr.crc_cwm", ("sum", 1, 4, 16, 8, "float32", 2, 4)): "4c96fa9818cff4e7f82d05ab9ffda79d6e020765e1211b2b6f9dc7957abc7061",
     ("csr.sddmm", (32, 4, 4, "float32")): "51a4d13079f8fec170194599cae6e7d294e5178dd72e3a27a41d515fc1df0431",
     ("csr.sddmm", (8, 2, 2, "float16")): "b7ffe729baddfe3fae189b1cfe8b22e89a946dc2016342dbde43ba2f7cc619c1",
     ("csr.sddmm", (16, 8, 1, "bfloat16", 1)): "2b4f832bd22e7d7165e7c519a50b9c9d583b2553b8b366cdcf4cb79bcdc4da31",
@@ -584,10 +584,21 @@ def test_spmm_flat_rule_seeds_and_names():
     assert st.launch_spec(4).smem == 8 * 4 * (8 + 16 * 4 * 4) and f.launch_spec(4).smem == 8 * 16 * 8
     _close(em.emulate_kernel(st, X), reference.spmm(as_csr(ring), X, "sum"))
     assert t.build(mod, {**old, "flat": 2, "unroll": 32}, compile=False).launch_spec(4).smem == 8 * 32 * (8 + 256)
+    # flat=3 (staged segments) packs the one-row layout's arrays under its own instances, chunks
+    # of unroll entries staged as in flat=2
+    ss = t.build(mod, {**old, "flat": 3, "unroll": 8}, compile=False)
+    assert [n for n, _ in ss.meta["instances"]] == ["spmm_crc_cwm_f32_r0_cf1_v4_g16_u8_seg_staged",
+                                                     "spmm_crc_cwm_f32_r0_cf1_v1_g16_u8_seg_staged"]
+    assert all(np.array_equal(ss.arrays[a], k.arrays[a]) for a in k.arrays) and ss.arrays["grp_seg"].size == 0
+    assert ss.launch_spec(4).smem == 8 * 8 * (8 + 16 * 4 * 4)
+    assert ss.launch_spec(4).grid[0] == -(-500 // 8)                  # one segment a row group
+    _close(em.emulate_kernel(ss, X), reference.spmm(as_csr(ring), X, "sum"))
     with pytest.raises(ValueError, match="flat"):
-        t.build(mod, {**old, "flat": 3}, compile=False)
-    with pytest.raises(ValueError, match="unroll=32 needs flat=2"):
+        t.build(mod, {**old, "flat": 4}, compile=False)
+    with pytest.raises(ValueError, match="unroll=32 needs flat=2 or 3"):
         t.build(mod, {**old, "flat": 1, "unroll": 32}, compile=False)
+    with pytest.raises(ValueError, match="flat=3 stages 131072 bytes"):   # 16 groups x 32 entries x 64 floats
+        t.build(mod, {**old, "flat": 3, "unroll": 32, "warps_per_block": 8}, compile=False)
     with pytest.raises(ValueError, match="flat=2 stages 262144 bytes"):   # 16 groups x 32 entries x 2 x 64 floats
         t.build(mod, {**old, "flat": 2, "unroll": 32, "cf": 2, "warps_per_block": 8}, compile=False)
 
@@ -624,6 +635,39 @@ def test_spmm_staged_rule():
     assert k.meta["instances"][0][0].endswith("_g16_u8_staged_mb4") and k.arrays["grp_seg"].size > 2
     X = rng.standard_normal((m, 64)).astype(np.float32)
     _close(em.emulate_kernel(k, X), reference.spmm(as_csr(threads), X, "sum"))
+
+
+def test_spmm_segment_staged_rule():
+    """Staged segments (flat=3) are a quick-selection variant of a one-row first choice (flat 0,
+    min_blocks 1) for 16-bit X / Y only, with its shape, hub combine and max_seg, and no capped
+    combine (the staged combine loads two partials at a time); not on top of launch bounds, a
+    flat layout or a staged kernel.  The variant builds, names its instances and passes the
+    artifact checks, its hub rows' slices reduced across the warp."""
+    t = get_template("csr.crc_cwm")
+    rng = np.random.default_rng(5)
+    m = 2000
+    lens = np.where(np.arange(m) % 250 == 0, 700, rng.integers(1, 20, m))     # hubs among ~10-long rows
+    rows = np.repeat(np.arange(m), lens)
+    A = sp.csr_matrix((rng.standard_normal(rows.size).astype(np.float32), (rows, rng.integers(0, m, rows.size))),
+                      shape=(m, m))
+    A.sum_duplicates()
+    first = {**t.heuristic(64, 700, 12.0, "float16"), "warp_combine": 1, "max_seg": 32, "combine_vals": 16,
+             "unroll": 2}
+    for dtype, want in (("float16", True), ("bfloat16", True), ("float32", False)):
+        got = [v for v in t.unranked_variants(first, make_op(A, "spmm", 64, dtype=dtype)) if v.get("flat") == 3]
+        assert got == ([{**{k: v for k, v in first.items() if k != "combine_vals"}, **t.SEG_STAGED}] if want else [])
+    op = make_op(A, "spmm", 64, dtype="float16")
+    for base in ({**first, "min_blocks": 8}, {**first, "flat": 1, "rows_per_warp": 4}, {**first, **t.SEG_STAGED},
+                 {**first, **t.STAGED}):
+        assert not any(v.get("flat") == 3 for v in t.unranked_variants(base, op))
+    v = next(v for v in t.unranked_variants(first, op) if v.get("flat") == 3)
+    mod = _mod(A, "spmm", 64, dtype="float16")
+    k = t.build(mod, v, compile=False)
+    assert k.meta["instances"][0][0] == f"spmm_crc_cwm_f16_r0_cf1_v{first['vec']}_g{first['group']}_u8_seg_staged_mb4"
+    assert k.arrays["grp_seg"].size == 0 and t.warp_slices(v) == 32 // first["group"]
+    assert np.any(k.arrays["seg_slot"] >= (1 << 30))                   # hub slices reduced across the warp
+    X = rng.standard_normal((m, 64)).astype(np.float16)
+    _close(em.emulate_kernel(k, X), reference.spmm(as_csr(A), X.astype(np.float32), "sum"), tol=1e-2)
 
 
 # ------------------------------------------------------------------------------------------

@@ -48,6 +48,12 @@ def _spmm_instances():
     inst.update(t.instances("sum", 2, 4, 32, 2, "float32", 2))
     inst.update(t.instances("mean", 1, 8, 8, 32, "float16", 2, 4))
     inst.update(t.instances("max", 1, 2, 16, 8, "bfloat16", 2))
+    # staged segments (flat=3): every reduction at 16 bits with launch bounds (quick selection's
+    # shape), fp32, chunks of 4 / 32, 2-byte copies
+    for r in ("sum", "max", "min", "mean"):
+        inst.update(t.instances(r, 1, 8, 8, 8, "float16", 3, 4))
+    inst.update(t.instances("sum", 2, 4, 16, 4, "float32", 3))
+    inst.update(t.instances("mean", 1, 1, 32, 32, "bfloat16", 3, 8))
     return t, sorted(inst)
 
 

@@ -283,6 +283,44 @@ def test_staged_spmm_streams_rows(dtype, tol, K):
                                    for i, p in enumerate(STAGED_SPMM_PARAMS)], staged)
 
 
+#: staged segments (flat=3): one-row groups with hub slices reduced across the warp (shuffles) and
+#: across the block (32-lane groups, shared memory over the stage), several segments a group one
+#: after another, chunks of 4-32 entries, 2- to 16-byte copies, launch bounds
+SEG_STAGED_SPMM_PARAMS = (
+    {"group": 16, "vec": 4, "cf": 1, "warps_per_block": 4, "rows_per_warp": 1, "max_seg": 32, "unroll": 8,
+     "min_blocks": 4, "warp_combine": 1},
+    {"group": 8, "vec": 2, "cf": 2, "warps_per_block": 4, "rows_per_warp": 3, "max_seg": 64, "unroll": 16},
+    {"group": 32, "vec": 4, "cf": 1, "warps_per_block": 4, "rows_per_warp": 1, "max_seg": 32, "unroll": 8,
+     "warp_combine": 1},
+    {"group": 32, "vec": 1, "cf": 2, "warps_per_block": 2, "rows_per_warp": 1, "max_seg": 0, "unroll": 32},
+    {"group": 4, "vec": 4, "cf": 1, "warps_per_block": 8, "rows_per_warp": 1, "max_seg": 16, "unroll": 4,
+     "min_blocks": 8, "warp_combine": 2})
+
+
+@pytest.mark.parametrize("dtype, tol", [("float32", 1e-5), ("float16", 2e-2), ("bfloat16", 5e-2)])
+@pytest.mark.parametrize("K", [1, 33, 128])
+def test_segment_staged_spmm(dtype, tol, K):
+    """csr.crc_cwm with flat=3 (segments one after another, each chunk's X slices staged in shared
+    memory): every reduction, empty rows, a row holding every column cut into slices (combined
+    across groups, warps or the block), with and without a degree order; the instances are the
+    _seg_staged ones, no flat groups, and the launch carries the stage; the NaN-poisoned output
+    fully written and equal to the float64 reference, twice in a row."""
+    from spcompile.kernels.csr.template import CrcCwm, chunk_entries
+
+    def seg_staged(mod, p):
+        assert all("_seg_staged" in n for n, _ in mod.kernel.meta["instances"])
+        assert mod.kernel.arrays["grp_seg"].size == 0
+        vec = int(mod.kernel.meta["vec"])
+        chunk = chunk_entries(p["group"], p["unroll"], 3)
+        esize = 4 if dtype == "float32" else 2
+        assert CrcCwm.stage_bytes(mod.kernel.params, vec, dtype) == chunk * p["cf"] * p["group"] * vec * esize
+        assert mod.kernel.launch_spec(vec).smem >= 32 * p["warps_per_block"] // p["group"] * chunk * (
+            8 + p["cf"] * p["group"] * vec * esize)
+
+    _check_crc_cwm(dtype, tol, K, [({"flat": 3, **p}, ["reorder.degree"] if i % 2 else [])
+                                   for i, p in enumerate(SEG_STAGED_SPMM_PARAMS)], seg_staged)
+
+
 #: eight row segments per row group, one after another (rows_per_warp=8 is in the tuner's space)
 ROWS_PER_WARP_SPMM_PARAMS = (
     {"group": 16, "vec": 4, "cf": 1, "warps_per_block": 4, "rows_per_warp": 8, "max_seg": 32, "unroll": 2},

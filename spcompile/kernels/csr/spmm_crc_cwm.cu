@@ -29,7 +29,8 @@
 //        equal nonzeros: many short rows or one slice of a long one); 2 (staged): as 1, but a
 //        chunk's X slices are copied to shared memory with cp.async (all CH x CF of a lane in
 //        flight, no register holds them) and accumulated from there; U then only sets CH
-//        (U nonzeros, at least 4: fewer than G where a row of X is wide)
+//        (U nonzeros, at least 4: fewer than G where a row of X is wide); 3 (staged segments): as 0,
+//        each chunk staged as in 2 (a row's chunk of gathers in flight at once, few registers)
 //   CQ   0: the split-row combine loads U partials of VEC fp32 values per lane at a time; > 0: at
 //        most CQ values (parameter combine_vals; instance macros *_CQ)
 // Launch bounds (the instance macro, not the body): SPC_SPMM_INSTANCE_MB's MB resident 256-thread
@@ -142,9 +143,10 @@ template <int R, int CF, int VEC> __device__ __forceinline__ void reset_acc(floa
     for (int v = 0; v < VEC; ++v) acc[c][v] = red_init<R>();
 }
 // nonzeros of one chunk of the coalesced row cache: G (one id a lane) for U <= 8, else max(G, U)
-// (FL = 2: U nonzeros, at least 4, whatever G: the stage holds the X slices of a chunk)
+// (FL = 2 / 3: U nonzeros, at least 4, whatever G: the stage holds the X slices of a chunk)
+template <int FL> struct staged_of { static constexpr bool value = FL == 2 || FL == 3; };
 template <int G, int U, int FL = 0> struct chunk_of {
-  static constexpr int value = FL == 2 ? (U < 4 ? 4 : U) : ((U > 8 && U > G) ? U : G);
+  static constexpr int value = staged_of<FL>::value ? (U < 4 ? 4 : U) : ((U > 8 && U > G) ? U : G);
 };
 // coalesced row caching: the group's lanes copy n <= CH column ids and values to shared memory
 template <int G, int CH>
@@ -218,6 +220,27 @@ __device__ __forceinline__ void copy_async_wait_all() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   asm volatile("cp.async.wait_all;\n" ::: "memory");
 #endif
+}
+// FL = 2 / 3: the X slices of a chunk's n nonzeros (the column ids in s_idx), CF a lane, copied
+// to the lane's part of its row group's stage (n x CF copies in flight, no registers held);
+// returns the stage once the lane's copies have landed
+template <typename T, int CF, int VEC, int G, int CH>
+__device__ __forceinline__ const pack_t<T, VEC>* stage_chunk(int* smem, const int groups_per_block, const int gib,
+                                                            const T* __restrict__ X, const int* s_idx, const int n,
+                                                            const int K, const int col_base, const int lane) {
+  typedef pack_t<T, VEC> PK;
+  PK* stage = reinterpret_cast<PK*>(smem + stage_offset_ints<G, CH>(groups_per_block)) + gib * (CH * CF * G);
+#pragma unroll 4
+  for (int e = 0; e < n; ++e) {
+    const T* xrow = X + (size_t)s_idx[e] * K;
+#pragma unroll
+    for (int c = 0; c < CF; ++c) {
+      const int col = col_base + c * G * VEC;
+      if (col < K) copy_async<sizeof(PK)>(&stage[(e * CF + c) * G + lane], xrow + col);
+    }
+  }
+  copy_async_wait_all();
+  return stage;
 }
 template <typename T, int R, int CF, int VEC, int G, int U, int FL, int CQ = 0>
 __device__ __forceinline__ void spmm_crc_cwm(
@@ -328,7 +351,7 @@ __device__ __forceinline__ void spmm_crc_cwm(
         // at the price of a longer chain of loads in the combine
         // (FL = 2 keeps no X rows in registers: its U sets only the chunk, and its combine loads
         // 2 partials at a time)
-        constexpr int UQ = FL == 2 ? 2 : U;
+        constexpr int UQ = staged_of<FL>::value ? 2 : U;
         constexpr int CQE = (UQ > 8 && CQ == 0) ? 16 : CQ;   // U = 16: always capped
         constexpr int QB = (CQE > 0 && UQ * VEC > CQE) ? (CQE / VEC > 0 ? CQE / VEC : 1) : UQ;
 #pragma unroll
@@ -361,7 +384,7 @@ __device__ __forceinline__ void spmm_crc_cwm(
     }
   };
 
-  if constexpr (FL != 0) {
+  if constexpr (FL == 1 || FL == 2) {
     // flat: the group's segments [s0, s0 + ns) are one stream of nonzeros (consecutive in
     // seg_ptr), cached a chunk at a time with U X loads in flight across segment boundaries; a segment
     // is finished when the stream passes its end.  The segment pointers are read G at a time: lane
@@ -411,17 +434,7 @@ __device__ __forceinline__ void spmm_crc_cwm(
         // from shared memory in nonzero order by a loop that is not unrolled (one copy of the
         // segment-end code, few registers)
         typedef pack_t<T, VEC> PK;
-        PK* stage = reinterpret_cast<PK*>(smem + stage_offset_ints<G, CH>(groups_per_block)) + gib * (CH * CF * G);
-#pragma unroll 4
-        for (int e = 0; e < n; ++e) {
-          const T* xrow = X + (size_t)s_idx[e] * K;
-#pragma unroll
-          for (int c = 0; c < CF; ++c) {
-            const int col = col_base + c * G * VEC;
-            if (col < K) copy_async<sizeof(PK)>(&stage[(e * CF + c) * G + lane], xrow + col);
-          }
-        }
-        copy_async_wait_all();
+        const PK* stage = stage_chunk<T, CF, VEC, G, CH>(smem, groups_per_block, gib, X, s_idx, n, K, col_base, lane);
 #pragma unroll 1
         for (int e = 0; e < n; ++e) {
           reach(base + e);
@@ -468,21 +481,41 @@ __device__ __forceinline__ void spmm_crc_cwm(
       for (int base = lo; base < hi; base += CH) {
         const int n = min(CH, hi - base);
         cache_chunk<G, CH>(indices, data, s_idx, s_val, base, n, lane, gmask);
-        for (int e0 = 0; e0 < n; e0 += U) {          // U loads in flight, accumulated in nonzero order
-          pack_t<T, VEC> xv[U][CF];
-          float a[U];
-          load_x<T, CF, VEC, G, U>(X, s_idx, s_val, e0, n, K, col_base, xv, a);
-          // accumulate<>() written out: through the helper ptxas schedules this path's most used
-          // instance (fp32, unroll 2) differently, and its SASS is the one measured on the H100
+        if constexpr (FL == 3) {
+          // staged: the chunk's X slices copied to shared memory (all in flight), then
+          // accumulated from there in nonzero order
+          typedef pack_t<T, VEC> PK;
+          const PK* stage = stage_chunk<T, CF, VEC, G, CH>(smem, groups_per_block, gib, X, s_idx, n, K, col_base, lane);
+#pragma unroll 4
+          for (int e = 0; e < n; ++e) {
+            const float a = s_val[e];
 #pragma unroll
-          for (int u = 0; u < U; ++u) {
-            if (e0 + u < n) {
+            for (int c = 0; c < CF; ++c) {
+              const int col = col_base + c * G * VEC;
+              if (col < K) {
+                const PK x = stage[(e * CF + c) * G + lane];
 #pragma unroll
-              for (int c = 0; c < CF; ++c) {
-                const int col = col_base + c * G * VEC;
-                if (col < K) {
+                for (int v = 0; v < VEC; ++v) acc[c][v] = red_op<R>(acc[c][v], a * to_f(x.e[v]));
+              }
+            }
+          }
+        } else {
+          for (int e0 = 0; e0 < n; e0 += U) {          // U loads in flight, accumulated in nonzero order
+            pack_t<T, VEC> xv[U][CF];
+            float a[U];
+            load_x<T, CF, VEC, G, U>(X, s_idx, s_val, e0, n, K, col_base, xv, a);
+            // accumulate<>() written out: through the helper ptxas schedules this path's most used
+            // instance (fp32, unroll 2) differently, and its SASS is the one measured on the H100
 #pragma unroll
-                  for (int v = 0; v < VEC; ++v) acc[c][v] = red_op<R>(acc[c][v], a[u] * to_f(xv[u][c].e[v]));
+            for (int u = 0; u < U; ++u) {
+              if (e0 + u < n) {
+#pragma unroll
+                for (int c = 0; c < CF; ++c) {
+                  const int col = col_base + c * G * VEC;
+                  if (col < K) {
+#pragma unroll
+                    for (int v = 0; v < VEC; ++v) acc[c][v] = red_op<R>(acc[c][v], a[u] * to_f(xv[u][c].e[v]));
+                  }
                 }
               }
             }

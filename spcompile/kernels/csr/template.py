@@ -47,8 +47,21 @@ def _largest_vec(K: int, vec: int) -> int:
 #: ``chunk_entries`` column ids (two a lane in an 8-lane group); its split-row combine is always
 #: capped at 16 values a lane (``combine_vals`` has no effect on it)
 DEEP_UNROLL = 16
-#: ``unroll`` of ``flat=2`` only: chunks of 32 nonzeros staged in shared memory
+#: ``unroll`` of the staged kernels (``flat`` 2 or 3) only: chunks of 32 nonzeros staged in
+#: shared memory
 STAGED_UNROLL = 32
+
+
+def flat_layout(flat) -> bool:
+    """``flat`` 1 / 2: row groups stream runs of consecutive segments (``grp_seg``); 0 / 3: each
+    takes ``rows_per_warp`` segments one after another."""
+    return int(flat) in (1, 2)
+
+
+def staged(flat) -> bool:
+    """``flat`` 2 / 3: a chunk's X slices are copied to shared memory with ``cp.async`` (all in
+    flight, no registers held) and accumulated from there; 0 / 1: ``unroll`` X rows in registers."""
+    return int(flat) in (2, 3)
 
 
 def _unroll_choices(dtype: str) -> list[int]:
@@ -59,9 +72,9 @@ def _unroll_choices(dtype: str) -> list[int]:
 
 def chunk_entries(group: int, unroll: int, flat: int = 0) -> int:
     """Nonzeros of one chunk of ``spmm_crc_cwm.cu``'s coalesced row cache (its ``chunk_of``):
-    ``group`` for ``unroll`` <= 8, else the larger of the two; ``flat=2`` (staged): ``unroll``,
+    ``group`` for ``unroll`` <= 8, else the larger of the two; staged (``flat`` 2 / 3): ``unroll``,
     at least 4."""
-    if int(flat) == 2:
+    if staged(flat):
         return max(4, int(unroll))
     return max(int(group), int(unroll)) if int(unroll) > 8 else int(group)
 
@@ -114,6 +127,9 @@ class CrcCwm(NvccTemplate):
     flight across row ends): ``rows_per_warp`` of them (for short, even rows), or with
     ``flat_nnz`` > 0 runs of about ``flat_nnz`` nonzeros (many short rows or one slice of a long
     one, cut by ``max_seg``: an nnz-balanced schedule for graphs of short rows and hubs);
+    ``flat=2``: the flat layout, staged (a chunk of ``unroll`` nonzeros' X slices copied to shared
+    memory with cp.async, all in flight without registers, then accumulated); ``flat=3``: segments
+    one after another (as ``flat=0``), staged;
     ``warp_combine=1``: a row of at least a combine unit's worth of slices (the 32 / ``group``
     one-segment row groups of a warp, or for 32-lane groups the block's warps) has its slices
     reduced across the unit (shuffles; shared memory for a block) before one partial a unit
@@ -139,7 +155,7 @@ class CrcCwm(NvccTemplate):
         return {"cf": C([1, 2, 4, 8]), "vec": C(_vec_choices(mod.op.dtype)), "group": C([4, 8, 16, 32]),
                 "warps_per_block": C([2, 4, 8]), "rows_per_warp": C([1, 2, 4, 8]),
                 "max_seg": C(list(self.MAX_SEG_SPACE)), "unroll": C(_unroll_choices(mod.op.dtype)),
-                "flat": C([0, 1, 2]),
+                "flat": C([0, 1, 2, 3]),
                 "min_blocks": C(list(self.MIN_BLOCKS)), "flat_nnz": C(list(self.FLAT_NNZ)),
                 "combine_vals": C(list(self.COMBINE_VALS)), "warp_combine": C([0, 1, 2])}
 
@@ -244,6 +260,12 @@ class CrcCwm(NvccTemplate):
     #: rows at most this long on average, or this share of rows of at most 2 nonzeros, make the
     #: staged stream a candidate
     STAGED_MAX_MEAN, STAGED_TINY_SHARE = 4.0, 0.5
+    #: staged segments (``flat=3``) as quick selection measures them for 16-bit X / Y: the first
+    #: choice's one-row groups with each chunk of 8 nonzeros' X slices staged, launch bounds of 4
+    #: blocks (of the 6 shapes swept on the H200 at K=64, the best on the 4 of 14 graphs where
+    #: any won, by 1.09-1.14x; no shape won in fp32: section 18 of
+    #: ``docs/benchmarks/h100_crc_cwm_experiments.md``)
+    SEG_STAGED = {"flat": 3, "unroll": 8, "min_blocks": 4}
 
     @classmethod
     def tiny_rows(cls, lens: np.ndarray) -> bool:
@@ -265,26 +287,33 @@ class CrcCwm(NvccTemplate):
         - where most rows hold a few nonzeros (:meth:`tiny_rows`), the staged stream ``STAGED``
           with the first choice's column shape and ``max_seg`` (measured on the H200: 1.12x /
           1.21x faster on snap_sx_askubuntu / a generated batch of reply threads at K=64, slower
-          on meshes and molecules, hence measured, not ruled)."""
+          on meshes and molecules, hence measured, not ruled);
+        - for 16-bit X / Y, staged segments ``SEG_STAGED`` next to a one-row first choice: a
+          row's chunk of 8 gathers in flight without the registers that ``unroll`` 8 or 16 holds
+          (H200, K=64: 1.09-1.14x faster on snap_email_enron, gemsec_fb_new_sites,
+          gemsec_deezer_hu and snap_sx_askubuntu, 0.78-1.0x on the other 10 graphs, hence
+          measured, not ruled)."""
         p = {**self.absent_params, **params}
-        if op is None or int(p["flat"]) == 2:
+        if op is None or staged(p["flat"]):
             return []
         lens = op.A.row_lengths
         if not lens.size:
             return []
-        staged = []
+        stream = []
         if self.tiny_rows(lens):
             keep = {k: v for k, v in dict(params).items() if k not in ("warp_combine", "combine_vals")}
-            staged = [{**keep, **self.STAGED}]
+            stream = [{**keep, **self.STAGED}]
         if int(p["flat"]) or int(p["min_blocks"]) > 1:
-            return staged
+            return stream
         out = []
         mean = float(lens.mean())
         if self.short_rows(int(lens.max()), mean):
             out.append({**dict(params), "flat": 1, "rows_per_warp": 8 if mean <= 4 else 4, "warps_per_block": 4})
         if mean <= self.OCC_MAX_MEAN:
             out.append({**dict(params), "cf": 1, "min_blocks": 8, "unroll": 1})
-        return out + staged
+        if DTYPES[op.dtype].bytes == 2:
+            out.append({**{k: v for k, v in dict(params).items() if k != "combine_vals"}, **self.SEG_STAGED})
+        return out + stream
 
     #: rows at most this long on average make RCM a locality order quick selection measures
     RCM_MAX_MEAN = 12.0
@@ -419,15 +448,16 @@ class CrcCwm(NvccTemplate):
     def search_params(self, params):
         """``flat_nnz`` has no effect without ``flat`` (0 then), ``rows_per_warp`` none with
         ``flat_nnz`` > 0 (1 then), ``combine_vals`` none where ``unroll`` x ``vec`` partial
-        values already fit it, ``unroll`` is ``DEEP_UNROLL`` or ``flat`` is 2 (its combine loads two
-        partials at a time; 0 then), ``warp_combine`` none where :meth:`warp_slices` is 1 (0 then)."""
+        values already fit it, ``unroll`` is ``DEEP_UNROLL`` or the kernel is staged (``flat`` 2 / 3:
+        its combine loads two partials at a time; 0 then), ``warp_combine`` none where
+        :meth:`warp_slices` is 1 (0 then)."""
         p = dict(params)
-        if not int(p.get("flat", 0)) and "flat_nnz" in p:
+        if not flat_layout(p.get("flat", 0)) and "flat_nnz" in p:
             p["flat_nnz"] = 0
-        if int(p.get("flat", 0)) and int(p.get("flat_nnz", 0)) > 0 and "rows_per_warp" in p:
+        if flat_layout(p.get("flat", 0)) and int(p.get("flat_nnz", 0)) > 0 and "rows_per_warp" in p:
             p["rows_per_warp"] = 1
         if int(p.get("combine_vals", 0)) and (int(p.get("unroll", 4)) * int(p.get("vec", 1)) <= int(p["combine_vals"])
-                                              or int(p.get("unroll", 4)) > 8 or int(p.get("flat", 0)) == 2):
+                                              or int(p.get("unroll", 4)) > 8 or staged(p.get("flat", 0))):
             p["combine_vals"] = 0
         if int(p.get("warp_combine", 0)) and self.warp_slices(p) == 1:
             p["warp_combine"] = 0
@@ -436,7 +466,7 @@ class CrcCwm(NvccTemplate):
     def checks(self, mod):
         return {"cf": (1, 2, 4, 8), "vec": _vec_choices(mod.op.dtype), "group": (4, 8, 16, 32),
                 "unroll": (1, 2, 4, 8, DEEP_UNROLL, STAGED_UNROLL), "warps_per_block": (1, 2, 4, 8),
-                "rows_per_warp": AtLeast(1), "max_seg": AtLeast(0), "flat": (0, 1, 2), "min_blocks": self.MIN_BLOCKS,
+                "rows_per_warp": AtLeast(1), "max_seg": AtLeast(0), "flat": (0, 1, 2, 3), "min_blocks": self.MIN_BLOCKS,
                 "flat_nnz": AtLeast(0), "combine_vals": self.COMBINE_VALS, "warp_combine": (0, 1, 2)}
 
     #: the most shared memory (bytes) the block-level combine of 32-lane groups may take: a float
@@ -446,7 +476,7 @@ class CrcCwm(NvccTemplate):
     @staticmethod
     def warp_slices(params) -> int:
         """Row groups of a combine unit that take slices of one row together and reduce them
-        (``warp_combine``), for one-segment groups (``flat`` 0, ``rows_per_warp`` 1): the warp's
+        (``warp_combine``), for one-segment groups (``flat`` 0 / 3, ``rows_per_warp`` 1): the warp's
         32 / ``group`` groups (shuffles) for groups narrower than a warp; the block's
         ``warps_per_block`` warps (shared memory, at most ``BLOCK_COMBINE_SMEM`` bytes) for 32-lane
         groups; else 1 (``warp_combine`` has no effect).  ``warp_combine`` 1: rows of W slices or
@@ -455,7 +485,7 @@ class CrcCwm(NvccTemplate):
         no combine)."""
         p = {**CrcCwm.absent_params, **params}
         g = int(p["group"])
-        if not int(p["warp_combine"]) or int(p["flat"]) or int(p["rows_per_warp"]) != 1:
+        if not int(p["warp_combine"]) or flat_layout(p["flat"]) or int(p["rows_per_warp"]) != 1:
             return 1
         if g < 32:
             return 32 // g
@@ -464,31 +494,31 @@ class CrcCwm(NvccTemplate):
             return 1
         return w
 
-    #: the most shared memory (bytes) the X stage of ``flat=2`` may take a block
+    #: the most shared memory (bytes) the X stage of a staged kernel (``flat`` 2 / 3) may take a block
     STAGE_SMEM = 96 * 1024
 
     @staticmethod
     def stage_bytes(params, vec: int, dtype: str) -> int:
-        """Shared memory (bytes) of one row group's X stage (``flat=2``; 0 otherwise): a chunk's
+        """Shared memory (bytes) of one row group's X stage (``flat`` 2 / 3; 0 otherwise): a chunk's
         (:func:`chunk_entries`) ``cf`` x ``group`` x ``vec`` elements of ``dtype`` per nonzero."""
         p = {**CrcCwm.absent_params, **params}
-        if int(p["flat"]) != 2:
+        if not staged(p["flat"]):
             return 0
-        return (chunk_entries(int(p["group"]), int(p["unroll"]), 2) * int(p["cf"]) * int(p["group"]) * int(vec)
+        return (chunk_entries(int(p["group"]), int(p["unroll"]), p["flat"]) * int(p["cf"]) * int(p["group"]) * int(vec)
                 * DTYPES[dtype].bytes)
 
     def validate(self, mod, params):
-        """As every template's, and: ``unroll`` 32 only with ``flat=2`` (it sets the chunk of
-        nonzeros staged; 32 rows in flight a lane do not fit in registers), its stage at most
-        ``STAGE_SMEM`` bytes a block."""
+        """As every template's, and: ``unroll`` 32 only with a staged kernel (``flat`` 2 / 3: it sets
+        the chunk of nonzeros staged; 32 rows in flight a lane do not fit in registers), its stage
+        at most ``STAGE_SMEM`` bytes a block."""
         super().validate(mod, params)
         p = {**self.absent_params, **params}
-        if int(p.get("unroll", 1)) == STAGED_UNROLL and int(p["flat"]) != 2:
-            raise ValueError(f"invalid {self.name} parameters: unroll={STAGED_UNROLL} needs flat=2 (the staged stream)")
+        if int(p.get("unroll", 1)) == STAGED_UNROLL and not staged(p["flat"]):
+            raise ValueError(f"invalid {self.name} parameters: unroll={STAGED_UNROLL} needs flat=2 or 3 (a staged kernel)")
         vec = _largest_vec(mod.op.K, int(p["vec"]))
         stage = 32 * int(p["warps_per_block"]) // int(p["group"]) * self.stage_bytes(p, vec, mod.op.dtype)
         if stage > self.STAGE_SMEM:
-            raise ValueError(f"invalid {self.name} parameters: flat=2 stages {stage} bytes of X a block, more than "
+            raise ValueError(f"invalid {self.name} parameters: flat={int(p['flat'])} stages {stage} bytes of X a block, more than "
                              f"{self.STAGE_SMEM} (fewer warps_per_block, a smaller cf or unroll)")
 
     @staticmethod
@@ -499,7 +529,7 @@ class CrcCwm(NvccTemplate):
 
     def pack(self, mod, params):
         p = {**self.absent_params, **params}
-        return pack_spmm(mod, int(p["max_seg"]), bool(int(p["flat"])), int(p["rows_per_warp"]), int(p["flat_nnz"]),
+        return pack_spmm(mod, int(p["max_seg"]), flat_layout(p["flat"]), int(p["rows_per_warp"]), int(p["flat_nnz"]),
                          self.warp_slices(p), int(p["warp_combine"]) == 2)
 
     def check_arrays(self, key, params, arrays, meta, values=None):
@@ -532,19 +562,19 @@ class CrcCwm(NvccTemplate):
         inst = meta.get("instances")
         if not (isinstance(inst, (list, tuple)) and inst and all(
                 isinstance(i, (list, tuple)) and len(i) == 2 and isinstance(i[1], (list, tuple)) and len(i[1]) >= 7
-                and isinstance(i[1][6], (int, np.integer)) and int(i[1][6]) in (0, 1, 2) for i in inst)):
+                and isinstance(i[1][6], (int, np.integer)) and int(i[1][6]) in (0, 1, 2, 3) for i in inst)):
             raise ValueError(f"kernel meta 'instances' must be SPC_SPMM_INSTANCE arguments, got {inst!r}")
         if len({int(i[1][6]) for i in inst}) != 1:
-            raise ValueError("kernel meta 'instances' mix the flat and the one-segment-after-another layouts")
+            raise ValueError("kernel meta 'instances' mix kernels of different flat values (segment layouts or staging)")
         W = 1
         if warp.any() or wrow.any():
             # warp-reduced slices fill all W row groups of one combine unit (one segment each: the
             # kernel's full-warp shuffles, or for 32-lane groups its block barriers, must find
             # every lane there), with one slot or one row
             W = self.warp_slices(params)
-            if W == 1 or int(inst[0][1][6]) or any(int(i[1][4]) != int(params["group"]) for i in inst):
+            if W == 1 or flat_layout(inst[0][1][6]) or any(int(i[1][4]) != int(params["group"]) for i in inst):
                 raise ValueError("array 'seg_slot' flags warp-reduced slices, which need warp_combine with "
-                                 "one-segment row groups (flat 0, rows_per_warp 1): narrower than a warp, "
+                                 "one-segment row groups (flat 0 or 3, rows_per_warp 1): narrower than a warp, "
                                  "or 32-lane groups of a block of at least two warps")
             fill = -raw_slot.size % W
             pad = np.concatenate([raw_slot, np.full(fill, -1, np.int64)]).reshape(-1, W)
@@ -567,9 +597,9 @@ class CrcCwm(NvccTemplate):
         if ngrp and not np.array_equal(np.bincount(slot_grp[seg_slot[split]], weights=lens[split],
                                                    minlength=ngrp).astype(np.int64), grp_len):
             raise ValueError("array 'grp_len' does not match the nonzeros of its split rows")
-        # the flat layout's row groups (FL = 1 instances follow grp_seg): non-empty runs covering
-        # every segment; the one-segment-after-another layout has none
-        if int(inst[0][1][6]):
+        # the flat layout's row groups (FL = 1 / 2 instances follow grp_seg): non-empty runs covering
+        # every segment; the one-segment-after-another layout (FL = 0 / 3) has none
+        if flat_layout(inst[0][1][6]):
             grp_seg = pointer_array(arrays, "grp_seg", seg_out.size)
             if np.any(np.diff(grp_seg) <= 0):
                 raise ValueError("array 'grp_seg' must rise strictly (every flat row group holds a segment)")
@@ -585,7 +615,7 @@ class CrcCwm(NvccTemplate):
 
     @staticmethod
     def instance_name(TN, R, CF, VEC, G, U, FL=0, MB=1, CQ=0) -> str:
-        return (f"spmm_crc_cwm_{_SHORT[TN]}_r{R}_cf{CF}_v{VEC}_g{G}_u{U}" + {0: "", 1: "_flat", 2: "_staged"}[int(FL)]
+        return (f"spmm_crc_cwm_{_SHORT[TN]}_r{R}_cf{CF}_v{VEC}_g{G}_u{U}" + {0: "", 1: "_flat", 2: "_staged", 3: "_seg_staged"}[int(FL)]
                 + (f"_mb{MB}" if MB > 1 else "") + (f"_cq{CQ}" if CQ else ""))
 
     def instance(self, reduce: str, cf: int, vec: int, group: int, unroll: int = 4, dtype: str = "float32",
