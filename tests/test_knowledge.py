@@ -887,12 +887,15 @@ def test_probe_leads():
     assert select.probe_leads(t, 3, 1.0) == ["a"]
     assert select.probe_leads({}, 2, 1.05) == []
     assert select.probe_leads(t) == ["a", "d"][:select.PROBE_LEADS]
-    # a key with no neighbours to measure (a template without probe variants) takes no lead's
-    # place: the next one within the margin does; the margin stays relative to the fastest of all
+    # a key with no neighbours to measure (a template without probe variants, a staged kernel)
+    # takes no lead's place, and the margin counts from the fastest key that has neighbours: one
+    # without that wins by more than the margin does not stop the second round
     has = lambda k: k != "a"                                                          # noqa: E731
     assert select.probe_leads(t, 2, 1.05, probed=has) == ["d", "b"]
     assert select.probe_leads(t, 2, 1.02, probed=has) == ["d"]
-    assert select.probe_leads({"a": 1.0, "c": 1.2}, 2, 1.05, probed=has) == []
+    assert select.probe_leads({"a": 1.0, "c": 1.2}, 2, 1.05, probed=has) == ["c"]
+    assert select.probe_leads({"a": 1.0, "c": 1.2, "e": 1.25}, 2, 1.05, probed=has) == ["c", "e"]
+    assert select.probe_leads({"a": 1.0}, 2, 1.05, probed=has) == []
 
 
 def test_second_round_lead_without_neighbours_takes_no_place(monkeypatch):
@@ -900,7 +903,9 @@ def test_second_round_lead_without_neighbours_takes_no_place(monkeypatch):
     no lead's place in the second round: with one lead, whichever of two near-equal candidates
     is faster, the neighbours measured are those of the one that has some (on the GPU a
     tensor-core reuse candidate 0.7% ahead of two csr.crc_cwm leads had halved the neighbours
-    measured on ss_bcsstk25_pattern at K=64).  With none that has neighbours, nothing is probed."""
+    measured on ss_bcsstk25_pattern at K=64).  One without neighbours that wins by far still
+    leaves the second round to the one with (the margin counts from it).  With none that has
+    neighbours, nothing is probed."""
     from spcompile.compile import default_config
     from spcompile.kernels import get_template
 
@@ -933,6 +938,11 @@ def test_second_round_lead_without_neighbours_takes_no_place(monkeypatch):
         _, info = select.quick_select(sop, "cpu", order, budget_s=5.0, vendor=False)
         probes = [r for r in info["candidates"] if r["source"] == "probe"]
         assert [(tuple(r["pipeline"]), r["params"]["parallel"]) for r in probes] == [((), True)]
+    # the bare one first by twice the margin: the rich one's neighbour is measured all the same
+    monkeypatch.setattr(select, "PROBE_MARGIN", 1.005)
+    _, info = select.quick_select(sop, "cpu", [(bare, None), (rich, None)], budget_s=5.0, vendor=False)
+    assert [r["source"] for r in info["candidates"]] == ["model", "model", "probe"]
+    assert info["candidates"][2]["params"]["parallel"] is True
     _, info = select.quick_select(sop, "cpu", [(bare, None)], budget_s=5.0, vendor=False)
     assert [r["source"] for r in info["candidates"]] == ["model"]
 

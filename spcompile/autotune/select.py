@@ -183,17 +183,21 @@ def _host_reference(op: SparseOp, host):
 def probe_leads(times: dict, leads: int | None = None, margin: float | None = None, probed=None) -> list:
     """The keys of ``times`` (``{key: seconds}``) whose neighbours the second round measures: up to
     ``leads`` (``PROBE_LEADS``) of those within ``margin`` (``PROBE_MARGIN``) of the fastest,
-    fastest first.  ``probed(key)``: whether the key has neighbours to measure; keys without
-    (a template with no ``probe_variants``) take no lead's place, so that a near-tie with one
-    of them does not halve the neighbours measured of the others (default: every key has)."""
+    fastest first.  ``probed(key)``: whether the key has neighbours to measure (default: every
+    key has).  Keys without (a template with no ``probe_variants``, a staged kernel) take no
+    lead's place, and the margin counts from the fastest key that has neighbours: a candidate
+    without any that wins the first round neither halves the neighbours measured of a near-tie
+    nor, by winning by more than the margin, stops the second round, whose neighbours may beat
+    it (H200, 16-bit X / Y at K=64: on fb100_mit8 staged segments led the first round by 17%,
+    and a neighbour of the first choice they kept from being measured was 19% faster than them)."""
     leads = PROBE_LEADS if leads is None else leads
     margin = PROBE_MARGIN if margin is None else margin
     order = sorted(times, key=lambda k: times[k])
+    if probed is not None:
+        order = [k for k in order if probed(k)]
     if not order:
         return []
     near = [k for k in order if times[k] <= margin * times[order[0]]]
-    if probed is not None:
-        near = [k for k in near if probed(k)]
     return near[:max(1, int(leads))]
 
 
