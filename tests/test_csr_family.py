@@ -639,8 +639,10 @@ def test_spmm_staged_rule():
 
 def test_spmm_segment_staged_rule():
     """Staged segments (flat=3) are a quick-selection variant of a one-row first choice (flat 0,
-    min_blocks 1) for 16-bit X / Y only, with its shape, hub combine and max_seg, and no capped
-    combine (the staged combine loads two partials at a time); not on top of launch bounds, a
+    min_blocks 1) for 16-bit X / Y only, with its shape and max_seg, hub rows' slices reduced
+    across the warp (whether the first choice had that combine or not: the shape measured), and
+    no capped combine (the staged combine loads two partials at a time); not on top of launch
+    bounds, a
     flat layout or a staged kernel.  The variant builds, names its instances and passes the
     artifact checks, its hub rows' slices reduced across the warp."""
     t = get_template("csr.crc_cwm")
@@ -651,11 +653,13 @@ def test_spmm_segment_staged_rule():
     A = sp.csr_matrix((rng.standard_normal(rows.size).astype(np.float32), (rows, rng.integers(0, m, rows.size))),
                       shape=(m, m))
     A.sum_duplicates()
-    first = {**t.heuristic(64, 700, 12.0, "float16"), "warp_combine": 1, "max_seg": 32, "combine_vals": 16,
-             "unroll": 2}
+    first = {**t.heuristic(64, 700, 12.0, "float16"), "max_seg": 32, "combine_vals": 16, "unroll": 2}
+    assert "warp_combine" not in first and t.SEG_STAGED["warp_combine"] == 1
     for dtype, want in (("float16", True), ("bfloat16", True), ("float32", False)):
-        got = [v for v in t.unranked_variants(first, make_op(A, "spmm", 64, dtype=dtype)) if v.get("flat") == 3]
-        assert got == ([{**{k: v for k, v in first.items() if k != "combine_vals"}, **t.SEG_STAGED}] if want else [])
+        for wc in ({}, {"warp_combine": 0}, {"warp_combine": 2}):
+            got = [v for v in t.unranked_variants({**first, **wc}, make_op(A, "spmm", 64, dtype=dtype))
+                   if v.get("flat") == 3]
+            assert got == ([{**{k: v for k, v in first.items() if k != "combine_vals"}, **t.SEG_STAGED}] if want else [])
     op = make_op(A, "spmm", 64, dtype="float16")
     for base in ({**first, "min_blocks": 8}, {**first, "flat": 1, "rows_per_warp": 4}, {**first, **t.SEG_STAGED},
                  {**first, **t.STAGED}):

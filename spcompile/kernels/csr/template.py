@@ -262,10 +262,12 @@ class CrcCwm(NvccTemplate):
     STAGED_MAX_MEAN, STAGED_TINY_SHARE = 4.0, 0.5
     #: staged segments (``flat=3``) as quick selection measures them for 16-bit X / Y: the first
     #: choice's one-row groups with each chunk of 8 nonzeros' X slices staged, launch bounds of 4
-    #: blocks (of the 6 shapes swept on the H200 at K=64, the best on the 4 of 14 graphs where
-    #: any won, by 1.09-1.14x; no shape won in fp32: section 18 of
-    #: ``docs/benchmarks/h100_crc_cwm_experiments.md``)
-    SEG_STAGED = {"flat": 3, "unroll": 8, "min_blocks": 4}
+    #: blocks, hub rows' slices reduced across the warp (of the 6 shapes swept on the H200 at
+    #: K=64, all with that combine, the best on the 4 of 14 graphs where any won, by
+    #: 1.09-1.14x; quick selection's measurement without the combine, on first choices that had
+    #: none, was 1.16x / 1.26x slower on snap_sx_askubuntu / snap_email_enron; no shape won in
+    #: fp32: section 18 of ``docs/benchmarks/h100_crc_cwm_experiments.md``)
+    SEG_STAGED = {"flat": 3, "unroll": 8, "min_blocks": 4, "warp_combine": 1}
 
     @classmethod
     def tiny_rows(cls, lens: np.ndarray) -> bool:
