@@ -242,6 +242,21 @@ __device__ __forceinline__ const pack_t<T, VEC>* stage_chunk(int* smem, const in
   copy_async_wait_all();
   return stage;
 }
+// FL = 2 / 3: acc op= a * x for entry e of a staged chunk, its CF slices read back from the lane's
+// part of the stage (stage_chunk)
+template <typename T, int R, int CF, int VEC, int G>
+__device__ __forceinline__ void accumulate_staged(float (&acc)[CF][VEC], const float a, const pack_t<T, VEC>* stage,
+                                                  const int e, const int K, const int col_base, const int lane) {
+#pragma unroll
+  for (int c = 0; c < CF; ++c) {
+    const int col = col_base + c * G * VEC;
+    if (col < K) {
+      const pack_t<T, VEC> x = stage[(e * CF + c) * G + lane];
+#pragma unroll
+      for (int v = 0; v < VEC; ++v) acc[c][v] = red_op<R>(acc[c][v], a * to_f(x.e[v]));
+    }
+  }
+}
 template <typename T, int R, int CF, int VEC, int G, int U, int FL, int CQ = 0>
 __device__ __forceinline__ void spmm_crc_cwm(
     const int* __restrict__ seg_ptr, const int* __restrict__ seg_out, const int* __restrict__ seg_slot,
@@ -438,16 +453,7 @@ __device__ __forceinline__ void spmm_crc_cwm(
 #pragma unroll 1
         for (int e = 0; e < n; ++e) {
           reach(base + e);
-          const float a = s_val[e];
-#pragma unroll
-          for (int c = 0; c < CF; ++c) {
-            const int col = col_base + c * G * VEC;
-            if (col < K) {
-              const PK x = stage[(e * CF + c) * G + lane];
-#pragma unroll
-              for (int v = 0; v < VEC; ++v) acc[c][v] = red_op<R>(acc[c][v], a * to_f(x.e[v]));
-            }
-          }
+          accumulate_staged<T, R, CF, VEC, G>(acc, s_val[e], stage, e, K, col_base, lane);
         }
       } else {
         for (int e0 = 0; e0 < n; e0 += U) {
@@ -487,18 +493,7 @@ __device__ __forceinline__ void spmm_crc_cwm(
           typedef pack_t<T, VEC> PK;
           const PK* stage = stage_chunk<T, CF, VEC, G, CH>(smem, groups_per_block, gib, X, s_idx, n, K, col_base, lane);
 #pragma unroll 4
-          for (int e = 0; e < n; ++e) {
-            const float a = s_val[e];
-#pragma unroll
-            for (int c = 0; c < CF; ++c) {
-              const int col = col_base + c * G * VEC;
-              if (col < K) {
-                const PK x = stage[(e * CF + c) * G + lane];
-#pragma unroll
-                for (int v = 0; v < VEC; ++v) acc[c][v] = red_op<R>(acc[c][v], a * to_f(x.e[v]));
-              }
-            }
-          }
+          for (int e = 0; e < n; ++e) accumulate_staged<T, R, CF, VEC, G>(acc, s_val[e], stage, e, K, col_base, lane);
         } else {
           for (int e0 = 0; e0 < n; e0 += U) {          // U loads in flight, accumulated in nonzero order
             pack_t<T, VEC> xv[U][CF];
