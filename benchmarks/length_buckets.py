@@ -1,0 +1,247 @@
+"""Rows grouped by length: a prototype SpMM for graphs of short rows, timed next to ``build()``.
+
+The fp32 modules furthest from the floor (meshes, batches of molecules) run rows of 1-4 nonzeros
+through ``csr.crc_cwm``, whose every row is a chain of three dependent loads (row pointers,
+column ids, X rows) and a segment's bookkeeping (Nsight Compute on the H200: 37 warp
+instructions a nonzero on dimacs10_wing at K=64, about 60% of the issue slots busy).  This script
+measures a kernel without either: the rows are ordered by length (as ``reorder.degree`` does) and
+cut into buckets of rows of one length L, so a row's nonzeros start at ``bucket start + i * L``
+and no row pointer is read; one row a group of G lanes, its L column ids and values read by the
+group's lanes at once (one coalesced load), then its L X rows loaded (up to U in flight a lane)
+and summed in nonzero order; the output row is written once.  Only graphs whose rows hold at
+most ``LMAX`` nonzeros (no split rows) are measured.
+
+For every graph and K it reports cuSPARSE, the ``default`` module of a committed benchmark table
+rebuilt through the product's ``build_from_config`` and this kernel's shapes, every result checked
+against the float64 reference on NaN-poisoned outputs before it is timed by the product's Timer
+rule (CUDA-graph replay between events, median; three input sets).
+
+    python benchmarks/length_buckets.py GRAPH ... --table docs/benchmarks/h200_spmm_fp32_default_big_v3.json
+        [--K 64 128] [--dtype float32|float16] [--out DIR] [--name NAME] [--build-only]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import bench  # noqa: E402
+import common  # noqa: E402
+
+#: rows longer than this are not handled by the prototype
+LMAX = 64
+
+SOURCE = r"""
+// LB_TB: bytes of an element of X / Y (4: float, 2: half, as raw 16-bit words converted by cvt)
+__device__ __forceinline__ float h2f(unsigned h) {
+    float f; unsigned short s = (unsigned short)h; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(s)); return f;
+}
+__device__ __forceinline__ unsigned f2h(float x) { unsigned short s; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(s) : "f"(x)); return s; }
+template <int TB> __device__ __forceinline__ float elem(const uint4& w, int v) {
+    const unsigned q = v / (4 / TB) == 0 ? w.x : v / (4 / TB) == 1 ? w.y : v / (4 / TB) == 2 ? w.z : w.w;
+    if (TB == 4) return __uint_as_float(q);
+    return h2f((v & 1) ? (q >> 16) : (q & 0xffffu));
+}
+template <int TB> __device__ __forceinline__ uint4 pack(const float* f) {
+    unsigned q[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) q[k] = TB == 4 ? __float_as_uint(f[k]) : (f2h(f[2 * k]) | (f2h(f[2 * k + 1]) << 16));
+    return make_uint4(q[0], q[1], q[2], q[3]);
+}
+
+extern "C" __global__ void __launch_bounds__(256, LB_MB) length_buckets(
+    const int* __restrict__ b_row, const int* __restrict__ b_nnz, const int* __restrict__ b_len, int nb,
+    const int* __restrict__ rows, const int* __restrict__ cols, const float* __restrict__ vals,
+    const uint4* __restrict__ X, uint4* __restrict__ Y, int nrows, int K)
+{
+    constexpr int G = LB_G, U = LB_U, CF = LB_CF;
+    constexpr int EPW = 16 / LB_TB;                  // elements a 16-byte word
+    __shared__ int s_row[LB_LMAX + 2], s_nnz[LB_LMAX + 2], s_len[LB_LMAX + 2];
+    for (int t = threadIdx.x; t <= nb; t += blockDim.x) { s_row[t] = b_row[t]; s_nnz[t] = t < nb ? b_nnz[t] : 0; s_len[t] = t < nb ? b_len[t] : 0; }
+    __syncthreads();
+    const int lane = threadIdx.x % G;
+    const int gl = (threadIdx.x % 32) / G * G;
+    const unsigned gmask = (G == 32) ? 0xffffffffu : (((1u << G) - 1u) << gl);
+    const int i = (blockIdx.x * blockDim.x + threadIdx.x) / G;
+    if (i >= nrows) return;
+    int b = 0, hi = nb - 1;                          // the last bucket starting at or before row i
+    while (b < hi) {
+        const int mid = (b + hi + 1) >> 1;
+        if (s_row[mid] <= i) b = mid; else hi = mid - 1;
+    }
+    const int L = s_len[b];
+    const int p0 = s_nnz[b] + (i - s_row[b]) * L;
+    const int out = rows[i];
+    const int W16 = K / EPW;                         // 16-byte words of a row of X / Y
+    float acc[CF][EPW];
+#pragma unroll
+    for (int c = 0; c < CF; ++c)
+#pragma unroll
+        for (int v = 0; v < EPW; ++v) acc[c][v] = 0.0f;
+    for (int base = 0; base < L; base += G) {
+        const int n = min(G, L - base);
+        const int mc = lane < n ? cols[p0 + base + lane] : 0;
+        const float mv = lane < n ? vals[p0 + base + lane] : 0.0f;
+        for (int j0 = 0; j0 < n; j0 += U) {
+            uint4 xv[U][CF];
+            float a[U];
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const int cj = __shfl_sync(gmask, mc, gl + ((j0 + u) & (G - 1)));
+                a[u] = __shfl_sync(gmask, mv, gl + ((j0 + u) & (G - 1)));
+#pragma unroll
+                for (int c = 0; c < CF; ++c) {
+                    const int w = lane + c * G;
+                    if (j0 + u < n && w < W16) xv[u][c] = __ldg(X + (size_t)cj * W16 + w);
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                if (j0 + u < n) {
+#pragma unroll
+                    for (int c = 0; c < CF; ++c)
+#pragma unroll
+                        for (int v = 0; v < EPW; ++v) acc[c][v] += a[u] * elem<LB_TB>(xv[u][c], v);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int c = 0; c < CF; ++c) {
+        const int w = lane + c * G;
+        if (w < W16) Y[(size_t)out * W16 + w] = pack<LB_TB>(acc[c]);
+    }
+}
+"""
+
+
+def bucket_rows(A) -> dict:
+    """The prototype's arrays: rows ordered by length (descending, stable), cut into buckets of
+    one length; ``rows`` the output row of each, ``cols`` / ``vals`` their nonzeros in that order,
+    ``b_row`` / ``b_nnz`` / ``b_len`` each bucket's first row (one more: the end), first nonzero
+    and length.  Vectorised."""
+    A = A.tocsr()
+    A.sort_indices()
+    lens = np.diff(A.indptr).astype(np.int64)
+    if lens.size and lens.max() > LMAX:
+        raise ValueError(f"a row of {lens.max()} nonzeros: the prototype handles at most {LMAX}")
+    order = np.argsort(-lens, kind="stable")
+    ol = lens[order]
+    starts = A.indptr[:-1][order].astype(np.int64)
+    idx = np.repeat(starts - np.concatenate([[0], np.cumsum(ol)[:-1]]), ol) + np.arange(int(ol.sum()))
+    edges = np.flatnonzero(np.diff(ol)) + 1
+    b_row = np.concatenate([[0], edges, [ol.size]]).astype(np.int32)
+    b_len = ol[b_row[:-1]].astype(np.int32)
+    b_nnz = np.concatenate([[0], np.cumsum(ol)])[b_row[:-1]].astype(np.int32)
+    return {"rows": order.astype(np.int32), "cols": A.indices[idx].astype(np.int32),
+            "vals": A.data[idx].astype(np.float32), "b_row": b_row, "b_nnz": b_nnz, "b_len": b_len}
+
+
+def shapes(K: int, eb: int) -> list[dict]:
+    """(G, CF, U, MB) shapes tried: one 16-byte word a lane over the row (G = words, at most 32),
+    or half the lanes with two words each; U 2 / 4 / 8; launch bounds of 1 / 4 / 8 blocks."""
+    words = K * eb // 16
+    out = []
+    for G, CF in ((min(32, words), max(1, words // 32)), (max(4, min(32, words) // 2), max(1, words // 32) * 2)):
+        if G * CF < words or G & (G - 1):
+            continue
+        for U in (2, 4, 8):
+            for MB in (1, 4, 8):
+                out.append({"G": G, "CF": CF, "U": U, "MB": MB})
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("graphs", nargs="+")
+    ap.add_argument("--table", action="append", required=True, help="bench.py JSON whose 'default' module is timed beside")
+    ap.add_argument("--K", type=int, nargs="+", default=[64, 128])
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--build-only", action="store_true")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    ap.add_argument("--name", default="length_buckets")
+    a = ap.parse_args(argv)
+    from spcompile.core import numerics
+    from spcompile.core.config import Config
+
+    cfgs = {}
+    for t in a.table:
+        for r in json.load(open(t))["rows"]:
+            c = r["columns"].get("default", {}).get("config")
+            if c:
+                cfgs[(r["graph"], int(r["K"]))] = c
+    eb = {"float32": 4, "float16": 2}[a.dtype]
+    timer = None
+    if not a.build_only:
+        import cupy as cp
+        import torch
+
+        from spcompile.autotune.measure import Timer
+        from spcompile.runtime.cuda import _stream
+
+        timer = Timer("cuda")
+    out = []
+    for name, path, _ in common.find_graphs(a.graphs):
+        A = common.load_matrix(path)
+        try:
+            arr = bucket_rows(A)
+        except ValueError as e:
+            print(f"{name}: {e}", flush=True)
+            continue
+        for K in a.K:
+            cfg = cfgs.get((name, K))
+            if a.build_only:
+                if cfg:
+                    bench.build_from_config(bench.make_op(A, "spmm", K, "sum", a.dtype), Config.from_dict(cfg))
+                print(f"{name} K={K}: built", flush=True)
+                continue
+            w = bench.Workload(A, "spmm", "sum", K, a.dtype, "cuda")
+            res = {"graph": name, "nnz": int(A.nnz), "m": int(A.shape[0]), "K": K, "dtype": a.dtype,
+                   "buckets": int(arr["b_len"].size), "cells": []}
+            res["baseline_us"] = timer.time(bench.col_baseline(w).call, n_sets=w.n_sets).seconds * 1e6
+            if cfg:
+                res["default"] = {"config": cfg, **bench.time_config(w, Config.from_dict(cfg), timer)}
+            dev = {k: cp.asarray(v) for k, v in arr.items()}
+            ins, outs = w.io()
+            X = [cp.asarray(x[0]) for x in ins]
+            Y = [cp.asarray(y) for y in outs]
+            for s in shapes(K, eb):
+                opts = (f"-DLB_LMAX={LMAX}", f"-DLB_TB={eb}", f"-DLB_G={s['G']}", f"-DLB_U={s['U']}", f"-DLB_CF={s['CF']}", f"-DLB_MB={s['MB']}")
+                kern = cp.RawKernel(SOURCE, "length_buckets", options=opts)
+                nrows = int(arr["rows"].size)
+                grid = (-(-nrows * s["G"] // 256),)
+                args = [(dev["b_row"], dev["b_nnz"], dev["b_len"], np.int32(arr["b_len"].size), dev["rows"], dev["cols"],
+                         dev["vals"], X[i], Y[i], np.int32(nrows), np.int32(K)) for i in range(len(X))]
+
+                def call(i, kern=kern, args=args, grid=grid):
+                    kern(grid, (256,), args[i], stream=_stream(torch.cuda.current_stream().cuda_stream))
+                    return outs[i]
+
+                err = w.check(call)
+                tol = numerics.result_tolerance("fp32", a.dtype)
+                cell = {**s, "regs": int(kern.num_regs), "rel_err": err}
+                cell["us"] = timer.time(call, n_sets=w.n_sets).seconds * 1e6 if err <= tol else None
+                res["cells"].append(cell)
+            best = min((c for c in res["cells"] if c["us"]), key=lambda c: c["us"], default=None)
+            d = res.get("default", {}).get("us")
+            print(f"{name:24s} K={K:3d} cuSPARSE {res['baseline_us']:7.1f} default {d or float('nan'):7.1f} "
+                  f"buckets {best['us'] if best else float('nan'):7.1f} {best}", flush=True)
+            for c in res["cells"]:
+                print(f"    {c['us'] or float('nan'):7.1f} G={c['G']} CF={c['CF']} U={c['U']} MB={c['MB']} regs={c['regs']} "
+                      f"err={c['rel_err']:.2g}", flush=True)
+            out.append(res)
+            w.release()
+            os.makedirs(a.out, exist_ok=True)
+            common.write_json(os.path.join(a.out, a.name + ".json"),
+                              {"command": "benchmarks/length_buckets.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                               "rows": out})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
