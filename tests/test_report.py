@@ -113,3 +113,24 @@ def test_report_errors_are_clear(tmp_path):
         report.render(bench=[str(sweep)], include_db=False)
     with pytest.raises(FileNotFoundError, match="no tuning database"):
         report.render(storage=str(tmp_path / "absent.db"))
+
+
+def test_report_shows_speedups_over_the_fp32_baseline_of_a_16_bit_table(tmp_path):
+    # a 16-bit table whose vendor library has no 16-bit kernel (SDDMM): its only speed-ups are
+    # over the fp32 baseline, and the report shows them (summary rows and per-graph plots)
+    rows = [{"graph": g, "nnz": nnz, "K": 64, "m": 10, "n": 10, "speedup_over": "default", "speedup": {},
+             "speedup_vs_fp32": {"default": x},
+             "columns": {"baseline": {"status": "unsupported"}, "baseline_fp32": {"status": "ok", "seconds": 1e-4},
+                         "default": {"status": "ok", "seconds": 1e-4 / x, "build_s": 0.5}}}
+            for g, nnz, x in (("g_a", 300000, 4.0), ("g_b", 600000, 3.25))]
+    doc = {"schema": "spcompile-bench/1", "name": "sddmm_float16", "command": "bench.py --op sddmm --dtype float16",
+           "settings": {"op": "sddmm", "dtype": "float16", "columns": ["baseline", "default"]}, "rows": rows,
+           "summary": {"64": {"speedup_vs_fp32": {"default": {"graphs": 2, "geomean": 3.61, "graphs_over_200k": 2,
+                                                              "geomean_over_200k": 3.61, "below_1x": 0,
+                                                              "worst": {"graph": "g_b", "speedup": 3.25}}}}}}
+    path = tmp_path / "b16.json"
+    path.write_text(json.dumps(doc))
+    page = report.bench_section(str(path))
+    assert "baseline_fp32" in page and "3.61x" in page and "3.25x (g_b)" in page
+    pngs = _pngs(page)
+    assert len(pngs) == 2                     # the speed-ups over fp32 (no empty plot over the 16-bit one) + wall time
