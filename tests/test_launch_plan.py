@@ -54,6 +54,17 @@ def test_signatures_from_definitions_and_macros():
         rt.kernel_signature(bad, "k")
 
 
+def test_signatures_of_sources_with_many_instance_lines():
+    # every line needs several expansions (INST -> ELEM x 2): the bound on rescans holds per line,
+    # so a source of many instances still gives each kernel's signature (named or token-pasted)
+    many = SRC + "\n".join(f"INST(k{i}, {i % 2}, 4)" for i in range(40)) + "\n"
+    assert rt.kernel_signature(many, "k39").names == ("rows", "X", "Y", "n", "K")
+    assert rt.kernel_signature(many, "k17_aux").names == ("rows", "n")
+    loop = "#define SELF(a) SELF(a)\nSELF(x)\n"
+    with pytest.raises(ValueError, match="does not end"):
+        rt.kernel_signature(loop, "x")
+
+
 def _plan(**kw):
     sig = rt.kernel_signature(SRC, "plain")
     args = dict(bound={"x": 0x7F0000001000, "n": -5, "flags": 2**32 - 1, "big": -(2**40), "alpha": 0.5,

@@ -357,7 +357,10 @@ def kernel_signature(source: str, name: str) -> KernelSignature:
         macros = _macros(src)
         lines = [ln for ln in src.splitlines() if re.match(r"\s*([A-Za-z_]\w*)\s*\(", ln)
                  and re.match(r"\s*([A-Za-z_]\w*)", ln).group(1) in macros]
-        text = _expand("\n".join(lines), macros)
+        # the instance line that names the kernel, where one does (each line is expanded on its
+        # own: the expansion's bound on rescans is per line, whatever the number of instances)
+        named = [ln for ln in lines if re.search(r"\b" + re.escape(name) + r"\b", ln)]
+        text = "\n".join(_expand(ln, macros) for ln in (named or lines))
         m = entry.search(text)
     if m is None:
         raise ValueError(f"no extern \"C\" __global__ signature of kernel {name!r} in the source")
