@@ -74,6 +74,8 @@ def param_sets(tpl, mod):
     elif tpl.name == "csr.sddmm":
         sets.append({**tpl.default_params(mod), "k_chunks": 1, "group": 4})   # multi-tile path
         sets.append({**tpl.default_params(mod), "vec": 1, "k_chunks": 8, "group": 32})
+        sets.append({**tpl.default_params(mod), "k_chunks": 1, "group": 4, "unroll": 4})     # multi-tile, batched
+        sets.append({**tpl.default_params(mod), "k_chunks": 1, "group": 8, "flat": 1, "unroll": 2})
     return unique_params(sets)
 
 
@@ -205,7 +207,8 @@ def half_param_sets(tpl, mod):
                 {**d, "group": 8, "cf": 2, "vec": 2, "max_seg": 32, "unroll": 4},
                 {**d, "group": 32, "cf": 4, "vec": 4, "max_seg": 8, "unroll": 2, "rows_per_warp": 2}]
     elif tpl.name == "csr.sddmm":
-        sets = [d, {**d, "vec": 8, "group": 4, "k_chunks": 1}, {**d, "vec": 1, "k_chunks": 4, "group": 32}]
+        sets = [d, {**d, "vec": 8, "group": 4, "k_chunks": 1}, {**d, "vec": 1, "k_chunks": 4, "group": 32},
+                {**d, "unroll": 4}, {**d, "vec": 8, "group": 4, "k_chunks": 2, "flat": 1, "unroll": 2}]
     else:
         sets = [d]
     return unique_params(sets)

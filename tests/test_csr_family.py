@@ -87,7 +87,7 @@ def test_sddmm_emulation_matches_reference(pipe, flat):
             k = t.build(mod, {**t.default_params(mod), "nnz_per_warp": npw, "group": group, "vec": vec,
                               "k_chunks": xc, "flat": flat}, compile=False)
             a = k.arrays
-            assert all(int(i[1][-1]) == flat for i in k.meta["instances"])
+            assert all(int(i[1][4]) == flat for i in k.meta["instances"])
             assert (a["nnz_row"].size, a["seg_xrow"].size == 0) == ((A.nnz, True) if flat else (0, A.nnz == 0))
             if flat:   # plain runs of npw stored entries, whatever the rows
                 assert np.array_equal(a["seg_ptr"], np.append(np.arange(0, A.nnz, npw), A.nnz) if A.nnz else [0])
@@ -184,6 +184,47 @@ def test_sddmm_check_arrays_both_layouts():
     refused(k0, "'flat'", params={**k0.params, "flat": "yes"})
     refused(k0, "seg_ptr|seg_xrow", params={**k0.params, "flat": 1}, meta={"instances": k1.meta["instances"]})
 
+
+def test_sddmm_entries_in_flight():
+    """csr.sddmm ``unroll``: U entries a group in flight.  Instances ``_u<U>`` through
+    SPC_SDDMM_INSTANCE_U (U last); 1 (absent in saved configs) keeps the one-entry kernel and its
+    names; quick selection's variants of a first choice: it and its flat layout batched (4 entries
+    where an entry is one 16-byte load a lane, else 2), none on top of a batched choice; the
+    emulation (the sums do not depend on U) and the artifact check accept them."""
+    A = random_matrix(80, 60, density=0.08, seed=6)
+    t = get_template("csr.sddmm")
+    mod = _mod(A, "sddmm", 64)
+    d = {**t.default_params(mod), "group": 16, "vec": 4, "k_chunks": 1}
+    k = t.build(mod, {**d, "unroll": 4}, compile=False)
+    assert k.meta["instances"][0] == ["sddmm_csr_f32_g16_v4_xc1_u4", [0, 16, 4, 1, 0, 4]]
+    assert k.meta["instances"][1][0] == "sddmm_csr_f32_g16_v1_xc1_u4"                   # VEC = 1 fallback
+    assert t.instance_macro_of("sddmm_csr_f32_g16_v4_xc1_u4") == "SPC_SDDMM_INSTANCE_U"
+    assert t.instance_macro_of("sddmm_csr_f32_g16_v4_xc1_flat") == "SPC_SDDMM_INSTANCE"
+    src = t.render(t.instances(16, 4, 1, "float32", 1, 2))
+    assert "SPC_SDDMM_INSTANCE_U(sddmm_csr_f32_g16_v4_xc1_flat_u2, 0, 16, 4, 1, 1, 2)" in src
+    assert t.build(mod, d, compile=False).meta["instances"][0] == ["sddmm_csr_f32_g16_v4_xc1", [0, 16, 4, 1, 0]]
+    with pytest.raises(ValueError, match="unroll"):
+        t.build(mod, {**d, "unroll": 3}, compile=False)
+    op = make_op(A, "sddmm", 64)
+    assert t.entries_in_flight(d) == 4 and t.entries_in_flight({**d, "k_chunks": 2}) == 2
+    assert t.entries_in_flight({**d, "vec": 8}, "float16") == 4 and t.entries_in_flight({**d, "vec": 8}) == 2
+    assert t.unranked_variants(d, op) == [{**d, "unroll": 4}, {**d, "flat": 1, "nnz_per_warp": 32},
+                                          {**d, "flat": 1, "nnz_per_warp": 32, "unroll": 4}]
+    f = {**d, "k_chunks": 2, "flat": 1}
+    assert t.unranked_variants(f, op) == [{**f, "unroll": 2}]
+    assert t.unranked_variants({**d, "unroll": 2}, op) == []
+    assert {p.get("unroll", 1) for p in t.seed_params(mod)} == {1, 4}
+    X = np.random.default_rng(1).standard_normal((80, 64)).astype(np.float32)
+    Y = np.random.default_rng(2).standard_normal((60, 64)).astype(np.float32)
+    ref = reference.sddmm(as_csr(A), X, Y)
+    key = op.key()
+    for p in ({**d, "unroll": 4}, {**d, "flat": 1, "unroll": 2}):
+        kk = t.build(mod, p, compile=False)
+        _close(em.emulate_kernel(kk, X, Y), ref)
+        t.check_arrays(key, kk.params, kk.arrays, kk.meta)
+        bad = [[n, a[:5] + [3]] for n, a in kk.meta["instances"]]
+        with pytest.raises(ValueError, match="instances"):
+            t.check_arrays(key, kk.params, kk.arrays, {**kk.meta, "instances": bad})
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_16bit_emulation_within_dtype_tolerance(dtype):
@@ -395,9 +436,10 @@ RENDER_SHA256 = {
     ("csr.crc_cwm", ("sum", 1, 8, 8, 8, "float16", 0, 1, 16)): "d24bfebc1816ab6b36db6c91b7388bf0520368416284d082544ab05702b6131a",
     ("csr.crc_cwm", ('sum', 1, 8, 8, 16, 'float16')): "4e35afa2f7e0fff12efcbb075b277bfd4427be2c99a3cbea5e3f50c4d117dd75",
     ("csr.crc_cwm", ("sum", 1, 4, 16, 8, "float32", 2, 4)): "b27ce0ebed38c491d0ac68b77e91d75eed200761255a2a9ac9e576f98c6a305f",
-    ("csr.sddmm", (32, 4, 4, "float32")): "51a4d13079f8fec170194599cae6e7d294e5178dd72e3a27a41d515fc1df0431",
-    ("csr.sddmm", (8, 2, 2, "float16")): "b7ffe729baddfe3fae189b1cfe8b22e89a946dc2016342dbde43ba2f7cc619c1",
-    ("csr.sddmm", (16, 8, 1, "bfloat16", 1)): "2b4f832bd22e7d7165e7c519a50b9c9d583b2553b8b366cdcf4cb79bcdc4da31",
+    ("csr.sddmm", (32, 4, 4, "float32")): "3f6caa4f4d3928d191918a894c7537146bcc28ed78a9ec65e986fbbc6bbf7fda",
+    ("csr.sddmm", (8, 2, 2, "float16")): "fba4895bb6faad9f8126d643d648642f26d72e1e049d1cc47cc086fa066be35c",
+    ("csr.sddmm", (16, 8, 1, "bfloat16", 1)): "ea2c2d8272949912608fe567554b7a0bade091ffb28ce524be31eca5153832bb",
+    ("csr.sddmm", (16, 4, 1, "float32", 0, 4)): "6d7fda4bc8b7c0198c3cf9b46501017a72d9221c6a6dbf78e5b42def51980294",
 }
 
 

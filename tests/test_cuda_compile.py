@@ -68,6 +68,12 @@ def _sddmm_instances():
         inst.update(t.instances(g, 4, 2, "float32", 1))
         inst.update(t.instances(g, 8, 1, "float16", 1))
         inst.update(t.instances(g, 2, 4, "bfloat16", 1))
+        # several entries in flight a group (unroll 2 / 4): one-row and flat segments, one and
+        # several tiles, every element type
+        inst.update(t.instances(g, 4, 1, "float32", 0, 4))
+        inst.update(t.instances(g, 4, 4, "float32", 1, 2))
+        inst.update(t.instances(g, 8, 2, "float16", 0, 2))
+        inst.update(t.instances(g, 8, 1, "bfloat16", 1, 4))
     return t, sorted(inst)
 
 
@@ -180,7 +186,8 @@ def _ptx_entries(ptx: str) -> dict[str, list[int]]:
 
 @pytest.mark.parametrize("name,instances", [
     ("csr.crc_cwm", [("sum", 2, 4, 32, 2, "float32"), ("mean", 1, 8, 8, 4, "bfloat16")]),
-    ("csr.sddmm", [(8, 4, 2, "float32"), (16, 8, 1, "float16"), (32, 1, 4, "bfloat16", 1)]),   # last: FLAT = 1
+    ("csr.sddmm", [(8, 4, 2, "float32"), (16, 8, 1, "float16"), (32, 1, 4, "bfloat16", 1),   # last: FLAT = 1
+                   (8, 4, 1, "float32", 0, 4), (16, 8, 1, "float16", 1, 2)]),                 # unroll 4 / 2
     ("sptc.vnm", [("fp16", 4, "float32")]),
     ("csr.window", [("sum", 4, 2, 2, "float32"), ("max", 8, 8, 1, "bfloat16"), ("mean", 2, 1, 2, "float16")]),
     ("aspt.tiled", [(4, 2, 1, "sum", "tasks"), (2, 1, 1, "max", "panel", 2)]),

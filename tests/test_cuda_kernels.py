@@ -130,7 +130,8 @@ def test_tune_16bit_workload(tmp_path, dtype):
 @pytest.mark.parametrize("K", [1, 33, 128])
 def test_flat_sddmm_spans_rows(dtype, tol, K):
     """csr.sddmm with nonzero-parallel segments (flat=1) behind a row reordering: segments cross
-    empty rows and a 1999-entry row; every output written (NaN-poisoned), float64 reference."""
+    empty rows and a 1999-entry row, with one or several entries in flight a group (unroll); every
+    output written (NaN-poisoned), float64 reference."""
     import scipy.sparse as sp
     import torch
 
@@ -148,7 +149,8 @@ def test_flat_sddmm_spans_rows(dtype, tol, K):
     Y = torch.randn(2000, K, device="cuda").to(tdt)
     ref = reference.run("sddmm", None, make_op(A, "sddmm", K).A, X.double().cpu().numpy(), Y.double().cpu().numpy())
     for p in ({"group": 8, "k_chunks": 2, "nnz_per_warp": 32}, {"group": 16, "k_chunks": 1, "nnz_per_warp": 128},
-              {"group": 32, "k_chunks": 1, "nnz_per_warp": 7}):
+              {"group": 32, "k_chunks": 1, "nnz_per_warp": 7}, {"group": 8, "k_chunks": 1, "nnz_per_warp": 32, "unroll": 4},
+              {"group": 16, "k_chunks": 2, "nnz_per_warp": 128, "unroll": 2}):
         mod = spcompile.build(A, "sddmm", K, target="cuda", dtype=dtype, template="csr.sddmm",
                               params={"vec": 4, "warps_per_block": 4, "flat": 1, **p}, pipeline=["reorder.degree"])
         out = torch.full((A.nnz,), float("nan"), device="cuda", dtype=tdt)

@@ -456,20 +456,23 @@ def test_call_values_builds_only_templates_that_read_values_per_call(no_tuning_d
 
 
 def test_build_offers_the_flat_sddmm_variant_of_the_models_choice(monkeypatch, no_tuning_db):
-    """The shipped SDDMM portfolio measured one-row segments only; quick selection measures the
-    model's first csr.sddmm choice again with nonzero-parallel (flat) segments, under its own
-    label, beside the model's ranking (which has no flat config)."""
+    """The shipped SDDMM portfolio measured one-row segments of one entry in flight a group only;
+    quick selection measures the model's first csr.sddmm choice again with several entries in
+    flight (unroll), with nonzero-parallel (flat) segments and with both, under its own label,
+    beside the model's ranking (which has neither)."""
     A, seen, decide_held_out = _recorded_quick_selection(monkeypatch, "cora")
     cfg, info, mod = decide_held_out("sddmm", 64)
-    variants = [(src, c) for src, c, _ in seen["extra"] if src == "model (variant)"]
-    assert len(variants) == 1
+    variants = [c for src, c, _ in seen["extra"] if src == "model (variant)"]
+    assert len(variants) == 3
     first = next(r for r, _ in seen["ranked"] if r.template == "csr.sddmm")
-    v = variants[0][1]
-    assert v.template == "csr.sddmm" and v.params["flat"] == 1 and v.params["nnz_per_warp"] == 32
-    assert v.pipeline == first.pipeline
-    assert {k: x for k, x in v.params.items() if k not in ("flat", "nnz_per_warp")} == \
-        {k: x for k, x in first.params.items() if k not in ("flat", "nnz_per_warp")}
-    assert all(not r.params.get("flat") for r, _ in seen["ranked"] if r.template == "csr.sddmm")
+    assert all(v.template == "csr.sddmm" and v.pipeline == first.pipeline for v in variants)
+    from spcompile.kernels import get_template
+
+    u = get_template("csr.sddmm").entries_in_flight(first.params)
+    flat = {**dict(first.params), "flat": 1, "nnz_per_warp": 32}
+    assert [dict(v.params) for v in variants] == [{**dict(first.params), "unroll": u}, flat, {**flat, "unroll": u}]
+    assert all(not r.params.get("flat") and r.params.get("unroll", 1) == 1
+               for r, _ in seen["ranked"] if r.template == "csr.sddmm")
     # a SpMM decision on cora (rows of 3.9 entries on average, up to 168) offers csr.crc_cwm's
     # full-occupancy variant of the model's choice and its staged stream (tiny rows), no flat=1
     # one (a row longer than 32)
@@ -542,7 +545,7 @@ def test_locality_order_variants_on_sparse_rows():
     none = sdd.make_config({**p, "nnz_per_warp": 8}, kn._PIPES["none"], "cuda")
     got = kn.locality_order_variants([(deg, 1.2), (none, 1.1)], "cuda", "float32", op)
     assert [dict(c.params) for c in got] == [p] + sdd.unranked_variants(p, op)
-    assert len(got) == 2 and all(list(c.pipeline) == list(kn._PIPES["rcm"]) for c in got)
+    assert len(got) == 4 and all(list(c.pipeline) == list(kn._PIPES["rcm"]) for c in got)
     rcm = sdd.make_config(p, kn._PIPES["rcm"], "cuda")
     assert kn.locality_order_variants([(rcm, 1.2)], "cuda", "float32", op) == []
     dense = make_op(random_matrix(200, 200, density=0.2, seed=2), "sddmm", 64, None, "float32")
