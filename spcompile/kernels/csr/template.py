@@ -661,7 +661,9 @@ class CsrSddmm(NvccTemplate):
     """CSR SDDMM: a warp per bounded run of one row's nonzeros (X row reused from registers), or
     with ``flat=1`` a warp per run of ``nnz_per_warp`` stored entries spanning rows (each nonzero
     reads its own X row, hot in L1: for short rows), G-lane groups per nonzero with VEC-wide
-    coalesced loads and shuffle reductions, XC column chunks per lane (K tiling).  Any K >= 1.
+    coalesced loads and shuffle reductions, XC column chunks per lane (K tiling), ``unroll``
+    entries in flight a group (1: one entry's id then row at a time; 2 / 4: the warp reads 32
+    entries' ids at once and each group loads that many rows before using any).  Any K >= 1.
     X / Y / output in float32, float16 or bfloat16 (fp32 dot products, one rounding of each
     output)."""
 
