@@ -302,9 +302,9 @@ def bench_section(path: str) -> str:
                            "graphs below 1x"], srows))
     for K in sorted({r["K"] for r in rows}):
         kr = [r for r in rows if r["K"] == K]
-        for key, name in overs:
-            if any(r.get(key) for r in kr) or (key == "speedup" and not any(r.get("speedup_vs_fp32") for r in kr)):
-                out.append(_speedup_plot(kr, K, columns, name, key))
+        # the speed-ups the rows have (at least the plot over the table's own baseline)
+        for key, name in [o for o in overs if any(r.get(o[0]) for r in kr)] or overs[:1]:
+            out.append(_speedup_plot(kr, K, columns, name, key))
         w = _wall_plot(kr, K)
         if w:
             out.append(w)
