@@ -13,6 +13,7 @@
   kernel cache key) byte for byte.
 """
 import hashlib
+import json
 import itertools
 
 import numpy as np
@@ -225,6 +226,50 @@ def test_sddmm_entries_in_flight():
         bad = [[n, a[:5] + [3]] for n, a in kk.meta["instances"]]
         with pytest.raises(ValueError, match="instances"):
             t.check_arrays(key, kk.params, kk.arrays, {**kk.meta, "instances": bad})
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_sddmm_probe_variants(dtype):
+    """Quick selection's second round next to a csr.sddmm lead: the lead batched (when it is not)
+    and every other lane-group width that covers K with at most 4 column chunks a lane, each with
+    its own entries in flight; the lead's segments, block and pipeline kept; every variant a valid
+    parameter set whose emulation is exact (K = 1, 33, 64 and 256 on a non-square matrix)."""
+    A = random_matrix(70, 50, density=0.1, seed=8)
+    t = get_template("csr.sddmm")
+    rng = np.random.default_rng(3)
+    assert t.probe_variants({"group": 8, "vec": 4, "k_chunks": 1}) == []       # no op, no shapes
+    for K in (1, 33, 64, 256):
+        op = make_op(A, "sddmm", K, dtype=dtype)
+        mod = _mod(A, "sddmm", K, dtype=dtype)
+        X = rng.standard_normal((70, K)).astype(dtype)
+        Y = rng.standard_normal((50, K)).astype(dtype)
+        ref = reference.sddmm(as_csr(A), X.astype(np.float32), Y.astype(np.float32))
+        tol = 1e-5 if dtype == "float32" else 1e-3                   # one rounding of each output
+        d = t.default_params(mod)
+        vec = d["vec"]
+        shapes = t.group_shapes(K, vec)
+        assert d["group"] in shapes
+        for lead in (d, {**d, "flat": 1, "nnz_per_warp": 16, "warps_per_block": 2},
+                     {**d, "unroll": t.entries_in_flight(d, dtype)}):
+            got = t.probe_variants(lead, op)
+            assert lead not in got and len(got) == len({json.dumps(v, sort_keys=True) for v in got})
+            batched = {**lead, "unroll": t.entries_in_flight(lead, dtype)}
+            assert (batched in got) == (lead.get("unroll", 1) == 1)
+            others = [v for v in got if v["group"] != lead["group"]]
+            assert sorted(v["group"] for v in others) == sorted(g for g in shapes if g != lead["group"])
+            for v in got:
+                assert {k: x for k, x in v.items() if k not in ("group", "k_chunks", "unroll")} == \
+                       {k: x for k, x in lead.items() if k not in ("group", "k_chunks", "unroll")}
+                assert v["unroll"] == t.entries_in_flight(v, dtype) and v["unroll"] > 1
+                assert v["k_chunks"] == t.k_chunks(K, v["group"], vec) in (1, 2, 4)
+                assert v["group"] * vec * 4 >= K                      # one pass of 4 chunks covers K
+                assert t.check_params(mod, v) == {**d, **v}
+            for v in got[:2]:
+                kk = t.build(mod, v, compile=False)
+                _close(em.emulate_kernel(kk, X, Y).astype(np.float64), ref, tol=tol)
+    # K=64 at 16 bits: 8 lanes of 8 halves cover a row; 16- and 32-lane groups would idle half or more
+    assert get_template("csr.sddmm").group_shapes(64, 8) == (4, 8)
+    assert get_template("csr.sddmm").group_shapes(256, 4) == (16, 32)
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_16bit_emulation_within_dtype_tolerance(dtype):

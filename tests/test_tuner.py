@@ -1422,3 +1422,26 @@ def test_second_round_picks_are_in_the_space(db, dtype):
                     assert all(params[f"csr.crc_cwm:{k}"] == x for k, x in v.items()), v
                     checked += int(bool(v.get("warp_combine")))
     assert checked > 20          # warp-reduced variants (max row 900 at every K) among them
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_sddmm_second_round_picks_are_in_the_space(db, dtype):
+    """Every parameter set quick selection's second round measures next to a csr.sddmm lead (the
+    lead batched, the other lane-group widths with their entries in flight) lies inside the tuner's
+    space, so ``build()``'s pick can start a study, and a study's probe seeds are those variants."""
+    A = _seed_graphs()[1]
+    tpl = spcompile.get_template("csr.sddmm")
+    checked = 0
+    for K in (1, 64, 100, 256):
+        sop = make_op(A, "sddmm", K, dtype=dtype)
+        tn = Tuner(sop, "cuda", storage=db, runner=FakeRunner())
+        spec = next(iter(tn.space["csr.sddmm"].values()))
+        mod = spcompile.SparseModule.from_op(sop)
+        base = dict(tpl.default_params(mod))
+        for lead in tpl.seed_params(mod):
+            for v in tpl.probe_variants({**base, **lead}, sop):
+                params = tn.params_from_config(tpl.make_config(v, list(spec), "cuda", dtype))
+                assert params is not None, v
+                assert all(params[f"csr.sddmm:{k}"] == x for k, x in v.items()), v
+                checked += 1
+    assert checked > 40
