@@ -778,8 +778,8 @@ class CsrSddmm(NvccTemplate):
         out = [] if _flat(p) else [{**dict(params), "flat": 1, "nnz_per_warp": 32}]
         return [{**dict(params), "unroll": u}] + out + [{**v, "unroll": u} for v in out]
 
-    @classmethod
-    def group_shapes(cls, K: int, vec: int) -> tuple:
+    @staticmethod
+    def group_shapes(K: int, vec: int) -> tuple:
         """The lane-group widths that cover K (at most 4 column chunks a lane, no lane beyond the
         power of two above K / ``vec`` idle): 4 / 8 / 16 / 32 lanes."""
         lanes = -(-max(int(K), 1) // _largest_vec(K, vec))
@@ -790,9 +790,12 @@ class CsrSddmm(NvccTemplate):
         """Next to a lead of quick selection's first round (on its pipeline and segments): the
         lead with several entries in flight (``unroll`` of :meth:`entries_in_flight`) where it has
         one, and the other lane-group widths of :meth:`group_shapes` (``k_chunks`` to cover K)
-        with theirs.  The first round batches the model's first choice only; on the H200 at 16-bit
-        K=256 the fastest batched module was a lower-ranked width's (32-lane groups of one
-        16-byte load an entry: blogcatalog 57.9 against 63.2 us, twitch_de 28.9 against 31.4)."""
+        with theirs.  The first round batches the model's first choice only, and the fastest
+        batched module is often another width's: on the H200 over the 17 graphs over 200k
+        nonzeros this made ``build()`` 1.16x / 1.04x / 1.06x faster at 16-bit K = 64 / 128 / 256
+        (4-lane groups at K=64, a width the shipped measurements never held, won on all 17) and
+        1.02x / 1.08x / 1.01x in fp32 (up to 1.49x on short rows at K=128), none more than 2%
+        slower (``docs/benchmarks/h200_sddmm_fp*_default_big_v3.md``)."""
         if op is None:
             return []
         p = {**self.absent_params, **dict(params)}
