@@ -759,6 +759,41 @@ def test_spmm_segment_staged_rule():
     assert np.any(k.arrays["seg_slot"] >= (1 << 30))                   # hub slices reduced across the warp
     X = rng.standard_normal((m, 64)).astype(np.float16)
     _close(em.emulate_kernel(k, X), reference.spmm(as_csr(A), X.astype(np.float32), "sum"), tol=1e-2)
+    assert not any(v.get("flat") == 3 and v["group"] < first["group"] for v in t.unranked_variants(first, op))
+
+
+@pytest.mark.parametrize("K", [64, 128, 33])
+def test_spmm_segment_staged_narrow_groups(K):
+    """On matrices of tiny rows (most rows of one or two entries, a few hubs) the 16-bit staged
+    segments come with a twin of half the lanes a row group and twice the column slices a lane
+    (unroll 4); not in fp32, not on longer rows, not from 4-lane groups or 4 slices a lane.  The
+    twin builds, passes the artifact checks and its emulation matches float64."""
+    t = get_template("csr.crc_cwm")
+    rng = np.random.default_rng(11)
+    m = 3000
+    lens = np.where(np.arange(m) % 300 == 0, 900, rng.choice([0, 1, 1, 2, 2, 3], m))   # tiny rows, hubs
+    rows = np.repeat(np.arange(m), lens)
+    A = sp.csr_matrix((rng.standard_normal(rows.size).astype(np.float32), (rows, rng.integers(0, m - 7, rows.size))),
+                      shape=(m, m - 7))
+    A.sum_duplicates()
+    assert t.tiny_rows(np.diff(A.indptr))
+    first = {**t.heuristic(K, 900, 4.0, "float16"), "max_seg": 32, "unroll": 2}
+    op = make_op(A, "spmm", K, dtype="float16")
+    seg = [v for v in t.unranked_variants(first, op) if v.get("flat") == 3]
+    want = t.narrow_groups({**first, **t.SEG_STAGED})
+    assert want == ({**first, **t.SEG_STAGED, "group": first["group"] // 2, "cf": 2 * first["cf"], "unroll": 4}
+                    if first["group"] >= 8 and first["cf"] <= 2 else None)
+    assert seg == [{**first, **t.SEG_STAGED}] + ([want] if want else [])
+    assert not [v for v in t.unranked_variants(first, make_op(A, "spmm", K)) if v.get("flat") == 3]      # fp32
+    assert t.narrow_groups({**first, "group": 4}) is None and t.narrow_groups({**first, "cf": 4}) is None
+    if want is None:
+        return
+    mod = _mod(A, "spmm", K, dtype="float16")
+    k = t.build(mod, want, compile=False)
+    assert k.meta["instances"][0][0].startswith(f"spmm_crc_cwm_f16_r0_cf{2 * first['cf']}_")
+    t.check_arrays(op.key(), k.params, k.arrays, k.meta)
+    X = rng.standard_normal((m - 7, K)).astype(np.float16)
+    _close(em.emulate_kernel(k, X), reference.spmm(as_csr(A), X.astype(np.float32), "sum"), tol=1e-2)
 
 
 # ------------------------------------------------------------------------------------------

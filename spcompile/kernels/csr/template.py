@@ -294,7 +294,8 @@ class CrcCwm(NvccTemplate):
           row's chunk of 8 gathers in flight without the registers that ``unroll`` 8 or 16 holds
           (H200, K=64: 1.09-1.14x faster on snap_email_enron, gemsec_fb_new_sites,
           gemsec_deezer_hu and snap_sx_askubuntu, 0.78-1.0x on the other 10 graphs, hence
-          measured, not ruled)."""
+          measured, not ruled), and on matrices of tiny rows also with narrower row groups
+          (:meth:`narrow_groups`)."""
         p = {**self.absent_params, **params}
         if op is None or staged(p["flat"]):
             return []
@@ -314,8 +315,28 @@ class CrcCwm(NvccTemplate):
         if mean <= self.OCC_MAX_MEAN:
             out.append({**dict(params), "cf": 1, "min_blocks": 8, "unroll": 1})
         if DTYPES[op.dtype].bytes == 2:
-            out.append({**{k: v for k, v in dict(params).items() if k != "combine_vals"}, **self.SEG_STAGED})
+            seg = {**{k: v for k, v in dict(params).items() if k != "combine_vals"}, **self.SEG_STAGED}
+            out.append(seg)
+            narrow = self.narrow_groups(seg) if self.tiny_rows(lens) else None
+            if narrow is not None:
+                out.append(narrow)
         return out + stream
+
+    @staticmethod
+    def narrow_groups(params) -> dict | None:
+        """``params`` with half as many lanes a row group and twice the column slices a lane
+        (``unroll`` 4), for one or two slices a lane and groups of at least 8 lanes; else None.
+        Quick selection measures it beside staged segments (``SEG_STAGED``) on matrices of tiny
+        rows, where twice the rows a warp are in flight: on the H200 at 16-bit, 1.10x / 1.32x faster
+        on snap_sx_askubuntu at K = 64 / 128 (27.0 / 43.1 against 29.8 / 56.9 us), but 1.1-1.6x
+        slower on the hub graphs of longer rows whose staged segments won, and 4-9x slower from a
+        one-row group of 8 launch-bounded blocks, whose registers two slices spill (section 23 of
+        ``docs/benchmarks/h100_crc_cwm_experiments.md``)."""
+        p = dict(params)
+        g, cf = int(p["group"]), int(p["cf"])
+        if g < 8 or cf > 2:
+            return None
+        return {**p, "group": g // 2, "cf": 2 * cf, "unroll": 4}
 
     #: rows at most this long on average make RCM a locality order quick selection measures
     RCM_MAX_MEAN = 12.0
