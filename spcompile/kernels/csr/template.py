@@ -328,10 +328,10 @@ class CrcCwm(NvccTemplate):
         (``unroll`` 4), for one or two slices a lane and groups of at least 8 lanes; else None.
         Quick selection measures it beside staged segments (``SEG_STAGED``) on matrices of tiny
         rows, where twice the rows a warp are in flight: on the H200 at 16-bit, 1.10x / 1.32x faster
-        on snap_sx_askubuntu at K = 64 / 128 (27.0 / 43.1 against 29.8 / 56.9 us), but 1.1-1.6x
-        slower on the hub graphs of longer rows whose staged segments won, and 4-9x slower from a
-        one-row group of 8 launch-bounded blocks, whose registers two slices spill (section 23 of
-        ``docs/benchmarks/h100_crc_cwm_experiments.md``)."""
+        on snap_sx_askubuntu at K = 64 / 128 (27.0 / 43.1 against 29.8 / 56.9 us), but 1.5x slower
+        at K=64 on the hub graphs of longer rows whose staged segments won, and 2.8-6.5x slower
+        from one-row groups of 8 launch-bounded blocks, whose registers two slices spill (section
+        23 of ``docs/benchmarks/h100_crc_cwm_experiments.md``)."""
         p = dict(params)
         g, cf = int(p["group"]), int(p["cf"])
         if g < 8 or cf > 2:
