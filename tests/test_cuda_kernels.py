@@ -130,8 +130,9 @@ def test_tune_16bit_workload(tmp_path, dtype):
 @pytest.mark.parametrize("K", [1, 33, 128])
 def test_flat_sddmm_spans_rows(dtype, tol, K):
     """csr.sddmm with nonzero-parallel segments (flat=1) behind a row reordering: segments cross
-    empty rows and a 1999-entry row, with one or several entries in flight a group (unroll); every
-    output written (NaN-poisoned), float64 reference."""
+    empty rows and a 1999-entry row, with one or several entries in flight a group (unroll), 4- to
+    32-lane groups (and one-row segments batched); every output written (NaN-poisoned), float64
+    reference."""
     import scipy.sparse as sp
     import torch
 
@@ -150,7 +151,12 @@ def test_flat_sddmm_spans_rows(dtype, tol, K):
     ref = reference.run("sddmm", None, make_op(A, "sddmm", K).A, X.double().cpu().numpy(), Y.double().cpu().numpy())
     for p in ({"group": 8, "k_chunks": 2, "nnz_per_warp": 32}, {"group": 16, "k_chunks": 1, "nnz_per_warp": 128},
               {"group": 32, "k_chunks": 1, "nnz_per_warp": 7}, {"group": 8, "k_chunks": 1, "nnz_per_warp": 32, "unroll": 4},
-              {"group": 16, "k_chunks": 2, "nnz_per_warp": 128, "unroll": 2}):
+              {"group": 16, "k_chunks": 2, "nnz_per_warp": 128, "unroll": 2},
+              # widths quick selection's second round measures: 4 lanes of two chunks, 32 lanes of
+              # one with 4 entries in flight, and that on one-row segments
+              {"group": 4, "k_chunks": 2, "nnz_per_warp": 32, "unroll": 2},
+              {"group": 32, "k_chunks": 1, "nnz_per_warp": 32, "unroll": 4},
+              {"group": 32, "k_chunks": 1, "nnz_per_warp": 32, "unroll": 4, "flat": 0}):
         mod = spcompile.build(A, "sddmm", K, target="cuda", dtype=dtype, template="csr.sddmm",
                               params={"vec": 4, "warps_per_block": 4, "flat": 1, **p}, pipeline=["reorder.degree"])
         out = torch.full((A.nnz,), float("nan"), device="cuda", dtype=tdt)
