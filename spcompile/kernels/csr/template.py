@@ -325,7 +325,8 @@ class CrcCwm(NvccTemplate):
     @staticmethod
     def narrow_groups(params) -> dict | None:
         """``params`` with half as many lanes a row group and twice the column slices a lane
-        (``unroll`` 4), for one or two slices a lane and groups of at least 8 lanes; else None.
+        (``unroll`` 4), for one slice a lane (the case measured) and groups of at least 8 lanes;
+        else None.
         Quick selection measures it beside staged segments (``SEG_STAGED``) on matrices of tiny
         rows, where twice the rows a warp are in flight: on the H200 at 16-bit, 1.10x / 1.32x faster
         on snap_sx_askubuntu at K = 64 / 128 (27.0 / 43.1 against 29.8 / 56.9 us), but 1.5x slower
@@ -334,7 +335,7 @@ class CrcCwm(NvccTemplate):
         23 of ``docs/benchmarks/h100_crc_cwm_experiments.md``)."""
         p = dict(params)
         g, cf = int(p["group"]), int(p["cf"])
-        if g < 8 or cf > 2:
+        if g < 8 or cf != 1:
             return None
         return {**p, "group": g // 2, "cf": 2 * cf, "unroll": 4}
 
