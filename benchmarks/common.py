@@ -149,6 +149,14 @@ def write_json(path: str, obj) -> None:
     os.replace(part, path)
 
 
+def write_rows(out_dir: str, name: str, script: str, argv, rows) -> None:
+    """``<out_dir>/<name>.json``: the rows measured so far and the command that made them
+    (``benchmarks/<script>`` with ``argv``, default ``sys.argv[1:]``).  The sweep scripts write it
+    after every graph, so that a run cut short keeps its rows."""
+    args = sys.argv[1:] if argv is None else argv
+    write_json(os.path.join(out_dir, name + ".json"), {"command": f"benchmarks/{script} " + " ".join(args), "rows": rows})
+
+
 def write_text(path: str, text: str) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     part = path + ".part"

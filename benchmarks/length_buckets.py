@@ -236,10 +236,7 @@ def main(argv=None) -> int:
                       f"err={c['rel_err']:.2g}", flush=True)
             out.append(res)
             w.release()
-            os.makedirs(a.out, exist_ok=True)
-            common.write_json(os.path.join(a.out, a.name + ".json"),
-                              {"command": "benchmarks/length_buckets.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-                               "rows": out})
+            common.write_rows(a.out, a.name, "length_buckets.py", argv, out)
     return 0
 
 

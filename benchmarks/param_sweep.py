@@ -111,10 +111,7 @@ def main(argv=None) -> int:
                   f"{'+'.join(x['name'] for x in c['pipeline']) or 'none'}", flush=True)
         out.append(res)
         w.release()
-        os.makedirs(a.out, exist_ok=True)        # after every graph: a run cut short keeps its rows
-        common.write_json(os.path.join(a.out, a.name + ".json"),
-                          {"command": "benchmarks/param_sweep.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-                           "rows": out})
+        common.write_rows(a.out, a.name, "param_sweep.py", argv, out)
     return 0
 
 
