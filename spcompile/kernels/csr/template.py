@@ -303,7 +303,8 @@ class CrcCwm(NvccTemplate):
         if not lens.size:
             return []
         stream = []
-        if self.tiny_rows(lens):
+        tiny = self.tiny_rows(lens)
+        if tiny:
             keep = {k: v for k, v in dict(params).items() if k not in ("warp_combine", "combine_vals")}
             stream = [{**keep, **self.STAGED}]
         if int(p["flat"]) or int(p["min_blocks"]) > 1:
@@ -317,7 +318,7 @@ class CrcCwm(NvccTemplate):
         if DTYPES[op.dtype].bytes == 2:
             seg = {**{k: v for k, v in dict(params).items() if k != "combine_vals"}, **self.SEG_STAGED}
             out.append(seg)
-            narrow = self.narrow_groups(seg) if self.tiny_rows(lens) else None
+            narrow = self.narrow_groups(seg) if tiny else None
             if narrow is not None:
                 out.append(narrow)
         return out + stream
@@ -333,11 +334,10 @@ class CrcCwm(NvccTemplate):
         at K=64 on the hub graphs of longer rows whose staged segments won, and 2.8-6.5x slower
         from one-row groups of 8 launch-bounded blocks, whose registers two slices spill (section
         23 of ``docs/benchmarks/h100_crc_cwm_experiments.md``)."""
-        p = dict(params)
-        g, cf = int(p["group"]), int(p["cf"])
-        if g < 8 or cf != 1:
+        g = int(params["group"])
+        if g < 8 or int(params["cf"]) != 1:
             return None
-        return {**p, "group": g // 2, "cf": 2 * cf, "unroll": 4}
+        return {**dict(params), "group": g // 2, "cf": 2, "unroll": 4}
 
     #: rows at most this long on average make RCM a locality order quick selection measures
     RCM_MAX_MEAN = 12.0
