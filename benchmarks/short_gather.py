@@ -23,11 +23,17 @@ flight per lane), as many 256-thread blocks as the GPU holds at once (from the k
 lane folds what it read into one word by XOR, and the result is checked against the host's XOR of
 the rows read an odd number of times (a check that every row was read).
 
+``--bulk-stages S ... [--bulk-chunks C ...]`` also times, for every row, a kernel that moves the
+same rows with Hopper bulk copies (``BULK_SOURCE``: one ``cp.async.bulk`` a row into shared memory,
+chunks of C rows completing on an mbarrier, S chunks in flight a warp; sm_90 only), reported
+beside the load kernels and not used for the bound.
+
     python benchmarks/short_gather.py --bench docs/benchmarks/h100_spmm_fp16_default_big.json --out DIR
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -72,6 +78,67 @@ extern "C" __global__ void __launch_bounds__(256) short_gather(
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) acc ^= __shfl_xor_sync(0xffffffffu, acc, o);
     if ((threadIdx.x & 31) == 0 && acc) atomicXor(sink, acc);
+}
+"""
+
+BULK_SOURCE = r"""
+extern "C" __global__ void __launch_bounds__(BG_W * 32) bulk_gather(
+    const unsigned char* __restrict__ X, const int* __restrict__ cols, long long nnz, unsigned* sink)
+{
+    // each warp streams chunks of BG_C <= 32 nonzeros: lane l < BG_C copies row cols[e] (BG_RB
+    // bytes) to its slot of the chunk's stage with one cp.async.bulk (TMA), completing on the
+    // stage's mbarrier; BG_S stages in flight a warp; the warp then folds the chunk's rows from
+    // shared memory by XOR
+    constexpr int W = BG_W, S = BG_S, RB = BG_RB, R16 = RB / 16, C = BG_C;
+    extern __shared__ __align__(128) unsigned char smem[];
+    __shared__ __align__(8) unsigned long long bars[W * S];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    unsigned char* buf = smem + (size_t)warp * S * C * RB;
+    const unsigned bar0 = (unsigned)__cvta_generic_to_shared(bars + warp * S);
+    const unsigned buf0 = (unsigned)__cvta_generic_to_shared(buf);
+    if (lane < S) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(bar0 + 8 * lane));
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    __syncwarp();
+    const long long nchunks = (nnz + C - 1) / C;
+    const long long c0 = (long long)blockIdx.x * W + warp, nw = (long long)gridDim.x * W;
+    auto issue = [&](long long c, int s) {
+        const long long e = c * C + lane;
+        const int col = (lane < C && e < nnz) ? __ldg(cols + e) : -1;
+        const unsigned cnt = __popc(__ballot_sync(0xffffffffu, col >= 0));
+        if (lane == 0)
+            asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar0 + 8 * s), "r"(cnt * RB) : "memory");
+        __syncwarp();
+        if (col >= 0)
+            asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                         :: "r"(buf0 + (unsigned)((s * C + lane) * RB)), "l"(X + (long long)col * RB), "r"(RB), "r"(bar0 + 8 * s)
+                         : "memory");
+    };
+#pragma unroll
+    for (int s = 0; s < S; ++s)
+        if (c0 + s * nw < nchunks) issue(c0 + s * nw, s);
+    unsigned acc = 0u, phases = 0u;
+    int s = 0;
+    for (long long c = c0; c < nchunks; c += nw) {
+        unsigned ok = 0;
+        do {
+            asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+                         : "=r"(ok) : "r"(bar0 + 8 * s), "r"((phases >> s) & 1u) : "memory");
+        } while (!ok);
+        phases ^= 1u << s;
+        const int cnt = (int)min((long long)C, nnz - c * C);
+        const uint4* rows = reinterpret_cast<const uint4*>(buf + (size_t)s * C * RB);
+        for (int j = lane; j < cnt * R16; j += 32) {
+            const uint4 v = rows[j];
+            acc ^= v.x ^ v.y ^ v.z ^ v.w;
+        }
+        __syncwarp();
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        if (c + S * nw < nchunks) issue(c + S * nw, s);
+        s = (s + 1 == S) ? 0 : s + 1;
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) acc ^= __shfl_xor_sync(0xffffffffu, acc, o);
+    if (lane == 0 && acc) atomicXor(sink, acc);
 }
 """
 
@@ -152,6 +219,71 @@ def measure(n: int, nnz: int, row_bytes: int, n_sets: int = 1, seed: int = 0, re
             "seconds_by_unroll": {str(u): s for u, s in out.items()}, "unroll": best, "seconds": out[best]}
 
 
+def bulk_warps(row_bytes: int, stages: int, chunk: int = 32, smem_cap: int = 200 * 1024) -> int:
+    """Warps a block of the bulk-copy kernel: at most 4, each holding ``stages`` x ``chunk`` rows of
+    ``row_bytes`` in shared memory, the block within ``smem_cap`` bytes (0: does not fit)."""
+    return min(4, smem_cap // (stages * chunk * row_bytes))
+
+
+def measure_bulk(n: int, nnz: int, row_bytes: int, n_sets: int = 1, seed: int = 0, repeats: int = 10,
+                 stages=(2, 4, 8), chunks=(32,)) -> dict | None:
+    """The fastest of the bulk-copy gather kernels (``BULK_SOURCE``: one ``cp.async.bulk`` a row,
+    issued by one lane, completing on a per-stage mbarrier, ``stages`` chunks of 32 rows in flight a
+    warp, ``chunks`` rows a chunk) for the inputs of :func:`measure` (same X, columns and checksum);
+    None where no shape fits in shared memory."""
+    import cupy as cp
+    import torch
+
+    from spcompile.autotune.measure import Timer
+    from spcompile.runtime.cuda import _stream
+
+    if row_bytes % 16:
+        raise ValueError(f"rows of {row_bytes} bytes: bulk copies move multiples of 16 bytes")
+    rng = np.random.default_rng(seed)
+    X32 = rng.integers(0, 2**32, (n, row_bytes // 4), dtype=np.uint32)
+    cols_h = rng.integers(0, n, nnz, dtype=np.int32)
+    want = host_checksum(X32, cols_h)
+    X = torch.from_numpy(X32.view(np.int32)).cuda()
+    Xs = [X] + [X.clone() for _ in range(max(1, int(n_sets)) - 1)]
+    cols = torch.from_numpy(cols_h).cuda()
+    sink = torch.zeros(1, dtype=torch.int32, device="cuda")
+    Xc, colsc, sinkc = [cp.asarray(x) for x in Xs], cp.asarray(cols), cp.asarray(sink)
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    sms = int(props.multi_processor_count)
+    sm_smem = 228 * 1024
+    timer = Timer("cuda", repeats=repeats)
+    out, grid = {}, {}
+    for S, C in itertools.product(stages, chunks):
+        W = bulk_warps(row_bytes, S, C)
+        if W < 1:
+            continue
+        smem = W * S * C * row_bytes
+        kern = cp.RawKernel(BULK_SOURCE, "bulk_gather",
+                            options=(f"-DBG_W={W}", f"-DBG_S={S}", f"-DBG_RB={row_bytes}", f"-DBG_C={C}"))
+        kern.max_dynamic_shared_size_bytes = smem
+        per_sm = max(1, min(2048 // (32 * W), sm_smem // (smem + 1024), 32))
+        blocks = grid[S, C] = (sms * per_sm, W)
+        args = [(x, colsc, np.int64(nnz), sinkc) for x in Xc]
+
+        def launch(i, kern=kern, args=args, blocks=blocks[0], W=W, smem=smem):
+            kern((blocks,), (32 * W,), args[i], shared_mem=smem,
+                 stream=_stream(torch.cuda.current_stream().cuda_stream))
+
+        sink.zero_()
+        launch(0)
+        torch.cuda.synchronize()
+        got = int(sink.item()) & 0xFFFFFFFF
+        if got != want:
+            raise RuntimeError(f"bulk gather kernel S={S} C={C}: checksum {got:#x}, expected {want:#x}")
+        out[S, C] = timer.time(launch, len(args)).seconds
+    if not out:
+        return None
+    best = min(out, key=out.get)
+    return {"n": n, "nnz": nnz, "row_bytes": row_bytes, "n_sets": len(Xs), "stages": best[0], "chunk": best[1],
+            "warps": grid[best][1], "blocks": grid[best][0],
+            "seconds_by_shape": {f"S{k[0]}_C{k[1]}": v for k, v in out.items()}, "seconds": out[best]}
+
+
 def empty_kernel_seconds(repeats: int = 10) -> float:
     """A one-block kernel that does nothing, under the same rule: the fixed cost of a launch."""
     import cupy as cp
@@ -220,12 +352,23 @@ def markdown(doc: dict) -> str:
     for K, s in doc["summary"].items():
         lines.append(f"| {K} | {s['graphs']} | {s['x']:.2f} | {s['x_at_floor']:.2f} | {s['x_at_short_bound']:.2f} | "
                      f"{s['short_bound_frac']:.2f} |")
-    lines += ["", "| graph | nnz | n | K | HBM floor us | l2 floor us | short gather us | U | column us | baseline us | "
-              "x | x at floor | x at short bound |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    bulk = bool(doc.get("bulk_stages"))
+    if bulk:
+        chunks = doc.get("bulk_chunks") or [32]
+        lines += ["", "bulk gather = the same reads by one `cp.async.bulk` (TMA) copy a row into shared memory, "
+                  f"S = {'/'.join(map(str, doc['bulk_stages']))} chunks of C = {'/'.join(map(str, chunks))} rows in "
+                  "flight a warp, each chunk completing on an mbarrier, the rows folded from shared memory "
+                  "(`BULK_SOURCE`); S, C = the fastest."]
+    lines += ["", "| graph | nnz | n | K | HBM floor us | l2 floor us | short gather us | U | "
+              + ("bulk gather us | S, C | " if bulk else "") + "column us | baseline us | "
+              "x | x at floor | x at short bound |", "|---|---|---|---|---|---|---|---|" + ("---|---|" if bulk else "")
+              + "---|---|---|---|---|"]
     for r in doc["rows"]:
         big = max(r["floor_s"], r["l2_floor_s"] or 0.0)
+        b = (f"{r['bulk_gather_s'] * 1e6:.1f} | {r['bulk_stages']}, {r.get('bulk_chunk', 32)} | " if "bulk_gather_s" in r
+             else "- | - | ") if bulk else ""
         lines.append(f"| {r['graph']} | {r['nnz']} | {r['n']} | {r['K']} | {r['floor_s'] * 1e6:.1f} | "
-                     f"{(r['l2_floor_s'] or 0) * 1e6:.1f} | {r['short_gather_s'] * 1e6:.1f} | {r['unroll']} | "
+                     f"{(r['l2_floor_s'] or 0) * 1e6:.1f} | {r['short_gather_s'] * 1e6:.1f} | {r['unroll']} | " + b +
                      f"{r['seconds'] * 1e6:.1f} | {r['baseline_s'] * 1e6:.1f} | {r['baseline_s'] / r['seconds']:.2f} | "
                      f"{r['baseline_s'] / big:.2f} | {r['baseline_s'] / short_bound(r):.2f} |")
     return "\n".join(lines) + "\n"
@@ -240,6 +383,9 @@ def main(argv=None) -> int:
     ap.add_argument("--K", type=int, nargs="+", default=None)
     ap.add_argument("--unrolls", type=int, nargs="+", default=list(UNROLLS), help="nonzeros in flight a lane to try")
     ap.add_argument("--graphs", nargs="+", default=None, help="only these graphs of the JSON")
+    ap.add_argument("--bulk-stages", type=int, nargs="*", default=None,
+                    help="also time the bulk-copy (TMA) gather kernel with these stage counts (not a bound: reported beside)")
+    ap.add_argument("--bulk-chunks", type=int, nargs="+", default=[32], help="rows a chunk of the bulk-copy kernel (at most 32)")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     ap.add_argument("--name", default=None)
     a = ap.parse_args(argv)
@@ -259,12 +405,22 @@ def main(argv=None) -> int:
             done[key] = measure(*key, n_sets=int(bench["settings"].get("n_sets", 1)), unrolls=tuple(a.unrolls))
         m = done[key]
         r.update(short_gather_s=m["seconds"], unroll=m["unroll"], short_gather=m)
+        if a.bulk_stages:
+            if ("bulk",) + key not in done:
+                done[("bulk",) + key] = measure_bulk(*key, n_sets=int(bench["settings"].get("n_sets", 1)),
+                                                     stages=tuple(a.bulk_stages), chunks=tuple(a.bulk_chunks))
+            b = done[("bulk",) + key]
+            if b is not None:
+                r.update(bulk_gather_s=b["seconds"], bulk_stages=b["stages"], bulk_chunk=b["chunk"], bulk_gather=b)
+                print(f"{'':28s}        bulk gather {b['seconds'] * 1e6:7.1f} us (S={b['stages']}, C={b['chunk']}, "
+                      f"{b['warps']} warps)", flush=True)
         print(f"{r['graph']:28s} K={r['K']:4d} short gather {m['seconds'] * 1e6:7.1f} us (U={m['unroll']})  "
               f"l2 floor {(r['l2_floor_s'] or 0) * 1e6:6.1f} us  column {r['seconds'] * 1e6:7.1f} us", flush=True)
     name = a.name or ("gather_only_" + bench["name"])   # not a bench.py result: not named like one
     doc = {"schema": "spcompile-short-gather/1", "name": name, "device": torch.cuda.get_device_name(),
            "command": "python benchmarks/short_gather.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-           "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "bench_name": bench["name"], "unrolls": list(a.unrolls), "column": a.column, "over": over,
+           "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "bench_name": bench["name"], "unrolls": list(a.unrolls),
+           "bulk_stages": a.bulk_stages, "bulk_chunks": a.bulk_chunks if a.bulk_stages else None, "column": a.column, "over": over,
            "empty_kernel_s": empty_kernel_seconds(), "rows": rows, "summary": summarize(rows)}
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, name + ".json"), "w") as fh:

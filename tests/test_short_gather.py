@@ -70,3 +70,39 @@ def test_gather_kernel_compiles(tmp_path, arch):
     for lanes, u, row16 in ((8, 8, 8), (2, 1, 3), (32, 4, 64)):
         subprocess.run(["nvcc", "-cubin", "-O3", f"-arch={arch}", f"-DSG_LANES={lanes}", f"-DSG_U={u}",
                         f"-DSG_ROW16={row16}", str(src), "-o", str(tmp_path / "g.cubin")], check=True)
+
+
+def test_bulk_launch_shape():
+    # four warps of stages x chunk rows each, a block within 200 KB of shared memory
+    assert sg.bulk_warps(128, 2, 32) == 4                   # 32 KB a block
+    assert sg.bulk_warps(1024, 2, 32) == 3                  # 64 KB a warp
+    assert sg.bulk_warps(1024, 8, 32) == 0                  # one warp's stages alone exceed it
+    assert sg.bulk_warps(1024, 4, 8) == 4
+    assert sg.bulk_warps(512, 4) == sg.bulk_warps(512, 4, 32) == 3
+
+
+def test_markdown_with_bulk_columns():
+    rows = sg.rows_of(_bench(), "default", "baseline_fp32")
+    for r in rows:
+        r["short_gather_s"], r["unroll"] = 7e-6, 8
+    rows[0].update(bulk_gather_s=6e-6, bulk_stages=2, bulk_chunk=16)     # the others: no shape fitted
+    doc = {"name": "t_bulk", "device": "GPU", "command": "cmd", "date": "now", "bench_name": "t", "column": "default",
+           "over": "baseline_fp32", "empty_kernel_s": 2e-6, "rows": rows, "summary": sg.summarize(rows),
+           "bulk_stages": [1, 2], "bulk_chunks": [16, 32]}
+    md = sg.markdown(doc)
+    assert "S = 1/2 chunks of C = 16/32 rows" in md
+    assert "| a | 50000 | 1000 | 64 | 2.0 | 5.0 | 7.0 | 8 | 6.0 | 2, 16 | 10.0 |" in md
+    assert "| b | 50000 | 1000 | 64 | 8.0 | 4.0 | 7.0 | 8 | - | - | 20.0 |" in md
+    # without bulk measurements the table keeps its columns
+    doc.pop("bulk_stages")
+    assert "bulk gather" not in sg.markdown(doc) and "| a | 50000 | 1000 | 64 | 2.0 | 5.0 | 7.0 | 8 | 10.0 |" in sg.markdown(doc)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+def test_bulk_gather_kernel_compiles(tmp_path):
+    # cp.async.bulk and mbarrier transaction counts are sm_90 instructions: the kernel is Hopper-only
+    src = tmp_path / "b.cu"
+    src.write_text(sg.BULK_SOURCE)
+    for w, s, rb, c in ((4, 2, 128, 32), (1, 1, 1024, 8), (3, 4, 256, 16)):
+        subprocess.run(["nvcc", "-cubin", "-O3", "-arch=sm_90", f"-DBG_W={w}", f"-DBG_S={s}", f"-DBG_RB={rb}",
+                        f"-DBG_C={c}", str(src), "-o", str(tmp_path / "b.cubin")], check=True)
