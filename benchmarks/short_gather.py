@@ -171,6 +171,54 @@ def host_checksum(X32: np.ndarray, cols: np.ndarray) -> int:
     return int(np.bitwise_xor.reduce(X32[odd].ravel()))
 
 
+class _Gathers:
+    """What every gather kernel of one size reads and is checked against: ``nnz`` random column
+    ids out of ``n``, ``n_sets`` copies of X (``row_bytes`` a row, a multiple of 16) at distinct
+    addresses, the host's checksum of the rows read, a sink word, and the Timer."""
+
+    def __init__(self, n: int, nnz: int, row_bytes: int, n_sets: int = 1, seed: int = 0, repeats: int = 10):
+        import cupy as cp
+        import torch
+
+        from spcompile.autotune.measure import Timer
+
+        if row_bytes % 16:
+            raise ValueError(f"rows of {row_bytes} bytes: the gather kernels move 16-byte words")
+        rng = np.random.default_rng(seed)
+        X32 = rng.integers(0, 2**32, (n, row_bytes // 4), dtype=np.uint32)
+        cols_h = rng.integers(0, n, nnz, dtype=np.int32)
+        self.n, self.nnz, self.row_bytes = n, nnz, row_bytes
+        self.want = host_checksum(X32, cols_h)
+        X = torch.from_numpy(X32.view(np.int32)).cuda()
+        self._keep = [X] + [X.clone() for _ in range(max(1, int(n_sets)) - 1)] + [torch.from_numpy(cols_h).cuda()]
+        self.sink = torch.zeros(1, dtype=torch.int32, device="cuda")
+        self.Xc = [cp.asarray(x) for x in self._keep[:-1]]
+        self.colsc, self.sinkc = cp.asarray(self._keep[-1]), cp.asarray(self.sink)
+        self.sms = int(torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count)
+        self.timer = Timer("cuda", repeats=repeats)
+
+    def time(self, kern, blocks: int, threads: int, what: str, shared_mem: int = 0) -> float:
+        """Kernel time of ``kern`` over the X copies by the Timer rule, after one call whose checksum
+        must match the host's (RuntimeError naming ``what`` otherwise)."""
+        import torch
+
+        from spcompile.runtime.cuda import _stream
+
+        args = [(x, self.colsc, np.int64(self.nnz), self.sinkc) for x in self.Xc]
+
+        def launch(i):
+            kern((blocks,), (threads,), args[i], shared_mem=shared_mem,
+                 stream=_stream(torch.cuda.current_stream().cuda_stream))
+
+        self.sink.zero_()
+        launch(0)
+        torch.cuda.synchronize()
+        got = int(self.sink.item()) & 0xFFFFFFFF
+        if got != self.want:
+            raise RuntimeError(f"{what}: checksum {got:#x}, expected {self.want:#x}")
+        return self.timer.time(launch, len(args)).seconds
+
+
 def measure(n: int, nnz: int, row_bytes: int, n_sets: int = 1, seed: int = 0, repeats: int = 10,
             unrolls=UNROLLS) -> dict:
     """The fastest of the ``UNROLLS`` gather kernels for ``nnz`` random rows of ``row_bytes``
@@ -178,44 +226,17 @@ def measure(n: int, nnz: int, row_bytes: int, n_sets: int = 1, seed: int = 0, re
     copies of X at distinct addresses (as the benchmark's Timer rotates over its input sets);
     every variant's result checked."""
     import cupy as cp
-    import torch
 
-    from spcompile.autotune.measure import Timer
-    from spcompile.runtime.cuda import _stream
-
-    if row_bytes % 16:
-        raise ValueError(f"rows of {row_bytes} bytes: the gather kernel reads 16-byte words")
+    g = _Gathers(n, nnz, row_bytes, n_sets, seed, repeats)
     row16 = row_bytes // 16
     lanes = lanes_for(row16)
-    rng = np.random.default_rng(seed)
-    X32 = rng.integers(0, 2**32, (n, row_bytes // 4), dtype=np.uint32)
-    cols_h = rng.integers(0, n, nnz, dtype=np.int32)
-    want = host_checksum(X32, cols_h)
-    X = torch.from_numpy(X32.view(np.int32)).cuda()
-    Xs = [X] + [X.clone() for _ in range(max(1, int(n_sets)) - 1)]
-    cols = torch.from_numpy(cols_h).cuda()
-    sink = torch.zeros(1, dtype=torch.int32, device="cuda")
-    Xc, colsc, sinkc = [cp.asarray(x) for x in Xs], cp.asarray(cols), cp.asarray(sink)
-    sms = int(torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count)
-    timer = Timer("cuda", repeats=repeats)
     out, grid = {}, {}
     for U in unrolls:
         kern = cp.RawKernel(SOURCE, "short_gather", options=(f"-DSG_LANES={lanes}", f"-DSG_U={U}", f"-DSG_ROW16={row16}"))
-        blocks = grid[U] = sms * resident_blocks(int(kern.num_regs))
-        args = [(x, colsc, np.int64(nnz), sinkc) for x in Xc]
-
-        def launch(i, kern=kern, args=args):
-            kern((blocks,), (256,), args[i], stream=_stream(torch.cuda.current_stream().cuda_stream))
-
-        sink.zero_()
-        launch(0)
-        torch.cuda.synchronize()
-        got = int(sink.item()) & 0xFFFFFFFF
-        if got != want:
-            raise RuntimeError(f"gather kernel U={U}: checksum {got:#x}, expected {want:#x}")
-        out[U] = timer.time(launch, len(args)).seconds
+        grid[U] = g.sms * resident_blocks(int(kern.num_regs))
+        out[U] = g.time(kern, grid[U], 256, f"gather kernel U={U}")
     best = min(out, key=out.get)
-    return {"n": n, "nnz": nnz, "row_bytes": row_bytes, "n_sets": len(Xs), "lanes": lanes, "blocks": grid[best],
+    return {"n": n, "nnz": nnz, "row_bytes": row_bytes, "n_sets": len(g.Xc), "lanes": lanes, "blocks": grid[best],
             "seconds_by_unroll": {str(u): s for u, s in out.items()}, "unroll": best, "seconds": out[best]}
 
 
@@ -228,30 +249,13 @@ def bulk_warps(row_bytes: int, stages: int, chunk: int = 32, smem_cap: int = 200
 def measure_bulk(n: int, nnz: int, row_bytes: int, n_sets: int = 1, seed: int = 0, repeats: int = 10,
                  stages=(2, 4, 8), chunks=(32,)) -> dict | None:
     """The fastest of the bulk-copy gather kernels (``BULK_SOURCE``: one ``cp.async.bulk`` a row,
-    issued by one lane, completing on a per-stage mbarrier, ``stages`` chunks of 32 rows in flight a
+    issued by one lane, completing on a per-stage mbarrier, ``stages`` chunks in flight a
     warp, ``chunks`` rows a chunk) for the inputs of :func:`measure` (same X, columns and checksum);
     None where no shape fits in shared memory."""
     import cupy as cp
-    import torch
 
-    from spcompile.autotune.measure import Timer
-    from spcompile.runtime.cuda import _stream
-
-    if row_bytes % 16:
-        raise ValueError(f"rows of {row_bytes} bytes: bulk copies move multiples of 16 bytes")
-    rng = np.random.default_rng(seed)
-    X32 = rng.integers(0, 2**32, (n, row_bytes // 4), dtype=np.uint32)
-    cols_h = rng.integers(0, n, nnz, dtype=np.int32)
-    want = host_checksum(X32, cols_h)
-    X = torch.from_numpy(X32.view(np.int32)).cuda()
-    Xs = [X] + [X.clone() for _ in range(max(1, int(n_sets)) - 1)]
-    cols = torch.from_numpy(cols_h).cuda()
-    sink = torch.zeros(1, dtype=torch.int32, device="cuda")
-    Xc, colsc, sinkc = [cp.asarray(x) for x in Xs], cp.asarray(cols), cp.asarray(sink)
-    props = torch.cuda.get_device_properties(torch.cuda.current_device())
-    sms = int(props.multi_processor_count)
+    g = _Gathers(n, nnz, row_bytes, n_sets, seed, repeats)
     sm_smem = 228 * 1024
-    timer = Timer("cuda", repeats=repeats)
     out, grid = {}, {}
     for S, C in itertools.product(stages, chunks):
         W = bulk_warps(row_bytes, S, C)
@@ -262,24 +266,12 @@ def measure_bulk(n: int, nnz: int, row_bytes: int, n_sets: int = 1, seed: int = 
                             options=(f"-DBG_W={W}", f"-DBG_S={S}", f"-DBG_RB={row_bytes}", f"-DBG_C={C}"))
         kern.max_dynamic_shared_size_bytes = smem
         per_sm = max(1, min(2048 // (32 * W), sm_smem // (smem + 1024), 32))
-        blocks = grid[S, C] = (sms * per_sm, W)
-        args = [(x, colsc, np.int64(nnz), sinkc) for x in Xc]
-
-        def launch(i, kern=kern, args=args, blocks=blocks[0], W=W, smem=smem):
-            kern((blocks,), (32 * W,), args[i], shared_mem=smem,
-                 stream=_stream(torch.cuda.current_stream().cuda_stream))
-
-        sink.zero_()
-        launch(0)
-        torch.cuda.synchronize()
-        got = int(sink.item()) & 0xFFFFFFFF
-        if got != want:
-            raise RuntimeError(f"bulk gather kernel S={S} C={C}: checksum {got:#x}, expected {want:#x}")
-        out[S, C] = timer.time(launch, len(args)).seconds
+        grid[S, C] = (g.sms * per_sm, W)
+        out[S, C] = g.time(kern, g.sms * per_sm, 32 * W, f"bulk gather kernel S={S} C={C}", shared_mem=smem)
     if not out:
         return None
     best = min(out, key=out.get)
-    return {"n": n, "nnz": nnz, "row_bytes": row_bytes, "n_sets": len(Xs), "stages": best[0], "chunk": best[1],
+    return {"n": n, "nnz": nnz, "row_bytes": row_bytes, "n_sets": len(g.Xc), "stages": best[0], "chunk": best[1],
             "warps": grid[best][1], "blocks": grid[best][0],
             "seconds_by_shape": {f"S{k[0]}_C{k[1]}": v for k, v in out.items()}, "seconds": out[best]}
 
