@@ -21,8 +21,6 @@ rule (CUDA-graph replay between events, median; three input sets).
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 
@@ -30,30 +28,13 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import bench  # noqa: E402
-import common  # noqa: E402
+import prototype  # noqa: E402
 
 #: rows longer than this are not handled by the prototype
 LMAX = 64
 
-SOURCE = r"""
-// LB_TB: bytes of an element of X / Y (4: float, 2: half, as raw 16-bit words converted by cvt)
-__device__ __forceinline__ float h2f(unsigned h) {
-    float f; unsigned short s = (unsigned short)h; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(s)); return f;
-}
-__device__ __forceinline__ unsigned f2h(float x) { unsigned short s; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(s) : "f"(x)); return s; }
-template <int TB> __device__ __forceinline__ float elem(const uint4& w, int v) {
-    const unsigned q = v / (4 / TB) == 0 ? w.x : v / (4 / TB) == 1 ? w.y : v / (4 / TB) == 2 ? w.z : w.w;
-    if (TB == 4) return __uint_as_float(q);
-    return h2f((v & 1) ? (q >> 16) : (q & 0xffffu));
-}
-template <int TB> __device__ __forceinline__ uint4 pack(const float* f) {
-    unsigned q[4];
-#pragma unroll
-    for (int k = 0; k < 4; ++k) q[k] = TB == 4 ? __float_as_uint(f[k]) : (f2h(f[2 * k]) | (f2h(f[2 * k + 1]) << 16));
-    return make_uint4(q[0], q[1], q[2], q[3]);
-}
-
+SOURCE = prototype.CUDA_ELEM_HELPERS + r"""
+// LB_TB: bytes of an element of X / Y (4: float, 2: half)
 extern "C" __global__ void __launch_bounds__(256, LB_MB) length_buckets(
     const int* __restrict__ b_row, const int* __restrict__ b_nnz, const int* __restrict__ b_len, int nb,
     const int* __restrict__ rows, const int* __restrict__ cols, const float* __restrict__ vals,
@@ -157,86 +138,20 @@ def shapes(K: int, eb: int) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("graphs", nargs="+")
-    ap.add_argument("--table", action="append", required=True, help="bench.py JSON whose 'default' module is timed beside")
-    ap.add_argument("--K", type=int, nargs="+", default=[64, 128])
-    ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--build-only", action="store_true")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
-    ap.add_argument("--name", default="length_buckets")
-    a = ap.parse_args(argv)
-    from spcompile.core import numerics
-    from spcompile.core.config import Config
+    a = prototype.arg_parser(__doc__, "length_buckets").parse_args(argv)
 
-    cfgs = {}
-    for t in a.table:
-        for r in json.load(open(t))["rows"]:
-            c = r["columns"].get("default", {}).get("config")
-            if c:
-                cfgs[(r["graph"], int(r["K"]))] = c
-    eb = {"float32": 4, "float16": 2}[a.dtype]
-    timer = None
-    if not a.build_only:
+    def launch(s, A, arr, dev, K, eb):
         import cupy as cp
-        import torch
 
-        from spcompile.autotune.measure import Timer
-        from spcompile.runtime.cuda import _stream
+        opts = (f"-DLB_LMAX={LMAX}", f"-DLB_TB={eb}", f"-DLB_G={s['G']}", f"-DLB_U={s['U']}", f"-DLB_CF={s['CF']}",
+                f"-DLB_MB={s['MB']}")
+        nrows = int(arr["rows"].size)
+        return {"kern": cp.RawKernel(SOURCE, "length_buckets", options=opts), "grid": (-(-nrows * s["G"] // 256),),
+                "block": (256,), "smem": 0, "info": {"buckets": int(arr["b_len"].size)},
+                "args": lambda X, Y: (dev["b_row"], dev["b_nnz"], dev["b_len"], np.int32(arr["b_len"].size), dev["rows"],
+                                      dev["cols"], dev["vals"], X, Y, np.int32(nrows), np.int32(K))}
 
-        timer = Timer("cuda")
-    out = []
-    for name, path, _ in common.find_graphs(a.graphs):
-        A = common.load_matrix(path)
-        try:
-            arr = bucket_rows(A)
-        except ValueError as e:
-            print(f"{name}: {e}", flush=True)
-            continue
-        for K in a.K:
-            cfg = cfgs.get((name, K))
-            if a.build_only:
-                if cfg:
-                    bench.build_from_config(bench.make_op(A, "spmm", K, "sum", a.dtype), Config.from_dict(cfg))
-                print(f"{name} K={K}: built", flush=True)
-                continue
-            w = bench.Workload(A, "spmm", "sum", K, a.dtype, "cuda")
-            res = {"graph": name, "nnz": int(A.nnz), "m": int(A.shape[0]), "K": K, "dtype": a.dtype,
-                   "buckets": int(arr["b_len"].size), "cells": []}
-            res["baseline_us"] = timer.time(bench.col_baseline(w).call, n_sets=w.n_sets).seconds * 1e6
-            if cfg:
-                res["default"] = {"config": cfg, **bench.time_config(w, Config.from_dict(cfg), timer)}
-            dev = {k: cp.asarray(v) for k, v in arr.items()}
-            ins, outs = w.io()
-            X = [cp.asarray(x[0]) for x in ins]
-            Y = [cp.asarray(y) for y in outs]
-            for s in shapes(K, eb):
-                opts = (f"-DLB_LMAX={LMAX}", f"-DLB_TB={eb}", f"-DLB_G={s['G']}", f"-DLB_U={s['U']}", f"-DLB_CF={s['CF']}", f"-DLB_MB={s['MB']}")
-                kern = cp.RawKernel(SOURCE, "length_buckets", options=opts)
-                nrows = int(arr["rows"].size)
-                grid = (-(-nrows * s["G"] // 256),)
-                args = [(dev["b_row"], dev["b_nnz"], dev["b_len"], np.int32(arr["b_len"].size), dev["rows"], dev["cols"],
-                         dev["vals"], X[i], Y[i], np.int32(nrows), np.int32(K)) for i in range(len(X))]
-
-                def call(i, kern=kern, args=args, grid=grid):
-                    kern(grid, (256,), args[i], stream=_stream(torch.cuda.current_stream().cuda_stream))
-                    return outs[i]
-
-                err = w.check(call)
-                tol = numerics.result_tolerance("fp32", a.dtype)
-                cell = {**s, "regs": int(kern.num_regs), "rel_err": err}
-                cell["us"] = timer.time(call, n_sets=w.n_sets).seconds * 1e6 if err <= tol else None
-                res["cells"].append(cell)
-            best = min((c for c in res["cells"] if c["us"]), key=lambda c: c["us"], default=None)
-            d = res.get("default", {}).get("us")
-            print(f"{name:24s} K={K:3d} cuSPARSE {res['baseline_us']:7.1f} default {d or float('nan'):7.1f} "
-                  f"buckets {best['us'] if best else float('nan'):7.1f} {best}", flush=True)
-            for c in res["cells"]:
-                print(f"    {c['us'] or float('nan'):7.1f} G={c['G']} CF={c['CF']} U={c['U']} MB={c['MB']} regs={c['regs']} "
-                      f"err={c['rel_err']:.2g}", flush=True)
-            out.append(res)
-            w.release()
-            common.write_rows(a.out, a.name, "length_buckets.py", argv, out)
+    prototype.run(a, argv, "length_buckets.py", bucket_rows, shapes, launch)
     return 0
 
 

@@ -1,0 +1,149 @@
+"""What the prototype SpMM kernels of ``benchmarks/`` share (``length_buckets.py``,
+``bulk_stream.py``): CUDA helpers for 16-byte words of float / half X and Y, and the harness that
+times a prototype's shapes next to cuSPARSE and the ``default`` module of a committed benchmark
+table (rebuilt through the product's ``build_from_config``), every result checked against the
+float64 reference on NaN-poisoned outputs before the Timer rule times it (CUDA-graph replay
+between events, median; three input sets).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Callable
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import bench  # noqa: E402
+import common  # noqa: E402
+
+#: element access and packing of 16-byte words of X / Y: TB = 4 (float) or 2 (half, as raw 16-bit
+#: words converted by cvt); ``elem<TB>(w, v)`` is element v of word w, ``pack<TB>(f)`` packs
+#: 16 / TB floats
+CUDA_ELEM_HELPERS = r"""
+__device__ __forceinline__ float h2f(unsigned h) {
+    float f; unsigned short s = (unsigned short)h; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(s)); return f;
+}
+__device__ __forceinline__ unsigned f2h(float x) { unsigned short s; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(s) : "f"(x)); return s; }
+template <int TB> __device__ __forceinline__ float elem(const uint4& w, int v) {
+    const unsigned q = v / (4 / TB) == 0 ? w.x : v / (4 / TB) == 1 ? w.y : v / (4 / TB) == 2 ? w.z : w.w;
+    if (TB == 4) return __uint_as_float(q);
+    return h2f((v & 1) ? (q >> 16) : (q & 0xffffu));
+}
+template <int TB> __device__ __forceinline__ uint4 pack(const float* f) {
+    unsigned q[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) q[k] = TB == 4 ? __float_as_uint(f[k]) : (f2h(f[2 * k]) | (f2h(f[2 * k + 1]) << 16));
+    return make_uint4(q[0], q[1], q[2], q[3]);
+}
+"""
+
+ELEM_BYTES = {"float32": 4, "float16": 2}
+
+
+def default_configs(tables) -> dict:
+    """(graph, K) -> the ``default`` column's configuration of the given bench.py JSONs (a later
+    table's row replaces an earlier one's)."""
+    cfgs = {}
+    for t in tables:
+        with open(t) as fh:
+            for r in json.load(fh)["rows"]:
+                c = r["columns"].get("default", {}).get("config")
+                if c:
+                    cfgs[(r["graph"], int(r["K"]))] = c
+    return cfgs
+
+
+def run(a, argv, script: str, arrays_of: Callable, shapes_of: Callable, launch_of: Callable) -> list[dict]:
+    """Time a prototype on ``a.graphs`` at every ``a.K`` (``a``: the parsed ``--table``, ``--K``,
+    ``--dtype``, ``--build-only``, ``--out``, ``--name`` of the scripts), writing the rows to
+    ``a.out/a.name.json`` after every (graph, K).
+
+    ``arrays_of(A)``: the prototype's host arrays (ValueError: the graph is left out, said why);
+    ``shapes_of(K, eb)``: the shape dicts tried; ``launch_of(shape, A, arrays, device_arrays, K, eb)``:
+    a dict with ``kern`` (a cupy RawKernel), ``grid``, ``block``, ``smem`` (bytes of dynamic shared
+    memory), ``args(X, Y)`` (the kernel's arguments for one input set) and ``info`` (reported)."""
+    from spcompile.core import numerics
+    from spcompile.core.config import Config
+
+    cfgs = default_configs(a.table)
+    eb = ELEM_BYTES[a.dtype]
+    timer = None
+    if not a.build_only:
+        import cupy as cp
+        import torch
+
+        from spcompile.autotune.measure import Timer
+        from spcompile.runtime.cuda import _stream
+
+        timer = Timer("cuda")
+    out = []
+    for name, path, _ in common.find_graphs(a.graphs):
+        A = common.load_matrix(path)
+        try:
+            arr = arrays_of(A)
+        except ValueError as e:
+            print(f"{name}: {e}", flush=True)
+            continue
+        for K in a.K:
+            cfg = cfgs.get((name, K))
+            if a.build_only:
+                if cfg:
+                    bench.build_from_config(bench.make_op(A, "spmm", K, "sum", a.dtype), Config.from_dict(cfg))
+                print(f"{name} K={K}: built", flush=True)
+                continue
+            w = bench.Workload(A, "spmm", "sum", K, a.dtype, "cuda")
+            res = {"graph": name, "nnz": int(A.nnz), "m": int(A.shape[0]), "K": K, "dtype": a.dtype, "cells": []}
+            res["baseline_us"] = timer.time(bench.col_baseline(w).call, n_sets=w.n_sets).seconds * 1e6
+            if cfg:
+                res["default"] = {"config": cfg, **bench.time_config(w, Config.from_dict(cfg), timer)}
+            dev = {k: cp.asarray(v) for k, v in arr.items()}
+            ins, outs = w.io()
+            X = [cp.asarray(x[0]) for x in ins]
+            Y = [cp.asarray(y) for y in outs]
+            for s in shapes_of(K, eb):
+                ln = launch_of(s, A, arr, dev, K, eb)
+                if ln is None:
+                    continue
+                kern = ln["kern"]
+                if ln["smem"] > 48 * 1024:
+                    kern.max_dynamic_shared_size_bytes = ln["smem"]
+                args = [ln["args"](X[i], Y[i]) for i in range(len(X))]
+
+                def call(i, kern=kern, args=args, ln=ln):
+                    kern(ln["grid"], ln["block"], args[i], shared_mem=ln["smem"],
+                         stream=_stream(torch.cuda.current_stream().cuda_stream))
+                    return outs[i]
+
+                err = w.check(call)
+                tol = numerics.result_tolerance("fp32", a.dtype)
+                cell = {**s, **ln.get("info", {}), "regs": int(kern.num_regs), "rel_err": err}
+                cell["us"] = timer.time(call, n_sets=w.n_sets).seconds * 1e6 if err <= tol else None
+                res["cells"].append(cell)
+            best = min((c for c in res["cells"] if c["us"]), key=lambda c: c["us"], default=None)
+            d = res.get("default", {}).get("us")
+            print(f"{name:24s} K={K:3d} cuSPARSE {res['baseline_us']:7.1f} default {d or float('nan'):7.1f} "
+                  f"prototype {best['us'] if best else float('nan'):7.1f} {best}", flush=True)
+            for c in res["cells"]:
+                shape = " ".join(f"{k}={v}" for k, v in c.items() if k not in ("us", "rel_err"))
+                print(f"    {c['us'] or float('nan'):7.1f} {shape} err={c['rel_err']:.2g}", flush=True)
+            out.append(res)
+            w.release()
+            common.write_rows(a.out, a.name, script, argv, out)
+    return out
+
+
+def arg_parser(doc: str, default_name: str):
+    """The scripts' common command line: graphs, ``--table`` (repeatable), ``--K``, ``--dtype``,
+    ``--build-only``, ``--out``, ``--name``."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("graphs", nargs="+")
+    ap.add_argument("--table", action="append", required=True, help="bench.py JSON whose 'default' module is timed beside")
+    ap.add_argument("--K", type=int, nargs="+", default=[64, 128])
+    ap.add_argument("--dtype", default="float32", choices=sorted(ELEM_BYTES))
+    ap.add_argument("--build-only", action="store_true")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    ap.add_argument("--name", default=default_name)
+    return ap
