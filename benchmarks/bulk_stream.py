@@ -43,7 +43,7 @@ import prototype  # noqa: E402
 SMEM_CAP = 200 * 1024
 SM_SMEM = 228 * 1024
 
-SOURCE = prototype.CUDA_ELEM_HELPERS + r"""
+SOURCE = prototype.CUDA_ELEM_HELPERS + prototype.CUDA_BULK_HELPERS + r"""
 // BS_TB: bytes of an element of X / Y; BS_K: columns; BS_S: stages; BS_C: nonzeros a chunk (at most
 // 2 x the stream's lanes); BS_NW: warps a block
 extern "C" __global__ void __launch_bounds__(BS_NW * 32) bulk_stream(
@@ -67,15 +67,14 @@ extern "C" __global__ void __launch_bounds__(BS_NW * 32) bulk_stream(
     const long long sid = (long long)blockIdx.x * NW * SPW + st;
     const int r0 = srow[sid], r1 = srow[sid + 1];
     if (r0 >= r1) return;                                           // the stream owns no row
-    if (l < S) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(bar0 + 8 * l));
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    if (l < S) mbar_init(bar0 + 8 * l);
+    mbar_init_fence();
     __syncwarp(gmask);
     const int P0 = indptr[r0], P1 = indptr[r1];
     const int nch = (P1 - P0 + C - 1) / C;
     auto issue = [&](int k, int s) {
         const int base = P0 + k * C, n = min(C, P1 - base);
-        if (l == 0)
-            asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar0 + 8 * s), "r"(n * RB) : "memory");
+        if (l == 0) mbar_expect(bar0 + 8 * s, n * RB);
         __syncwarp(gmask);
 #pragma unroll
         for (int q = 0; q < (C + G - 1) / G; ++q) {
@@ -83,9 +82,7 @@ extern "C" __global__ void __launch_bounds__(BS_NW * 32) bulk_stream(
             if (j < n) {
                 const int col = __ldg(indices + base + j);
                 sval[s * C + j] = __ldg(data + base + j);
-                asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                             :: "r"(stage0 + (unsigned)((s * C + j) * RB)), "l"(X + (long long)col * RB), "r"(RB),
-                                "r"(bar0 + 8 * s) : "memory");
+                bulk_copy(stage0 + (unsigned)((s * C + j) * RB), X + (long long)col * RB, RB, bar0 + 8 * s);
             }
         }
     };
@@ -121,11 +118,7 @@ extern "C" __global__ void __launch_bounds__(BS_NW * 32) bulk_stream(
     unsigned phases = 0u;
     int s = 0;
     for (int k = 0; k < nch; ++k) {
-        unsigned ok = 0;
-        do {
-            asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-                         : "=r"(ok) : "r"(bar0 + 8 * s), "r"((phases >> s) & 1u) : "memory");
-        } while (!ok);
+        mbar_wait(bar0 + 8 * s, (phases >> s) & 1u);
         phases ^= 1u << s;
         const int base = P0 + k * C, n = min(C, P1 - base);
         for (int j = 0; j < n; ++j) {
@@ -143,7 +136,7 @@ extern "C" __global__ void __launch_bounds__(BS_NW * 32) bulk_stream(
             }
         }
         __syncwarp(gmask);                                            // every lane is done with stage s
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        async_proxy_fence();
         if (k + S < nch) issue(k + S, s);
         s = (s + 1 == S) ? 0 : s + 1;
     }

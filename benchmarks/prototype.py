@@ -14,7 +14,6 @@ from typing import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import bench  # noqa: E402
 import common  # noqa: E402
 
 #: element access and packing of 16-byte words of X / Y: TB = 4 (float) or 2 (half, as raw 16-bit
@@ -36,6 +35,35 @@ template <int TB> __device__ __forceinline__ uint4 pack(const float* f) {
     for (int k = 0; k < 4; ++k) q[k] = TB == 4 ? __float_as_uint(f[k]) : (f2h(f[2 * k]) | (f2h(f[2 * k + 1]) << 16));
     return make_uint4(q[0], q[1], q[2], q[3]);
 }
+"""
+
+#: Hopper bulk copies (sm_90): mbarriers in shared memory (32-bit shared addresses) that one
+#: arrival and a transaction byte count complete, and a ``cp.async.bulk`` of ``bytes`` (a multiple
+#: of 16, 16-byte aligned) from global to shared memory that completes on one of them
+CUDA_BULK_HELPERS = r"""
+__device__ __forceinline__ void mbar_init(unsigned bar) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(bar));
+}
+// after the initialisations, before any thread uses the barriers
+__device__ __forceinline__ void mbar_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
+// the one arrival of the phase, announcing the bytes its copies bring
+__device__ __forceinline__ void mbar_expect(unsigned bar, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void bulk_copy(unsigned dst, const void* src, unsigned bytes, unsigned bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+// until the phase of this parity has completed
+__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
+    unsigned ok = 0;
+    do {
+        asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+                     : "=r"(ok) : "r"(bar), "r"(parity) : "memory");
+    } while (!ok);
+}
+// the thread's reads of shared memory before the bulk copies it issues next
+__device__ __forceinline__ void async_proxy_fence() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 """
 
 ELEM_BYTES = {"float32": 4, "float16": 2}
@@ -63,6 +91,8 @@ def run(a, argv, script: str, arrays_of: Callable, shapes_of: Callable, launch_o
     ``shapes_of(K, eb)``: the shape dicts tried; ``launch_of(shape, A, arrays, device_arrays, K, eb)``:
     a dict with ``kern`` (a cupy RawKernel), ``grid``, ``block``, ``smem`` (bytes of dynamic shared
     memory), ``args(X, Y)`` (the kernel's arguments for one input set) and ``info`` (reported)."""
+    import bench  # the product's workloads and columns: imported only to run (this module's CUDA
+    #               helpers are used by scripts that need nothing else of it)
     from spcompile.core import numerics
     from spcompile.core.config import Config
 

@@ -44,6 +44,9 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+import prototype  # noqa: E402  (the bulk-copy helpers)
 
 SOURCE = r"""
 extern "C" __global__ void __launch_bounds__(256) short_gather(
@@ -81,7 +84,7 @@ extern "C" __global__ void __launch_bounds__(256) short_gather(
 }
 """
 
-BULK_SOURCE = r"""
+BULK_SOURCE = prototype.CUDA_BULK_HELPERS + r"""
 extern "C" __global__ void __launch_bounds__(BG_W * 32) bulk_gather(
     const unsigned char* __restrict__ X, const int* __restrict__ cols, long long nnz, unsigned* sink)
 {
@@ -96,8 +99,8 @@ extern "C" __global__ void __launch_bounds__(BG_W * 32) bulk_gather(
     unsigned char* buf = smem + (size_t)warp * S * C * RB;
     const unsigned bar0 = (unsigned)__cvta_generic_to_shared(bars + warp * S);
     const unsigned buf0 = (unsigned)__cvta_generic_to_shared(buf);
-    if (lane < S) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(bar0 + 8 * lane));
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    if (lane < S) mbar_init(bar0 + 8 * lane);
+    mbar_init_fence();
     __syncwarp();
     const long long nchunks = (nnz + C - 1) / C;
     const long long c0 = (long long)blockIdx.x * W + warp, nw = (long long)gridDim.x * W;
@@ -105,13 +108,9 @@ extern "C" __global__ void __launch_bounds__(BG_W * 32) bulk_gather(
         const long long e = c * C + lane;
         const int col = (lane < C && e < nnz) ? __ldg(cols + e) : -1;
         const unsigned cnt = __popc(__ballot_sync(0xffffffffu, col >= 0));
-        if (lane == 0)
-            asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar0 + 8 * s), "r"(cnt * RB) : "memory");
+        if (lane == 0) mbar_expect(bar0 + 8 * s, cnt * RB);
         __syncwarp();
-        if (col >= 0)
-            asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                         :: "r"(buf0 + (unsigned)((s * C + lane) * RB)), "l"(X + (long long)col * RB), "r"(RB), "r"(bar0 + 8 * s)
-                         : "memory");
+        if (col >= 0) bulk_copy(buf0 + (unsigned)((s * C + lane) * RB), X + (long long)col * RB, RB, bar0 + 8 * s);
     };
 #pragma unroll
     for (int s = 0; s < S; ++s)
@@ -119,11 +118,7 @@ extern "C" __global__ void __launch_bounds__(BG_W * 32) bulk_gather(
     unsigned acc = 0u, phases = 0u;
     int s = 0;
     for (long long c = c0; c < nchunks; c += nw) {
-        unsigned ok = 0;
-        do {
-            asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-                         : "=r"(ok) : "r"(bar0 + 8 * s), "r"((phases >> s) & 1u) : "memory");
-        } while (!ok);
+        mbar_wait(bar0 + 8 * s, (phases >> s) & 1u);
         phases ^= 1u << s;
         const int cnt = (int)min((long long)C, nnz - c * C);
         const uint4* rows = reinterpret_cast<const uint4*>(buf + (size_t)s * C * RB);
@@ -132,7 +127,7 @@ extern "C" __global__ void __launch_bounds__(BG_W * 32) bulk_gather(
             acc ^= v.x ^ v.y ^ v.z ^ v.w;
         }
         __syncwarp();
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        async_proxy_fence();
         if (c + S * nw < nchunks) issue(c + S * nw, s);
         s = (s + 1 == S) ? 0 : s + 1;
     }
