@@ -38,10 +38,10 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import prototype  # noqa: E402
+from prototype import resident_blocks  # noqa: E402
 
 #: shared memory a block may use (bytes), and what one SM has
 SMEM_CAP = 200 * 1024
-SM_SMEM = 228 * 1024
 
 SOURCE = prototype.CUDA_ELEM_HELPERS + prototype.CUDA_BULK_HELPERS + r"""
 // BS_TB: bytes of an element of X / Y; BS_K: columns; BS_S: stages; BS_C: nonzeros a chunk (at most
@@ -175,13 +175,6 @@ def block_shape(K: int, eb: int, S: int, C: int) -> tuple[int, int] | None:
         if smem <= SMEM_CAP:
             return nw, smem
     return None
-
-
-def resident_blocks(nw: int, smem: int, regs: int) -> int:
-    """Blocks of ``nw`` warps one SM holds at once (threads, shared memory with 1 KB reserved a
-    block, registers allocated 8 at a time a thread, at most 32 blocks): one wave of the grid."""
-    per_thread = max(8, -(-int(regs) // 8) * 8)
-    return max(1, min(2048 // (32 * nw), SM_SMEM // (smem + 1024), 65536 // (per_thread * 32 * nw), 32))
 
 
 def shapes(K: int, eb: int) -> list[dict]:

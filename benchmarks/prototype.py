@@ -68,6 +68,16 @@ __device__ __forceinline__ void async_proxy_fence() { asm volatile("fence.proxy.
 
 ELEM_BYTES = {"float32": 4, "float16": 2}
 
+#: shared memory of one SM (bytes, sm_90)
+SM_SMEM = 228 * 1024
+
+
+def resident_blocks(nw: int, smem: int, regs: int) -> int:
+    """Blocks of ``nw`` warps one SM holds at once (threads, shared memory with 1 KB reserved a
+    block, registers allocated 8 at a time a thread, at most 32 blocks): one wave of the grid."""
+    per_thread = max(8, -(-int(regs) // 8) * 8)
+    return max(1, min(2048 // (32 * nw), SM_SMEM // (smem + 1024), 65536 // (per_thread * 32 * nw), 32))
+
 
 def default_configs(tables) -> dict:
     """(graph, K) -> the ``default`` column's configuration of the given bench.py JSONs (a later

@@ -1,0 +1,320 @@
+"""Row windows with a narrow column band staged whole: a prototype SpMM, timed next to ``build()``.
+
+In a batch of small graphs (molecules, reply threads: PyG's batching keeps each graph's nodes
+consecutive) and in meshes stored in a banded order, the rows of a window of W consecutive rows
+reference columns in a narrow range [lo, lo + span).  Those rows of X are *contiguous* in memory,
+so a block can copy them to shared memory with coalesced 16-byte copies that depend on nothing but
+the window's ``lo`` / ``span`` (no column list, no gather), together with the window's row
+pointers, column ids and values; after one wait every row of the window is summed from shared
+memory and written once.  Each block's chain of dependent global reads is two deep (window bounds,
+then the copies) instead of a gather kernel's three (row pointers, column ids, X rows), and X is
+read in whole cache lines about once (sum of spans / n) instead of one row a nonzero.
+
+A window whose span is above ``smax`` rows, or whose nonzeros are above ``nmax``, reads that part
+from global memory instead (same kernel, a branch per window), so every matrix runs; the report
+says how much of the matrix was staged.  Nothing is permuted: the order is the matrix's own, since
+a module computes A @ X in the caller's order and permuting X would cost a pass over it.
+
+For every graph and K it reports cuSPARSE, the ``default`` module of a committed table rebuilt
+through ``build_from_config`` and this kernel's shapes (W, threads, U), each checked against the
+float64 reference on NaN-poisoned outputs before it is timed (``prototype.run``).
+
+    python benchmarks/band_stage.py GRAPH ... --table docs/benchmarks/h200_spmm_fp32_default_big_v3.json
+        [--K 64 128] [--dtype float32|float16] [--out DIR] [--name NAME] [--build-only]
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import prototype  # noqa: E402
+
+#: window heights tried
+WINDOWS = (32, 64, 128)
+#: shared memory a block may use for its band of X (bytes)
+BAND_BYTES = 96 * 1024
+#: nonzeros of a window staged at most (ids and values)
+NMAX = 2048
+
+SOURCE = prototype.CUDA_ELEM_HELPERS + r"""
+__device__ __forceinline__ void cp16(void* s, const void* g) {
+    const unsigned a = (unsigned)__cvta_generic_to_shared(s);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(a), "l"(g) : "memory");
+}
+__device__ __forceinline__ void cp4(void* s, const void* g) {
+    const unsigned a = (unsigned)__cvta_generic_to_shared(s);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" :: "r"(a), "l"(g) : "memory");
+}
+
+// the rows of one window, X read through XS (shared band or global X, both indexed by the column
+// minus lo) and ids / values through CS / VS (shared or global, indexed from the window's first
+// nonzero)
+template <int TB, int G, int CF, int U, int W, int T, typename XP, typename IP, typename FP>
+__device__ __forceinline__ void window_rows(XP xs, IP cs, FP vs, const int* rp, int r0, int r1, int lo,
+                                            uint4* __restrict__ Y, int W16)
+{
+    constexpr int EPW = 16 / TB;
+    const int lane = threadIdx.x % G, grp = threadIdx.x / G;
+    const int gl = (threadIdx.x % 32) / G * G;
+    const unsigned gmask = G == 32 ? 0xffffffffu : (((1u << G) - 1u) << gl);
+    const int pb = rp[0];
+    for (int r = r0 + grp; r < r1; r += T / G) {
+        const int p0 = rp[r - r0] - pb, p1 = rp[r - r0 + 1] - pb;
+        float acc[CF][EPW];
+#pragma unroll
+        for (int c = 0; c < CF; ++c)
+#pragma unroll
+            for (int v = 0; v < EPW; ++v) acc[c][v] = 0.0f;
+        for (int base = p0; base < p1; base += G) {
+            const int n = min(G, p1 - base);
+            const int mc = lane < n ? cs[base + lane] - lo : 0;
+            const float mv = lane < n ? vs[base + lane] : 0.0f;
+            for (int j0 = 0; j0 < n; j0 += U) {
+                uint4 xv[U][CF];
+                float a[U];
+#pragma unroll
+                for (int u = 0; u < U; ++u) {
+                    const int cj = __shfl_sync(gmask, mc, gl + ((j0 + u) & (G - 1)));
+                    a[u] = __shfl_sync(gmask, mv, gl + ((j0 + u) & (G - 1)));
+#pragma unroll
+                    for (int c = 0; c < CF; ++c) {
+                        const int w = lane + c * G;
+                        if (j0 + u < n && w < W16) xv[u][c] = xs[(size_t)cj * W16 + w];
+                    }
+                }
+#pragma unroll
+                for (int u = 0; u < U; ++u)
+                    if (j0 + u < n) {
+#pragma unroll
+                        for (int c = 0; c < CF; ++c)
+#pragma unroll
+                            for (int v = 0; v < EPW; ++v) acc[c][v] += a[u] * elem<TB>(xv[u][c], v);
+                    }
+            }
+        }
+#pragma unroll
+        for (int c = 0; c < CF; ++c) {
+            const int w = lane + c * G;
+            if (w < W16) Y[(size_t)r * W16 + w] = pack<TB>(acc[c]);
+        }
+    }
+}
+
+// BS_TB: bytes of an element; BS_G lanes a row (BS_CF words a lane); BS_U rows of X in flight a
+// lane; BS_W rows a window; BS_T threads a block; BS_SMAX: band rows a block stages at most,
+// BS_NMAX: nonzeros
+extern "C" __global__ void __launch_bounds__(BS_T) band_stage(
+    const int* __restrict__ indptr, const int* __restrict__ cols, const float* __restrict__ vals,
+    const int* __restrict__ w_lo, const int* __restrict__ w_span,
+    const uint4* __restrict__ X, uint4* __restrict__ Y, int m, int K)
+{
+    constexpr int TB = BS_TB, G = BS_G, CF = BS_CF, U = BS_U, W = BS_W, T = BS_T, EPW = 16 / TB;
+    extern __shared__ __align__(16) unsigned char smem[];
+    __shared__ int s_rp[W + 1];
+    const int W16 = K / EPW;
+    const int b = blockIdx.x, r0 = b * W, r1 = min(r0 + W, m);
+    const int lo = w_lo[b], span = w_span[b];
+    const int pb = indptr[r0], pe = indptr[r1];
+    const bool band = span <= BS_SMAX, ids = pe - pb <= BS_NMAX;
+    uint4* xs = reinterpret_cast<uint4*>(smem);
+    int* cs = reinterpret_cast<int*>(smem + (size_t)BS_SMAX * W16 * 16);
+    float* vs = reinterpret_cast<float*>(cs + BS_NMAX);
+    if (band) {
+        const uint4* src = X + (size_t)lo * W16;
+        for (int t = threadIdx.x; t < span * W16; t += T) cp16(xs + t, src + t);
+    }
+    if (ids)
+        for (int t = threadIdx.x; t < pe - pb; t += T) { cp4(cs + t, cols + pb + t); cp4(vs + t, vals + pb + t); }
+    for (int t = threadIdx.x; t <= r1 - r0; t += T) s_rp[t] = indptr[r0 + t];
+    asm volatile("cp.async.commit_group;\ncp.async.wait_all;" ::: "memory");
+    __syncthreads();
+    const uint4* xg = X + (size_t)lo * W16;
+    if (band) {
+        if (ids) window_rows<TB, G, CF, U, W, T>((const uint4*)xs, (const int*)cs, (const float*)vs, s_rp, r0, r1, lo, Y, W16);
+        else window_rows<TB, G, CF, U, W, T>((const uint4*)xs, cols + pb, vals + pb, s_rp, r0, r1, lo, Y, W16);
+    } else {
+        if (ids) window_rows<TB, G, CF, U, W, T>(xg, (const int*)cs, (const float*)vs, s_rp, r0, r1, lo, Y, W16);
+        else window_rows<TB, G, CF, U, W, T>(xg, cols + pb, vals + pb, s_rp, r0, r1, lo, Y, W16);
+    }
+}
+
+// The same windows, persistent and double-buffered: a block takes windows blockIdx.x,
+// blockIdx.x + gridDim.x, ... and copies window i + 1 (band, row pointers, ids, values) into its
+// other stage while it sums window i.  Stage layout: band (BS_SMAX x row words), ids, values
+// (BS_NMAX each), row pointers (BS_W + 1).
+__device__ __forceinline__ void stage_window(unsigned char* st, int b, const int* __restrict__ indptr,
+    const int* __restrict__ cols, const float* __restrict__ vals, const int* __restrict__ w_lo,
+    const int* __restrict__ w_span, const uint4* __restrict__ X, int m, int W16, int T)
+{
+    const int r0 = b * BS_W, r1 = min(r0 + BS_W, m);
+    const int lo = w_lo[b], span = w_span[b], pb = indptr[r0], pe = indptr[r1];
+    uint4* xs = reinterpret_cast<uint4*>(st);
+    int* cs = reinterpret_cast<int*>(st + (size_t)BS_SMAX * W16 * 16);
+    float* vs = reinterpret_cast<float*>(cs + BS_NMAX);
+    int* rp = reinterpret_cast<int*>(vs + BS_NMAX);
+    if (span <= BS_SMAX) {
+        const uint4* src = X + (size_t)lo * W16;
+        for (int t = threadIdx.x; t < span * W16; t += T) cp16(xs + t, src + t);
+    }
+    if (pe - pb <= BS_NMAX)
+        for (int t = threadIdx.x; t < pe - pb; t += T) { cp4(cs + t, cols + pb + t); cp4(vs + t, vals + pb + t); }
+    for (int t = threadIdx.x; t <= r1 - r0; t += T) cp4(rp + t, indptr + r0 + t);
+}
+
+extern "C" __global__ void __launch_bounds__(BS_T) band_pipe(
+    const int* __restrict__ indptr, const int* __restrict__ cols, const float* __restrict__ vals,
+    const int* __restrict__ w_lo, const int* __restrict__ w_span,
+    const uint4* __restrict__ X, uint4* __restrict__ Y, int m, int K, int nw)
+{
+    constexpr int TB = BS_TB, G = BS_G, CF = BS_CF, U = BS_U, W = BS_W, T = BS_T, EPW = 16 / TB;
+    extern __shared__ __align__(16) unsigned char smem[];
+    const int W16 = K / EPW;
+    const size_t stage_bytes = (size_t)BS_SMAX * W16 * 16 + (size_t)BS_NMAX * 8 + (size_t)(W + 1 + 3) / 4 * 16;
+    int b = blockIdx.x;
+    if (b < nw) stage_window(smem, b, indptr, cols, vals, w_lo, w_span, X, m, W16, T);
+    asm volatile("cp.async.commit_group;" ::: "memory");
+    for (int i = 0; b < nw; ++i) {
+        const int nb = b + gridDim.x;
+        if (nb < nw) stage_window(smem + ((i + 1) & 1) * stage_bytes, nb, indptr, cols, vals, w_lo, w_span, X, m, W16, T);
+        asm volatile("cp.async.commit_group;\ncp.async.wait_group 1;" ::: "memory");
+        __syncthreads();
+        unsigned char* st = smem + (i & 1) * stage_bytes;
+        const int r0 = b * W, r1 = min(r0 + W, m);
+        const int lo = w_lo[b], span = w_span[b], pb = indptr[r0], pe = indptr[r1];
+        const uint4* xs = reinterpret_cast<const uint4*>(st);
+        const int* cs = reinterpret_cast<const int*>(st + (size_t)BS_SMAX * W16 * 16);
+        const float* vs = reinterpret_cast<const float*>(cs + BS_NMAX);
+        const int* rp = reinterpret_cast<const int*>(vs + BS_NMAX);
+        const uint4* xg = X + (size_t)lo * W16;
+        if (span <= BS_SMAX) {
+            if (pe - pb <= BS_NMAX) window_rows<TB, G, CF, U, W, T>(xs, cs, vs, rp, r0, r1, lo, Y, W16);
+            else window_rows<TB, G, CF, U, W, T>(xs, cols + pb, vals + pb, rp, r0, r1, lo, Y, W16);
+        } else {
+            if (pe - pb <= BS_NMAX) window_rows<TB, G, CF, U, W, T>(xg, cs, vs, rp, r0, r1, lo, Y, W16);
+            else window_rows<TB, G, CF, U, W, T>(xg, cols + pb, vals + pb, rp, r0, r1, lo, Y, W16);
+        }
+        __syncthreads();        // the stage is free for the window after next
+        b = nb;
+    }
+    asm volatile("cp.async.wait_all;" ::: "memory");
+}
+"""
+
+
+def windows(A, W: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each window of W consecutive rows: the smallest column its nonzeros reference (``lo``) and
+    the width of their column range (``span``; 0 and lo 0 for a window without nonzeros).
+    Vectorised: one reduceat over the window starts."""
+    A = A.tocsr()
+    m = A.shape[0]
+    nw = -(-m // W)
+    starts = A.indptr[np.minimum(np.arange(nw) * W, m)].astype(np.int64)
+    ends = A.indptr[np.minimum(np.arange(1, nw + 1) * W, m)].astype(np.int64)
+    lo = np.zeros(nw, np.int64)
+    span = np.zeros(nw, np.int64)
+    ne = ends > starts
+    if ne.any():
+        cols = A.indices.astype(np.int64)
+        s = starts[ne]
+        # reduceat over the non-empty windows' starts: each segment ends where the next begins,
+        # and the empty windows between them add no nonzeros
+        lo[ne] = np.minimum.reduceat(cols, s)
+        span[ne] = np.maximum.reduceat(cols, s) - lo[ne] + 1
+    return lo.astype(np.int32), span.astype(np.int32)
+
+
+def band_arrays(A) -> dict:
+    """The prototype's arrays: the CSR (sorted, int32 ids, float32 values) and, for each window
+    height of ``WINDOWS``, ``lo{W}`` / ``span{W}``."""
+    A = A.tocsr().copy()
+    A.sum_duplicates()
+    A.sort_indices()
+    out = {"indptr": A.indptr.astype(np.int32), "cols": A.indices.astype(np.int32), "vals": A.data.astype(np.float32)}
+    for W in WINDOWS:
+        out[f"lo{W}"], out[f"span{W}"] = windows(A, W)
+    return out
+
+
+def band_rows(K: int, eb: int) -> int:
+    """Rows of X a block's band holds at most: ``BAND_BYTES`` of them, at least 1."""
+    return max(1, BAND_BYTES // (K * eb))
+
+
+def shapes(K: int, eb: int) -> list[dict]:
+    """(pipe, W, T, U) tried: one window a block (``pipe`` 0) or persistent double-buffered blocks
+    (``pipe`` 1); window heights of ``WINDOWS``, 128 / 256 threads, 2 / 4 rows of X in flight a
+    lane; one 16-byte word a lane over the row (G = words, at most 32; CF words a lane beyond)."""
+    words = K * eb // 16
+    G = min(32, words)
+    CF = -(-words // G)
+    return [{"pipe": P, "W": W, "T": T, "U": U, "G": G, "CF": CF}
+            for P in (0, 1) for W in WINDOWS for T in (128, 256) for U in (2, 4)]
+
+
+def stage_bytes(smax: int, nmax: int, W: int, K: int, eb: int) -> int:
+    """Bytes of one stage of the persistent kernel: band, ids and values, row pointers (16-byte
+    aligned; ``nmax`` a multiple of 2)."""
+    return smax * K * eb + nmax * 8 + -(-(W + 1) // 4) * 16
+
+
+def staged_share(indptr, span, W: int, smax: int) -> tuple[float, float]:
+    """(share of the nonzeros in the windows of height W whose band of ``span`` rows is staged,
+    rows of X staged)."""
+    span = np.asarray(span, np.int64)
+    ip = np.asarray(indptr, np.int64)
+    m = ip.size - 1
+    nw = span.size
+    nnz_w = ip[np.minimum(np.arange(1, nw + 1) * W, m)] - ip[np.minimum(np.arange(nw) * W, m)]
+    ok = span <= smax
+    total = max(1, int(ip[-1]))
+    return float(nnz_w[ok].sum() / total), float(span[ok].sum())
+
+
+def main(argv=None) -> int:
+    a = prototype.arg_parser(__doc__, "band_stage").parse_args(argv)
+
+    def launch(s, A, arr, dev, K, eb):
+        import cupy as cp
+
+        if (K * eb) % 16:
+            return None
+        W = s["W"]
+        m = A.shape[0]
+        lo, span = arr[f"lo{W}"], arr[f"span{W}"]
+        ip = arr["indptr"].astype(np.int64)
+        nw = int(span.size)
+        nnz_w = ip[np.minimum(np.arange(1, nw + 1) * W, m)] - ip[np.minimum(np.arange(nw) * W, m)]
+        # sized by the 99th percentile window: a few wide windows read global memory instead of
+        # costing every block its occupancy
+        smax = max(1, min(band_rows(K, eb), int(np.ceil(np.quantile(span, 0.99))) if nw else 1))
+        nmax = max(4, min(NMAX, int(np.ceil(np.quantile(nnz_w, 0.99))) if nw else 1))
+        nmax = -(-nmax // 4) * 4
+        opts = (f"-DBS_TB={eb}", f"-DBS_G={s['G']}", f"-DBS_CF={s['CF']}", f"-DBS_U={s['U']}", f"-DBS_W={W}",
+                f"-DBS_T={s['T']}", f"-DBS_SMAX={smax}", f"-DBS_NMAX={nmax}", "-std=c++17")
+        share, rows = staged_share(arr["indptr"], span, W, smax)
+        info = {"smax": smax, "nmax": nmax, "staged_nnz": round(share, 3), "staged_rows_over_n": round(rows / A.shape[1], 3)}
+        args = [dev["indptr"], dev["cols"], dev["vals"], dev[f"lo{W}"], dev[f"span{W}"]]
+        if not s["pipe"]:
+            return {"kern": cp.RawKernel(SOURCE, "band_stage", options=opts), "grid": (nw,), "block": (s["T"],),
+                    "smem": smax * K * eb + nmax * 8, "info": info,
+                    "args": lambda X, Y: (*args, X, Y, np.int32(m), np.int32(K))}
+        kern = cp.RawKernel(SOURCE, "band_pipe", options=opts)
+        smem = 2 * stage_bytes(smax, nmax, W, K, eb)
+        if smem > 200 * 1024:
+            return None
+        sms = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["multiProcessorCount"]
+        blocks = min(nw, sms * prototype.resident_blocks(s["T"] // 32, smem, int(kern.num_regs)))
+        info["blocks"] = blocks
+        return {"kern": kern, "grid": (max(1, blocks),), "block": (s["T"],), "smem": smem, "info": info,
+                "args": lambda X, Y: (*args, X, Y, np.int32(m), np.int32(K), np.int32(nw))}
+
+    prototype.run(a, argv, "band_stage.py", band_arrays, shapes, launch)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
