@@ -10,13 +10,17 @@ memory and written once.  Each block's chain of dependent global reads is two de
 then the copies) instead of a gather kernel's three (row pointers, column ids, X rows), and X is
 read in whole cache lines about once (sum of spans / n) instead of one row a nonzero.
 
+Two forms (shape key ``pipe``): one window a block (``band_stage``), or persistent blocks that
+take every grid-th window and copy window i + 1 into their second stage while they sum window i
+(``band_pipe``; one wave of blocks).
+
 A window whose span is above ``smax`` rows, or whose nonzeros are above ``nmax``, reads that part
 from global memory instead (same kernel, a branch per window), so every matrix runs; the report
 says how much of the matrix was staged.  Nothing is permuted: the order is the matrix's own, since
 a module computes A @ X in the caller's order and permuting X would cost a pass over it.
 
 For every graph and K it reports cuSPARSE, the ``default`` module of a committed table rebuilt
-through ``build_from_config`` and this kernel's shapes (W, threads, U), each checked against the
+through ``build_from_config`` and the kernels' shapes (form, W, threads, U), each checked against the
 float64 reference on NaN-poisoned outputs before it is timed (``prototype.run``).
 
     python benchmarks/band_stage.py GRAPH ... --table docs/benchmarks/h200_spmm_fp32_default_big_v3.json
