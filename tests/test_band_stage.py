@@ -38,7 +38,9 @@ def test_windows_match_a_loop(W):
     cols = np.concatenate([rng.choice(n, k, replace=False) for k in lens])
     A = sp.csr_matrix((rng.standard_normal(rows.size), (rows, cols)), shape=(m, n))
     A.sort_indices()
-    lo, span = bs.windows(A, W)
+    w_row = bs.fixed_windows(m, W)
+    assert w_row[0] == 0 and w_row[-1] == m and np.all(np.diff(w_row) == np.minimum(W, m - w_row[:-1]))
+    lo, span = bs.windows(A, w_row)
     elo, espan = _loop_windows(A, W)
     assert lo.dtype == np.int32 and span.dtype == np.int32
     np.testing.assert_array_equal(lo, elo)
@@ -51,22 +53,62 @@ def test_band_of_a_block_diagonal_batch():
     blocks = [sp.random(8, 8, density=0.5, random_state=k, format="csr") + sp.eye(8) for k in range(20)]
     A = sp.block_diag(blocks, format="csr")
     A.sort_indices()
-    lo, span = bs.windows(A, 8)
+    w_row = bs.fixed_windows(160, 8)
+    lo, span = bs.windows(A, w_row)
     np.testing.assert_array_equal(lo, np.arange(20) * 8)
     np.testing.assert_array_equal(span, np.full(20, 8))
-    share, rows = bs.staged_share(A.indptr, span, 8, 8)
+    share, rows = bs.staged_share(A.indptr, w_row, span, 8)
     assert share == 1.0 and rows == 160
-    share, rows = bs.staged_share(A.indptr, span, 8, 7)         # no band fits: nothing staged
+    share, rows = bs.staged_share(A.indptr, w_row, span, 7)         # no band fits: nothing staged
     assert share == 0.0 and rows == 0
+
+
+def test_component_windows_cut_between_graphs():
+    rng = np.random.default_rng(3)
+    sizes = rng.integers(2, 30, 60)                   # a path of 2 or more nodes: no empty row
+    sizes[10] = 200                                   # a graph taller than a window
+    blocks = []
+    for k, n in enumerate(sizes):                     # each graph connected: a path plus random edges
+        P = sp.diags([np.ones(n - 1)], [1], shape=(n, n)) + sp.random(n, n, density=0.1, random_state=k)
+        blocks.append((P + P.T).tocsr())
+    A = sp.block_diag(blocks, format="csr")
+    A.sort_indices()
+    starts = np.r_[0, np.cumsum(sizes)]
+    m = int(starts[-1])
+    for W in (1, 16, 64):
+        w_row = bs.component_windows(A, W)
+        assert w_row[0] == 0 and w_row[-1] == m and np.all(np.diff(w_row) > 0)
+        assert set(w_row) <= set(starts)              # windows cut only between graphs
+        # every graph start in a W-row block joins the window of the block's first graph
+        assert len(w_row) - 1 == len(np.unique(starts[:-1] // W))
+        lo, span = bs.windows(A, w_row)
+        np.testing.assert_array_equal(lo, w_row[:-1])          # square, symmetric: the band is the window
+        np.testing.assert_array_equal(span, np.diff(w_row))
+    w = bs.component_windows(A, 16)                   # the tall graph ends its window
+    k = np.searchsorted(w, starts[10], side="right") - 1
+    assert w[k + 1] == starts[11] and w[k + 1] - w[k] >= 200
+    # rows of a non-square matrix: components of the bipartite row / column graph
+    B = sp.csr_matrix(np.array([[1, 0, 0], [0, 0, 1], [0, 1, 1], [1, 0, 0]], dtype=np.float32))
+    assert list(bs.component_windows(B, 1)) == [0, 1, 3, 4]
+    assert list(bs.component_windows(sp.csr_matrix((0, 3)), 4)) == [0]
+
+
+def test_limits():
+    ip = np.array([0, 5, 5, 300, 310])
+    w_row = np.array([0, 1, 2, 3, 4])
+    smax, nmax, rmax = bs.limits(ip, w_row, np.array([3, 0, 900, 2]), 64, 4)
+    assert smax <= bs.band_rows(64, 4) and nmax % 4 == 0 and 4 <= nmax <= bs.NMAX and rmax == 1
+    assert bs.limits(np.array([0]), np.array([0]), np.array([], np.int32), 64, 4) == (1, 4, 1)
 
 
 def test_no_nonzeros():
     A = sp.csr_matrix((5, 4))
-    lo, span = bs.windows(A, 2)
+    w_row = bs.fixed_windows(5, 2)
+    lo, span = bs.windows(A, w_row)
     assert list(lo) == [0, 0, 0] and list(span) == [0, 0, 0]
-    assert bs.staged_share(A.indptr, span, 2, 1) == (0.0, 0.0)
+    assert bs.staged_share(A.indptr, w_row, span, 1) == (0.0, 0.0)
     arr = bs.band_arrays(A)
-    assert all(arr[f"span{W}"].sum() == 0 for W in bs.WINDOWS)
+    assert all(arr[f"{k}_span{W}"].sum() == 0 for k in bs.KINDS for W in bs.WINDOWS)
 
 
 def test_shapes():
@@ -74,7 +116,7 @@ def test_shapes():
         words = K * eb // 16
         for s in bs.shapes(K, eb):
             assert s["G"] & (s["G"] - 1) == 0 and s["G"] <= 32 and s["G"] * s["CF"] >= words
-            assert s["T"] % 32 == 0 and s["W"] in bs.WINDOWS and s["pipe"] in (0, 1)
+            assert s["T"] % 32 == 0 and s["W"] in bs.WINDOWS and s["pipe"] in (0, 1) and s["win"] in bs.KINDS
             # the persistent kernel's second stage starts 16-byte aligned (nmax a multiple of 4)
             assert bs.stage_bytes(37, 12, s["W"], K, eb) % 16 == 0
         assert {s["pipe"] for s in bs.shapes(K, eb)} == {0, 1}
@@ -86,8 +128,8 @@ def test_shapes():
 def test_band_stage_kernel_compiles(tmp_path):
     src = tmp_path / "bs.cu"
     src.write_text(bs.SOURCE)
-    for arch, tb, G, CF, U, W, T in (("sm_90", 4, 16, 1, 2, 64, 128), ("sm_90", 2, 8, 1, 4, 128, 256),
+    for arch, tb, G, CF, U, R, T in (("sm_90", 4, 16, 1, 2, 64, 128), ("sm_90", 2, 8, 1, 4, 900, 256),
                                      ("sm_90", 4, 32, 2, 4, 32, 256), ("sm_80", 4, 32, 1, 2, 64, 128)):
         subprocess.run(["nvcc", "-cubin", "-O3", f"-arch={arch}", "-std=c++17", f"-DBS_TB={tb}", f"-DBS_G={G}",
-                        f"-DBS_CF={CF}", f"-DBS_U={U}", f"-DBS_W={W}", f"-DBS_T={T}", "-DBS_SMAX=100",
+                        f"-DBS_CF={CF}", f"-DBS_U={U}", f"-DBS_RMAX={R}", f"-DBS_T={T}", "-DBS_SMAX=100",
                         "-DBS_NMAX=300", str(src), "-o", str(tmp_path / "bs.cubin")], check=True)
