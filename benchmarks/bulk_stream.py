@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import prototype  # noqa: E402
 from prototype import resident_blocks  # noqa: E402
 
-#: shared memory a block may use (bytes), and what one SM has
+#: shared memory a block may use (bytes)
 SMEM_CAP = 200 * 1024
 
 SOURCE = prototype.CUDA_ELEM_HELPERS + prototype.CUDA_BULK_HELPERS + r"""
