@@ -48,7 +48,7 @@ BAND_BYTES = 96 * 1024
 #: nonzeros of a window staged at most (ids and values)
 NMAX = 2048
 
-SOURCE = prototype.CUDA_ELEM_HELPERS + r"""
+SOURCE = prototype.CUDA_ELEM_HELPERS + prototype.CUDA_ROW_SUM + r"""
 __device__ __forceinline__ void cp16(void* s, const void* g) {
     const unsigned a = (unsigned)__cvta_generic_to_shared(s);
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(a), "l"(g) : "memory");
@@ -65,51 +65,9 @@ template <int TB, int G, int CF, int U, int T, typename XP, typename IP, typenam
 __device__ __forceinline__ void window_rows(XP xs, IP cs, FP vs, const int* rp, int r0, int r1, int lo,
                                             uint4* __restrict__ Y, int W16)
 {
-    constexpr int EPW = 16 / TB;
-    const int lane = threadIdx.x % G, grp = threadIdx.x / G;
-    const int gl = (threadIdx.x % 32) / G * G;
-    const unsigned gmask = G == 32 ? 0xffffffffu : (((1u << G) - 1u) << gl);
     const int pb = rp[0];
-    for (int r = r0 + grp; r < r1; r += T / G) {
-        const int p0 = rp[r - r0] - pb, p1 = rp[r - r0 + 1] - pb;
-        float acc[CF][EPW];
-#pragma unroll
-        for (int c = 0; c < CF; ++c)
-#pragma unroll
-            for (int v = 0; v < EPW; ++v) acc[c][v] = 0.0f;
-        for (int base = p0; base < p1; base += G) {
-            const int n = min(G, p1 - base);
-            const int mc = lane < n ? cs[base + lane] - lo : 0;
-            const float mv = lane < n ? vs[base + lane] : 0.0f;
-            for (int j0 = 0; j0 < n; j0 += U) {
-                uint4 xv[U][CF];
-                float a[U];
-#pragma unroll
-                for (int u = 0; u < U; ++u) {
-                    const int cj = __shfl_sync(gmask, mc, gl + ((j0 + u) & (G - 1)));
-                    a[u] = __shfl_sync(gmask, mv, gl + ((j0 + u) & (G - 1)));
-#pragma unroll
-                    for (int c = 0; c < CF; ++c) {
-                        const int w = lane + c * G;
-                        if (j0 + u < n && w < W16) xv[u][c] = xs[(size_t)cj * W16 + w];
-                    }
-                }
-#pragma unroll
-                for (int u = 0; u < U; ++u)
-                    if (j0 + u < n) {
-#pragma unroll
-                        for (int c = 0; c < CF; ++c)
-#pragma unroll
-                            for (int v = 0; v < EPW; ++v) acc[c][v] += a[u] * elem<TB>(xv[u][c], v);
-                    }
-            }
-        }
-#pragma unroll
-        for (int c = 0; c < CF; ++c) {
-            const int w = lane + c * G;
-            if (w < W16) Y[(size_t)r * W16 + w] = pack<TB>(acc[c]);
-        }
-    }
+    for (int r = r0 + threadIdx.x / G; r < r1; r += T / G)
+        row_sum<TB, G, CF, U>(xs, cs, vs, rp[r - r0] - pb, rp[r - r0 + 1] - pb, lo, Y, r, W16);
 }
 
 // BS_TB: bytes of an element; BS_G lanes a row (BS_CF words a lane); BS_U rows of X in flight a
@@ -339,40 +297,43 @@ def limits(indptr, w_row, span, K: int, eb: int) -> tuple[int, int, int]:
     return smax, -(-nmax // 4) * 4, rmax
 
 
+def launch(s: dict, A, arr: dict, dev: dict, K: int, eb: int) -> dict | None:
+    """One shape's kernel and launch (``prototype.run``'s ``launch_of``): ``kern``, ``grid``,
+    ``block``, ``smem``, ``args(X, Y)`` and ``info``; None where a row of X is not whole 16-byte
+    words or the persistent kernel's two stages do not fit."""
+    import cupy as cp
+
+    if (K * eb) % 16:
+        return None
+    key = f"{s['win']}_%s{s['W']}"
+    w_row, span = arr[key % "row"], arr[key % "span"]
+    nw = int(span.size)
+    smax, nmax, rmax = limits(arr["indptr"], w_row, span, K, eb)
+    opts = (f"-DBS_TB={eb}", f"-DBS_G={s['G']}", f"-DBS_CF={s['CF']}", f"-DBS_U={s['U']}", f"-DBS_T={s['T']}",
+            f"-DBS_SMAX={smax}", f"-DBS_NMAX={nmax}", f"-DBS_RMAX={rmax}", "-std=c++17")
+    share, rows = staged_share(arr["indptr"], w_row, span, smax)
+    info = {"windows": nw, "smax": smax, "nmax": nmax, "rmax": rmax, "staged_nnz": round(share, 3),
+            "staged_rows_over_n": round(rows / max(1, A.shape[1]), 3)}
+    head = [dev["indptr"], dev["cols"], dev["vals"], dev[key % "row"], dev[key % "lo"], dev[key % "span"]]
+    if not s["pipe"]:
+        return {"kern": cp.RawKernel(SOURCE, "band_stage", options=opts), "grid": (max(1, nw),), "block": (s["T"],),
+                "smem": smax * K * eb + nmax * 8, "info": info,
+                "args": lambda X, Y: (*head, X, Y, np.int32(K))}
+    smem = 2 * stage_bytes(smax, nmax, rmax, K, eb)
+    if smem > 200 * 1024:
+        return None
+    kern = cp.RawKernel(SOURCE, "band_pipe", options=opts)
+    sms = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["multiProcessorCount"]
+    blocks = min(nw, sms * prototype.resident_blocks(s["T"] // 32, smem, int(kern.num_regs)))
+    info["blocks"] = blocks
+    return {"kern": kern, "grid": (max(1, blocks),), "block": (s["T"],), "smem": smem, "info": info,
+            "args": lambda X, Y: (*head, X, Y, np.int32(K), np.int32(nw))}
+
+
 def main(argv=None) -> int:
     ap = prototype.arg_parser(__doc__, "band_stage")
     ap.add_argument("--kinds", nargs="+", choices=sorted(KINDS), default=sorted(KINDS), help="window kinds measured")
     a = ap.parse_args(argv)
-
-    def launch(s, A, arr, dev, K, eb):
-        import cupy as cp
-
-        if (K * eb) % 16:
-            return None
-        key = f"{s['win']}_%s{s['W']}"
-        w_row, span = arr[key % "row"], arr[key % "span"]
-        nw = int(span.size)
-        smax, nmax, rmax = limits(arr["indptr"], w_row, span, K, eb)
-        opts = (f"-DBS_TB={eb}", f"-DBS_G={s['G']}", f"-DBS_CF={s['CF']}", f"-DBS_U={s['U']}", f"-DBS_T={s['T']}",
-                f"-DBS_SMAX={smax}", f"-DBS_NMAX={nmax}", f"-DBS_RMAX={rmax}", "-std=c++17")
-        share, rows = staged_share(arr["indptr"], w_row, span, smax)
-        info = {"windows": nw, "smax": smax, "nmax": nmax, "rmax": rmax, "staged_nnz": round(share, 3),
-                "staged_rows_over_n": round(rows / max(1, A.shape[1]), 3)}
-        args = [dev["indptr"], dev["cols"], dev["vals"], dev[key % "row"], dev[key % "lo"], dev[key % "span"]]
-        if not s["pipe"]:
-            return {"kern": cp.RawKernel(SOURCE, "band_stage", options=opts), "grid": (max(1, nw),), "block": (s["T"],),
-                    "smem": smax * K * eb + nmax * 8, "info": info,
-                    "args": lambda X, Y: (*args, X, Y, np.int32(K))}
-        kern = cp.RawKernel(SOURCE, "band_pipe", options=opts)
-        smem = 2 * stage_bytes(smax, nmax, rmax, K, eb)
-        if smem > 200 * 1024:
-            return None
-        sms = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["multiProcessorCount"]
-        blocks = min(nw, sms * prototype.resident_blocks(s["T"] // 32, smem, int(kern.num_regs)))
-        info["blocks"] = blocks
-        return {"kern": kern, "grid": (max(1, blocks),), "block": (s["T"],), "smem": smem, "info": info,
-                "args": lambda X, Y: (*args, X, Y, np.int32(K), np.int32(nw))}
-
     prototype.run(a, argv, "band_stage.py", band_arrays,
                   lambda K, eb: [x for x in shapes(K, eb) if x["win"] in a.kinds], launch)
     return 0

@@ -14,7 +14,6 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import cupy as cp  # noqa: E402
-import numpy as np  # noqa: E402
 import scipy.sparse as sp  # noqa: E402
 
 import band_stage as bs  # noqa: E402
@@ -24,25 +23,20 @@ GRAPHS = sys.argv[1] if len(sys.argv) > 1 else common.default_graph_dir()
 A = sp.load_npz(os.path.join(GRAPHS, 'tu_nci1.npz')).tocsr()
 arr = bs.band_arrays(A)
 dev = {k: cp.asarray(v) for k, v in arr.items()}
-K, eb, W, T, U = 64, 4, 64, 256, 2
+K, eb = 64, 4
 X = cp.random.standard_normal((A.shape[1], K), dtype=cp.float32)
 Y = cp.empty((A.shape[0], K), cp.float32)
 for win in ('fixed', 'comp'):
-    key = f"{win}_%s{W}"
-    w_row, span = arr[key % 'row'], arr[key % 'span']
-    smax, nmax, rmax = bs.limits(arr['indptr'], w_row, span, K, eb)
-    opts = (f"-DBS_TB={eb}", "-DBS_G=16", "-DBS_CF=1", f"-DBS_U={U}", f"-DBS_T={T}", f"-DBS_SMAX={smax}",
-            f"-DBS_NMAX={nmax}", f"-DBS_RMAX={rmax}", "-std=c++17")
-    kern = cp.RawKernel(bs.SOURCE, 'band_stage', options=opts)
-    smem = smax * K * eb + nmax * 8
-    kern.max_dynamic_shared_size_bytes = smem
-    args = (dev['indptr'], dev['cols'], dev['vals'], dev[key % 'row'], dev[key % 'lo'], dev[key % 'span'], X, Y, np.int32(K))
+    ln = bs.launch({"win": win, "pipe": 0, "W": 64, "T": 256, "U": 2, "G": 16, "CF": 1}, A, arr, dev, K, eb)
+    kern, args = ln["kern"], ln["args"](X, Y)
+    kern.max_dynamic_shared_size_bytes = ln["smem"]
     for i in range(2):
-        kern((len(span),), (T,), args, shared_mem=smem)
+        kern(ln["grid"], ln["block"], args, shared_mem=ln["smem"])
     cp.cuda.Device().synchronize()
     s, e = cp.cuda.Event(), cp.cuda.Event()
     s.record()
     for i in range(20):
-        kern((len(span),), (T,), args, shared_mem=smem)
-    e.record(); e.synchronize()
-    print(win, len(span), smax, nmax, rmax, "us/launch", cp.cuda.get_elapsed_time(s, e) / 20 * 1000, flush=True)
+        kern(ln["grid"], ln["block"], args, shared_mem=ln["smem"])
+    e.record()
+    e.synchronize()
+    print(win, ln["info"], "us/launch", cp.cuda.get_elapsed_time(s, e) / 20 * 1000, flush=True)

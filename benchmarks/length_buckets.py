@@ -33,7 +33,7 @@ import prototype  # noqa: E402
 #: rows longer than this are not handled by the prototype
 LMAX = 64
 
-SOURCE = prototype.CUDA_ELEM_HELPERS + r"""
+SOURCE = prototype.CUDA_ELEM_HELPERS + prototype.CUDA_ROW_SUM + r"""
 // LB_TB: bytes of an element of X / Y (4: float, 2: half)
 extern "C" __global__ void __launch_bounds__(256, LB_MB) length_buckets(
     const int* __restrict__ b_row, const int* __restrict__ b_nnz, const int* __restrict__ b_len, int nb,
@@ -45,9 +45,6 @@ extern "C" __global__ void __launch_bounds__(256, LB_MB) length_buckets(
     __shared__ int s_row[LB_LMAX + 2], s_nnz[LB_LMAX + 2], s_len[LB_LMAX + 2];
     for (int t = threadIdx.x; t <= nb; t += blockDim.x) { s_row[t] = b_row[t]; s_nnz[t] = t < nb ? b_nnz[t] : 0; s_len[t] = t < nb ? b_len[t] : 0; }
     __syncthreads();
-    const int lane = threadIdx.x % G;
-    const int gl = (threadIdx.x % 32) / G * G;
-    const unsigned gmask = (G == 32) ? 0xffffffffu : (((1u << G) - 1u) << gl);
     const int i = (blockIdx.x * blockDim.x + threadIdx.x) / G;
     if (i >= nrows) return;
     int b = 0, hi = nb - 1;                          // the last bucket starting at or before row i
@@ -58,45 +55,7 @@ extern "C" __global__ void __launch_bounds__(256, LB_MB) length_buckets(
     const int L = s_len[b];
     const int p0 = s_nnz[b] + (i - s_row[b]) * L;
     const int out = rows[i];
-    const int W16 = K / EPW;                         // 16-byte words of a row of X / Y
-    float acc[CF][EPW];
-#pragma unroll
-    for (int c = 0; c < CF; ++c)
-#pragma unroll
-        for (int v = 0; v < EPW; ++v) acc[c][v] = 0.0f;
-    for (int base = 0; base < L; base += G) {
-        const int n = min(G, L - base);
-        const int mc = lane < n ? cols[p0 + base + lane] : 0;
-        const float mv = lane < n ? vals[p0 + base + lane] : 0.0f;
-        for (int j0 = 0; j0 < n; j0 += U) {
-            uint4 xv[U][CF];
-            float a[U];
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-                const int cj = __shfl_sync(gmask, mc, gl + ((j0 + u) & (G - 1)));
-                a[u] = __shfl_sync(gmask, mv, gl + ((j0 + u) & (G - 1)));
-#pragma unroll
-                for (int c = 0; c < CF; ++c) {
-                    const int w = lane + c * G;
-                    if (j0 + u < n && w < W16) xv[u][c] = __ldg(X + (size_t)cj * W16 + w);
-                }
-            }
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-                if (j0 + u < n) {
-#pragma unroll
-                    for (int c = 0; c < CF; ++c)
-#pragma unroll
-                        for (int v = 0; v < EPW; ++v) acc[c][v] += a[u] * elem<LB_TB>(xv[u][c], v);
-                }
-            }
-        }
-    }
-#pragma unroll
-    for (int c = 0; c < CF; ++c) {
-        const int w = lane + c * G;
-        if (w < W16) Y[(size_t)out * W16 + w] = pack<LB_TB>(acc[c]);
-    }
+    row_sum<LB_TB, G, CF, U>(X, cols, vals, p0, p0 + L, 0, Y, out, K / EPW);   // K / EPW: words of a row of X / Y
 }
 """
 

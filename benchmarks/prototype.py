@@ -37,6 +37,60 @@ template <int TB> __device__ __forceinline__ uint4 pack(const float* f) {
 }
 """
 
+#: one output row of a sum SpMM, for kernels that give a row to a group of G lanes (one 16-byte
+#: word of the row a lane, CF beyond 32 words): nonzeros p0 .. p1 - 1, their ids and values read G
+#: at a time (``cs`` / ``vs``: ids minus ``off`` index ``xs``), U rows of X (W16 words each) in
+#: flight a lane, summed in nonzero order in fp32 and written once to row ``out`` of Y.  Needs
+#: ``CUDA_ELEM_HELPERS``; ``xs`` / ``cs`` / ``vs`` may point to global or shared memory.
+CUDA_ROW_SUM = r"""
+template <int TB, int G, int CF, int U, typename XP, typename IP, typename FP>
+__device__ __forceinline__ void row_sum(XP xs, IP cs, FP vs, int p0, int p1, int off, uint4* __restrict__ Y, int out,
+                                        int W16)
+{
+    constexpr int EPW = 16 / TB;
+    const int lane = threadIdx.x % G;
+    const int gl = (threadIdx.x % 32) / G * G;
+    const unsigned gmask = G == 32 ? 0xffffffffu : (((1u << G) - 1u) << gl);
+    float acc[CF][EPW];
+#pragma unroll
+    for (int c = 0; c < CF; ++c)
+#pragma unroll
+        for (int v = 0; v < EPW; ++v) acc[c][v] = 0.0f;
+    for (int base = p0; base < p1; base += G) {
+        const int n = min(G, p1 - base);
+        const int mc = lane < n ? cs[base + lane] - off : 0;
+        const float mv = lane < n ? vs[base + lane] : 0.0f;
+        for (int j0 = 0; j0 < n; j0 += U) {
+            uint4 xv[U][CF];
+            float a[U];
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const int cj = __shfl_sync(gmask, mc, gl + ((j0 + u) & (G - 1)));
+                a[u] = __shfl_sync(gmask, mv, gl + ((j0 + u) & (G - 1)));
+#pragma unroll
+                for (int c = 0; c < CF; ++c) {
+                    const int w = lane + c * G;
+                    if (j0 + u < n && w < W16) xv[u][c] = xs[(size_t)cj * W16 + w];
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < U; ++u)
+                if (j0 + u < n) {
+#pragma unroll
+                    for (int c = 0; c < CF; ++c)
+#pragma unroll
+                        for (int v = 0; v < EPW; ++v) acc[c][v] += a[u] * elem<TB>(xv[u][c], v);
+                }
+        }
+    }
+#pragma unroll
+    for (int c = 0; c < CF; ++c) {
+        const int w = lane + c * G;
+        if (w < W16) Y[(size_t)out * W16 + w] = pack<TB>(acc[c]);
+    }
+}
+"""
+
 #: Hopper bulk copies (sm_90): mbarriers in shared memory (32-bit shared addresses) that one
 #: arrival and a transaction byte count complete, and a ``cp.async.bulk`` of ``bytes`` (a multiple
 #: of 16, 16-byte aligned) from global to shared memory that completes on one of them
