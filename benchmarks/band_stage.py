@@ -48,15 +48,7 @@ BAND_BYTES = 96 * 1024
 #: nonzeros of a window staged at most (ids and values)
 NMAX = 2048
 
-SOURCE = prototype.CUDA_ELEM_HELPERS + prototype.CUDA_ROW_SUM + r"""
-__device__ __forceinline__ void cp16(void* s, const void* g) {
-    const unsigned a = (unsigned)__cvta_generic_to_shared(s);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(a), "l"(g) : "memory");
-}
-__device__ __forceinline__ void cp4(void* s, const void* g) {
-    const unsigned a = (unsigned)__cvta_generic_to_shared(s);
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" :: "r"(a), "l"(g) : "memory");
-}
+SOURCE = prototype.CUDA_ELEM_HELPERS + prototype.CUDA_ROW_SUM + prototype.CUDA_CP_ASYNC + r"""
 
 // the rows of one window, X read through XS (shared band or global X, both indexed by the column
 // minus lo) and ids / values through CS / VS (shared or global, indexed from the window's first

@@ -40,18 +40,18 @@ template <int TB> __device__ __forceinline__ uint4 pack(const float* f) {
 #: one output row of a sum SpMM, for kernels that give a row to a group of G lanes (one 16-byte
 #: word of the row a lane, CF beyond 32 words): nonzeros p0 .. p1 - 1, their ids and values read G
 #: at a time (``cs`` / ``vs``: ids minus ``off`` index ``xs``), U rows of X (W16 words each) in
-#: flight a lane, summed in nonzero order in fp32 and written once to row ``out`` of Y.  Needs
-#: ``CUDA_ELEM_HELPERS``; ``xs`` / ``cs`` / ``vs`` may point to global or shared memory.
+#: flight a lane, summed in nonzero order in fp32 (``row_acc``, into the lane's ``acc``) and
+#: written once to row ``out`` of Y (``row_sum``).  Needs ``CUDA_ELEM_HELPERS``; ``xs`` / ``cs`` /
+#: ``vs`` may point to global or shared memory, or be any type whose ``[]`` takes the word index
+#: ``(size_t)id * W16 + word`` (``hot_cache.py``: negative ids read a shared copy).
 CUDA_ROW_SUM = r"""
 template <int TB, int G, int CF, int U, typename XP, typename IP, typename FP>
-__device__ __forceinline__ void row_sum(XP xs, IP cs, FP vs, int p0, int p1, int off, uint4* __restrict__ Y, int out,
-                                        int W16)
+__device__ __forceinline__ void row_acc(float (&acc)[CF][16 / TB], XP xs, IP cs, FP vs, int p0, int p1, int off, int W16)
 {
     constexpr int EPW = 16 / TB;
     const int lane = threadIdx.x % G;
     const int gl = (threadIdx.x % 32) / G * G;
     const unsigned gmask = G == 32 ? 0xffffffffu : (((1u << G) - 1u) << gl);
-    float acc[CF][EPW];
 #pragma unroll
     for (int c = 0; c < CF; ++c)
 #pragma unroll
@@ -83,11 +83,32 @@ __device__ __forceinline__ void row_sum(XP xs, IP cs, FP vs, int p0, int p1, int
                 }
         }
     }
+}
+template <int TB, int G, int CF, int U, typename XP, typename IP, typename FP>
+__device__ __forceinline__ void row_sum(XP xs, IP cs, FP vs, int p0, int p1, int off, uint4* __restrict__ Y, int out,
+                                        int W16)
+{
+    float acc[CF][16 / TB];
+    row_acc<TB, G, CF, U>(acc, xs, cs, vs, p0, p1, off, W16);
+    const int lane = threadIdx.x % G;
 #pragma unroll
     for (int c = 0; c < CF; ++c) {
         const int w = lane + c * G;
         if (w < W16) Y[(size_t)out * W16 + w] = pack<TB>(acc[c]);
     }
+}
+"""
+
+#: ``cp.async`` copies of 16 and 4 bytes from global to shared memory (sm_80 and later; the
+#: caller commits and waits)
+CUDA_CP_ASYNC = r"""
+__device__ __forceinline__ void cp16(void* s, const void* g) {
+    const unsigned a = (unsigned)__cvta_generic_to_shared(s);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(a), "l"(g) : "memory");
+}
+__device__ __forceinline__ void cp4(void* s, const void* g) {
+    const unsigned a = (unsigned)__cvta_generic_to_shared(s);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" :: "r"(a), "l"(g) : "memory");
 }
 """
 
