@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import pathlib
 import re
+import shutil
+import subprocess
 
 import numpy as np
 import pytest
@@ -63,6 +65,19 @@ def find_cuobjdump() -> str | None:
     except ImportError:
         pass
     return next((c for c in cands if os.access(c, os.X_OK)), None)
+
+
+#: a test that runs nvcc (under CI=true its skip fails: CI machines have nvcc)
+needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+
+
+def nvcc_cubin(tmp_path, source: str, defines: dict, arch: str = "sm_90", flags=()) -> None:
+    """Compile the CUDA ``source`` to a cubin with ``nvcc -O3`` for ``arch`` (``flags`` added), each
+    of ``defines`` passed as ``-DNAME=VALUE``; CalledProcessError when it does not compile."""
+    src = tmp_path / "kernel.cu"
+    src.write_text(source)
+    subprocess.run(["nvcc", "-cubin", "-O3", f"-arch={arch}", *flags, *(f"-D{k}={v}" for k, v in defines.items()),
+                    str(src), "-o", str(tmp_path / "kernel.cubin")], check=True)
 
 
 def tool_env(tool: str) -> dict:

@@ -3,13 +3,13 @@ windows and a short last window included), what share of the matrix the staged w
 shapes it launches, and its CUDA source compiled for sm_90 and sm_80 (the GPU part runs on the
 device, where every result is checked against float64 before it is timed)."""
 import os
-import shutil
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 import scipy.sparse as sp
+
+from conftest import needs_nvcc, nvcc_cubin
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 import band_stage as bs  # noqa: E402
@@ -124,12 +124,9 @@ def test_shapes():
     assert bs.band_rows(1 << 20, 4) == 1
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+@needs_nvcc
 def test_band_stage_kernel_compiles(tmp_path):
-    src = tmp_path / "bs.cu"
-    src.write_text(bs.SOURCE)
     for arch, tb, G, CF, U, R, T in (("sm_90", 4, 16, 1, 2, 64, 128), ("sm_90", 2, 8, 1, 4, 900, 256),
                                      ("sm_90", 4, 32, 2, 4, 32, 256), ("sm_80", 4, 32, 1, 2, 64, 128)):
-        subprocess.run(["nvcc", "-cubin", "-O3", f"-arch={arch}", "-std=c++17", f"-DBS_TB={tb}", f"-DBS_G={G}",
-                        f"-DBS_CF={CF}", f"-DBS_U={U}", f"-DBS_RMAX={R}", f"-DBS_T={T}", "-DBS_SMAX=100",
-                        "-DBS_NMAX=300", str(src), "-o", str(tmp_path / "bs.cubin")], check=True)
+        nvcc_cubin(tmp_path, bs.SOURCE, {"BS_TB": tb, "BS_G": G, "BS_CF": CF, "BS_U": U, "BS_RMAX": R, "BS_T": T,
+                                         "BS_SMAX": 100, "BS_NMAX": 300}, arch, ["-std=c++17"])

@@ -3,13 +3,13 @@ row exactly once, runs of about nnz / streams nonzeros, empty rows before, betwe
 nonzeros), the shapes and block sizes it launches, and its CUDA source compiled for sm_90 (the
 GPU part runs on the device; bulk copies are Hopper instructions)."""
 import os
-import shutil
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 import scipy.sparse as sp
+
+from conftest import needs_nvcc, nvcc_cubin
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 import bulk_stream as bs  # noqa: E402
@@ -81,10 +81,7 @@ def test_one_wave():
     assert bs.resident_blocks(4, 200 * 1024, 255) == 1
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+@needs_nvcc
 def test_bulk_stream_kernel_compiles(tmp_path):
-    src = tmp_path / "bs.cu"
-    src.write_text(bs.SOURCE)
     for tb, K, S, c, nw in ((4, 64, 2, 16, 4), (4, 256, 4, 32, 1), (2, 64, 4, 4, 4), (2, 128, 8, 8, 3), (4, 64, 2, 32, 2)):
-        subprocess.run(["nvcc", "-cubin", "-O3", "-arch=sm_90", f"-DBS_TB={tb}", f"-DBS_K={K}", f"-DBS_S={S}",
-                        f"-DBS_C={c}", f"-DBS_NW={nw}", str(src), "-o", str(tmp_path / "bs.cubin")], check=True)
+        nvcc_cubin(tmp_path, bs.SOURCE, {"BS_TB": tb, "BS_K": K, "BS_S": S, "BS_C": c, "BS_NW": nw})

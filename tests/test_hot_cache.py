@@ -4,13 +4,13 @@ arrays compute against A @ X in float64, the matrix without the staged columns (
 shapes, and its CUDA source compiled for sm_90 and sm_80 (the GPU part runs on the device, where
 every result is checked against float64 on NaN-poisoned outputs before it is timed)."""
 import os
-import shutil
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 import scipy.sparse as sp
+
+from conftest import needs_nvcc, nvcc_cubin
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 import hot_cache as hc  # noqa: E402
@@ -124,12 +124,9 @@ def test_shapes():
     assert hc.shapes(12, 4) == []      # rows of X not a whole number of 16-byte words
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+@needs_nvcc
 def test_hot_cache_kernel_compiles(tmp_path):
-    src = tmp_path / "hc.cu"
-    src.write_text(hc.SOURCE)
     for arch, tb, G, CF, U, T, MB in (("sm_90", 4, 16, 1, 4, 512, 2), ("sm_90", 2, 8, 1, 8, 1024, 1),
                                       ("sm_90", 4, 32, 2, 4, 512, 2), ("sm_80", 4, 32, 1, 8, 1024, 1)):
-        subprocess.run(["nvcc", "-cubin", "-O3", f"-arch={arch}", "-std=c++17", f"-DHC_TB={tb}", f"-DHC_G={G}",
-                        f"-DHC_CF={CF}", f"-DHC_U={U}", f"-DHC_T={T}", f"-DHC_MB={MB}", str(src),
-                        "-o", str(tmp_path / "hc.cubin")], check=True)
+        nvcc_cubin(tmp_path, hc.SOURCE, {"HC_TB": tb, "HC_G": G, "HC_CF": CF, "HC_U": U, "HC_T": T, "HC_MB": MB},
+                   arch, ["-std=c++17"])

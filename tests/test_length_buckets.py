@@ -2,13 +2,13 @@
 row's nonzeros found from its bucket alone, as the kernel finds them), the shapes it tries, and
 its CUDA source compiled for sm_90 and sm_80 (the GPU part runs on the device)."""
 import os
-import shutil
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 import scipy.sparse as sp
+
+from conftest import needs_nvcc, nvcc_cubin
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 import length_buckets as lb  # noqa: E402
@@ -64,12 +64,9 @@ def test_shapes_cover_the_row():
         assert lb.shapes(K, eb)                       # at least the whole-row shape
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+@needs_nvcc
 @pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
 def test_length_bucket_kernel_compiles(tmp_path, arch):
-    src = tmp_path / "lb.cu"
-    src.write_text(lb.SOURCE)
     for tb, g, cf, u, mb in ((4, 16, 1, 2, 8), (2, 4, 2, 4, 4), (4, 32, 2, 8, 1)):
-        subprocess.run(["nvcc", "-cubin", "-O3", f"-arch={arch}", f"-DLB_LMAX={lb.LMAX}", f"-DLB_TB={tb}", f"-DLB_G={g}",
-                        f"-DLB_CF={cf}", f"-DLB_U={u}", f"-DLB_MB={mb}", str(src), "-o", str(tmp_path / "lb.cubin")],
-                       check=True)
+        nvcc_cubin(tmp_path, lb.SOURCE, {"LB_LMAX": lb.LMAX, "LB_TB": tb, "LB_G": g, "LB_CF": cf, "LB_U": u, "LB_MB": mb},
+                   arch)

@@ -3,12 +3,12 @@ the launch shape, and the report it computes from a bench JSON (the GPU part run
 its CUDA source is compiled here for sm_90 and sm_80)."""
 import math
 import os
-import shutil
-import subprocess
 import sys
 
 import numpy as np
 import pytest
+
+from conftest import needs_nvcc, nvcc_cubin
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 import short_gather as sg  # noqa: E402
@@ -62,14 +62,11 @@ def test_rows_and_summary():
     assert "| 64 | 2 | 2.83 | 6.32 | 5.35 | " in md and "| a | 50000 | 1000 | 64 | 2.0 | 5.0 | 7.0 | 4 |" in md
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+@needs_nvcc
 @pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
 def test_gather_kernel_compiles(tmp_path, arch):
-    src = tmp_path / "g.cu"
-    src.write_text(sg.SOURCE)
     for lanes, u, row16 in ((8, 8, 8), (2, 1, 3), (32, 4, 64)):
-        subprocess.run(["nvcc", "-cubin", "-O3", f"-arch={arch}", f"-DSG_LANES={lanes}", f"-DSG_U={u}",
-                        f"-DSG_ROW16={row16}", str(src), "-o", str(tmp_path / "g.cubin")], check=True)
+        nvcc_cubin(tmp_path, sg.SOURCE, {"SG_LANES": lanes, "SG_U": u, "SG_ROW16": row16}, arch)
 
 
 def test_bulk_launch_shape():
@@ -98,11 +95,8 @@ def test_markdown_with_bulk_columns():
     assert "bulk gather" not in sg.markdown(doc) and "| a | 50000 | 1000 | 64 | 2.0 | 5.0 | 7.0 | 8 | 10.0 |" in sg.markdown(doc)
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+@needs_nvcc
 def test_bulk_gather_kernel_compiles(tmp_path):
     # cp.async.bulk and mbarrier transaction counts are sm_90 instructions: the kernel is Hopper-only
-    src = tmp_path / "b.cu"
-    src.write_text(sg.BULK_SOURCE)
     for w, s, rb, c in ((4, 2, 128, 32), (1, 1, 1024, 8), (3, 4, 256, 16)):
-        subprocess.run(["nvcc", "-cubin", "-O3", "-arch=sm_90", f"-DBG_W={w}", f"-DBG_S={s}", f"-DBG_RB={rb}",
-                        f"-DBG_C={c}", str(src), "-o", str(tmp_path / "b.cubin")], check=True)
+        nvcc_cubin(tmp_path, sg.BULK_SOURCE, {"BG_W": w, "BG_S": s, "BG_RB": rb, "BG_C": c})
