@@ -46,7 +46,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-import prototype  # noqa: E402  (the bulk-copy helpers)
+import prototype  # noqa: E402  (the bulk-copy helpers, the resident block count)
 
 SOURCE = r"""
 extern "C" __global__ void __launch_bounds__(256) short_gather(
@@ -150,11 +150,10 @@ def lanes_for(row16: int) -> int:
     return g
 
 
-def resident_blocks(regs: int, threads: int = 256, sm_regs: int = 65536, max_threads: int = 2048) -> int:
-    """256-thread blocks of a kernel of ``regs`` registers a thread that one SM holds at once
-    (registers allocated 8 at a time a thread): one wave of the grid."""
-    per_thread = max(8, -(-int(regs) // 8) * 8)
-    return max(1, min(max_threads // threads, sm_regs // (per_thread * threads)))
+def resident_blocks(regs: int) -> int:
+    """256-thread blocks of a kernel of ``regs`` registers a thread (no shared memory) that one SM
+    holds at once (``prototype.resident_blocks``): one wave of the grid."""
+    return prototype.resident_blocks(8, 0, regs)
 
 
 def host_checksum(X32: np.ndarray, cols: np.ndarray) -> int:
@@ -250,7 +249,6 @@ def measure_bulk(n: int, nnz: int, row_bytes: int, n_sets: int = 1, seed: int = 
     import cupy as cp
 
     g = _Gathers(n, nnz, row_bytes, n_sets, seed, repeats)
-    sm_smem = 228 * 1024
     out, grid = {}, {}
     for S, C in itertools.product(stages, chunks):
         W = bulk_warps(row_bytes, S, C)
@@ -260,7 +258,7 @@ def measure_bulk(n: int, nnz: int, row_bytes: int, n_sets: int = 1, seed: int = 
         kern = cp.RawKernel(BULK_SOURCE, "bulk_gather",
                             options=(f"-DBG_W={W}", f"-DBG_S={S}", f"-DBG_RB={row_bytes}", f"-DBG_C={C}"))
         kern.max_dynamic_shared_size_bytes = smem
-        per_sm = max(1, min(2048 // (32 * W), sm_smem // (smem + 1024), 32))
+        per_sm = max(1, min(2048 // (32 * W), prototype.SM_SMEM // (smem + 1024), 32))
         grid[S, C] = (g.sms * per_sm, W)
         out[S, C] = g.time(kern, g.sms * per_sm, 32 * W, f"bulk gather kernel S={S} C={C}", shared_mem=smem)
     if not out:
