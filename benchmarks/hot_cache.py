@@ -207,13 +207,12 @@ def emulate(arr: dict, hot: np.ndarray, X: np.ndarray) -> np.ndarray:
     Y = np.full((int(arr["seg_row"].max(initial=-1)) + 1, X.shape[1]), np.nan)
     whole = arr["seg_slot"] < 0
     Y[arr["seg_row"][whole]] = seg_sum[whole]
-    part = np.full((int(arr["sp_n"].sum()), X.shape[1]), np.nan)
-    part[arr["seg_slot"][~whole]] = seg_sum[~whole]
-    split_rows = np.unique(arr["seg_row"][~whole])
-    for r in range(arr["sp_n"].size):      # the split rows only (hub rows: few)
-        f, k = arr["sp_first"][r], arr["sp_n"][r]
-        Y[arr["seg_row"][arr["seg_sp"] == r][0]] = part[f:f + k].sum(axis=0)
-    assert split_rows.size == arr["sp_n"].size
+    if arr["sp_n"].size:
+        part = np.full((int(arr["sp_n"].sum()), X.shape[1]), np.nan)
+        part[arr["seg_slot"][~whole]] = seg_sum[~whole]
+        sp_row = np.full(arr["sp_n"].size, -1, np.int64)
+        sp_row[arr["seg_sp"][~whole]] = arr["seg_row"][~whole]
+        Y[sp_row] = np.add.reduceat(part, arr["sp_first"], axis=0)
     return Y
 
 
@@ -227,6 +226,12 @@ def shapes(K: int, eb: int) -> list[dict]:
     if G * CF < words or G & (G - 1):
         return []
     return [{"G": G, "CF": CF, "T": T, "U": U, "hot": hot} for T in (512, 1024) for U in (4, 8) for hot in (0, 1)]
+
+
+def cache_rows(per_sm: int, K: int, eb: int) -> int:
+    """Rows of X (``K`` elements of ``eb`` bytes) that the shared memory of one of ``per_sm``
+    blocks an SM holds (1 KB a block reserved); 0 for no cache (``per_sm`` 0)."""
+    return (prototype.SM_SMEM // per_sm - 1024) // (K * eb) if per_sm else 0
 
 
 def without_columns(A, hot: np.ndarray):
@@ -266,11 +271,9 @@ def bound(a, argv) -> list[dict]:
             cfg = cfgs.get((name, K))
             if not cfg:
                 continue
-            words = K * eb // 16
             res = {"graph": name, "nnz": int(A.nnz), "K": K, "dtype": a.dtype, "config": cfg, "cells": []}
             for per_sm in (0, 1, 2):
-                h_max = (prototype.SM_SMEM // per_sm - 1024) // (words * 16) if per_sm else 0
-                hot = hot_columns(cols, A.shape[1], h_max, sms * per_sm)
+                hot = hot_columns(cols, A.shape[1], cache_rows(per_sm, K, eb), sms * per_sm)
                 B = without_columns(A, hot) if hot.size else A
                 if a.build_only:
                     bench.build_from_config(bench.make_op(B, "spmm", K, "sum", a.dtype), Config.from_dict(cfg))
@@ -299,23 +302,22 @@ def main(argv=None) -> int:
     def launch(s, A, arr, dev, K, eb):
         import cupy as cp
 
-        per_sm = 1 if s["T"] == 1024 else 2          # blocks an SM with the cache (its shared memory)
-        mb = per_sm                                  # launch bounds: at most 64 registers with or without it
-        words = K * eb // 16
-        smem_max = (prototype.SM_SMEM // per_sm - 1024) if s["hot"] else 0
-        h_max = smem_max // (words * 16)
+        # blocks an SM with the cache (its shared memory), also the launch bounds with or without
+        # it: at most 64 registers
+        per_sm = 1 if s["T"] == 1024 else 2
+        h_max = cache_rows(per_sm, K, eb) if s["hot"] else 0
         opts = (f"-DHC_TB={eb}", f"-DHC_G={s['G']}", f"-DHC_CF={s['CF']}", f"-DHC_U={s['U']}", f"-DHC_T={s['T']}",
-                f"-DHC_MB={mb}", "-std=c++17")
+                f"-DHC_MB={per_sm}", "-std=c++17")
         kern = cp.RawKernel(SOURCE, "hot_cache", options=opts)
         sms = cp.cuda.Device().attributes["MultiProcessorCount"]
-        blocks = sms * prototype.resident_blocks(s["T"] // 32, smem_max, kern.num_regs)
+        blocks = sms * prototype.resident_blocks(s["T"] // 32, h_max * K * eb, kern.num_regs)
         hot = hot_columns(arr["cols"], arr["n"], h_max, blocks)
         cols = cp.asarray(remap(arr["cols"], hot, arr["n"]))
         dhot = cp.asarray(hot if hot.size else np.zeros(1, np.int32))
         part = cp.zeros(max(1, int(arr["sp_n"].sum())) * K, np.float32)
         cnt = cp.zeros(max(1, arr["sp_n"].size), np.int32)
         covered = float(np.isin(arr["cols"], hot).mean()) if hot.size else 0.0
-        return {"kern": kern, "grid": (blocks,), "block": (s["T"],), "smem": int(hot.size * words * 16),
+        return {"kern": kern, "grid": (blocks,), "block": (s["T"],), "smem": int(hot.size * K * eb),
                 "info": {"H": int(hot.size), "covered": round(covered, 3), "blocks": blocks},
                 "args": lambda X, Y: (dev["seg_ptr"], dev["seg_row"], dev["seg_slot"], dev["seg_sp"], dev["sp_first"],
                                       dev["sp_n"], cols, dev["vals"], dhot, np.int32(hot.size), X, Y, part, cnt,
