@@ -9,7 +9,8 @@ configuration (fp32 K=64/128, fp16 K=64, and two ``max_seg`` variants) and calle
 
 Other cases: ``--table T.json --cells GRAPH:K [GRAPH:K ...]`` takes each cell's ``build()``
 configuration (column ``default``) from the bench table T.json (its dtype) instead, e.g. the
-fp32 graphs of short rows furthest from the floor:
+fp32 graphs of short rows furthest from the floor (``--calls N`` calls each module N times, for
+``--launch-skip`` to profile a warm call):
 
     ... python benchmarks/crc_ncu_cases.py --table docs/benchmarks/h200_spmm_fp32_default_big.json \
         --cells snap_sx_askubuntu:64 snap_sx_askubuntu:128 dimacs10_wing:64 tu_nci1:64
@@ -64,6 +65,8 @@ ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDe
 ap.add_argument("--build-only", action="store_true", help="fill $SPCOMPILE_KERNEL_CACHE, no GPU")
 ap.add_argument("--table", help="a bench.py JSON whose default column's configurations to run")
 ap.add_argument("--cells", nargs="+", default=[], metavar="GRAPH:K", help="with --table: its cells")
+ap.add_argument("--calls", type=int, default=1,
+                help="calls of each module (profile a warm one with ncu --launch-skip / --launch-count)")
 a = ap.parse_args()
 if a.cells and not a.table:
     ap.error("--cells needs --table")
@@ -84,5 +87,6 @@ for i, (g, K, dt, cfgd, over) in enumerate(cases):
         tdt = torch.float16 if dt == "float16" else torch.float32
         X = torch.randn(A.shape[1], K, device="cuda").to(tdt)
         Y = torch.empty(A.shape[0], K, device="cuda", dtype=tdt)
-        mod(X, out=Y)
+        for _ in range(a.calls):
+            mod(X, out=Y)
         torch.cuda.synchronize()
