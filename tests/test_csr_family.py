@@ -473,14 +473,14 @@ def test_binary_rebuilt_for_another_arch(monkeypatch):
 #: sha256 of the rendered source (the on-disk kernel cache key) of csr instances; a change here
 #: invalidates every cached csr kernel binary -- update only for an intended kernel change
 RENDER_SHA256 = {
-    ("csr.crc_cwm", ("sum", 1, 4, 32, 2, "float32")): "8b32483d35c84351dbd14332588b4f51789fd1679990cf2a913a5c83abd619a9",
-    ("csr.crc_cwm", ("mean", 4, 8, 4, 8, "bfloat16")): "b589eb7eefd166fd6457569aff20823499bd9973d72f8b729c904ca8e3b5307e",
-    ("csr.crc_cwm", ("max", 2, 1, 8, 4, "float16")): "c90d209c233b8738e21accbfd6247de0fd0705f9cfaf33ff47a6167adbe02db2",
-    ("csr.crc_cwm", ("sum", 1, 4, 32, 2, "float32", 1)): "d0fb40ba157ce1bbba2e06f6f0a954374e359ee73635d6a132e421fbd55182e1",
-    ("csr.crc_cwm", ("sum", 1, 4, 32, 1, "float32", 0, 8)): "128180b636a0e7362562aa019b01ca0f409a9daf5c6bf8a4dc3f44e15a37457f",
-    ("csr.crc_cwm", ("sum", 1, 8, 8, 8, "float16", 0, 1, 16)): "d24bfebc1816ab6b36db6c91b7388bf0520368416284d082544ab05702b6131a",
-    ("csr.crc_cwm", ('sum', 1, 8, 8, 16, 'float16')): "4e35afa2f7e0fff12efcbb075b277bfd4427be2c99a3cbea5e3f50c4d117dd75",
-    ("csr.crc_cwm", ("sum", 1, 4, 16, 8, "float32", 2, 4)): "b27ce0ebed38c491d0ac68b77e91d75eed200761255a2a9ac9e576f98c6a305f",
+    ("csr.crc_cwm", ("sum", 1, 4, 32, 2, "float32")): "e3eea9c2ccb59a8c961f113029e1a6fc6b2cd81463a6a1072d494be0da7d21f5",
+    ("csr.crc_cwm", ("mean", 4, 8, 4, 8, "bfloat16")): "a3342a1400b7f58f2b8a87d3f6ea41a31eb68ba3cd6724c5773b748749f15b5d",
+    ("csr.crc_cwm", ("max", 2, 1, 8, 4, "float16")): "3eddf6b8fd0cdd191b6b1f3a637dc4fd149976251f24b9e73c1b1d0b52fddca8",
+    ("csr.crc_cwm", ("sum", 1, 4, 32, 2, "float32", 1)): "958765f8e1fb0cc18966a03da2c1de41963f4368de86573ef175f742435f0bd8",
+    ("csr.crc_cwm", ("sum", 1, 4, 32, 1, "float32", 0, 8)): "7a1f01bd984161f169af825dc2f2925e2e8b2f138a8c3345de6148a88ca5f985",
+    ("csr.crc_cwm", ("sum", 1, 8, 8, 8, "float16", 0, 1, 16)): "207c243c1f168d71bc336b8b806df7ce7e9a2edaf8309c65837c7a29466ffc61",
+    ("csr.crc_cwm", ('sum', 1, 8, 8, 16, 'float16')): "6b958fd55d1414906055d2096456a7742cddd726cb1e4758c0277f372f4d4b18",
+    ("csr.crc_cwm", ("sum", 1, 4, 16, 8, "float32", 2, 4)): "ca11829190338ff2bcfc16783c2edf7a4a3130d0ed18508c508554f7b0aeacf7",
     ("csr.sddmm", (32, 4, 4, "float32")): "3f6caa4f4d3928d191918a894c7537146bcc28ed78a9ec65e986fbbc6bbf7fda",
     ("csr.sddmm", (8, 2, 2, "float16")): "fba4895bb6faad9f8126d643d648642f26d72e1e049d1cc47cc086fa066be35c",
     ("csr.sddmm", (16, 8, 1, "bfloat16", 1)): "ea2c2d8272949912608fe567554b7a0bade091ffb28ce524be31eca5153832bb",

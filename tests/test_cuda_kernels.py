@@ -422,6 +422,34 @@ def test_deep_unroll_spmm(dtype, tol, K):
                                    for i, p in enumerate(DEEP_UNROLL_SPMM_PARAMS)], deep)
 
 
+#: the lean instances of spmm_crc_cwm.cu (lean_of: unroll 16, or unroll 8 in 8-lane groups): full
+#: chunks without bound checks next to partial ones, split and whole long rows, the capped combine
+#: and warp-combined slices, two column slices a lane, a flat stream (its lean addresses only)
+LEAN_SPMM_PARAMS = (
+    {"group": 8, "vec": 8, "cf": 1, "warps_per_block": 4, "rows_per_warp": 1, "max_seg": 64, "unroll": 8},
+    {"group": 8, "vec": 8, "cf": 1, "warps_per_block": 4, "rows_per_warp": 1, "max_seg": 64, "unroll": 8,
+     "combine_vals": 16, "warp_combine": 1},
+    {"group": 8, "vec": 8, "cf": 1, "warps_per_block": 4, "rows_per_warp": 1, "max_seg": 64, "unroll": 16,
+     "warp_combine": 1},
+    {"group": 16, "vec": 8, "cf": 1, "warps_per_block": 2, "rows_per_warp": 1, "max_seg": 32, "unroll": 16},
+    {"group": 8, "vec": 4, "cf": 2, "warps_per_block": 4, "rows_per_warp": 2, "max_seg": 0, "unroll": 8},
+    {"group": 8, "vec": 8, "cf": 1, "warps_per_block": 4, "rows_per_warp": 4, "max_seg": 32, "unroll": 8, "flat": 1})
+
+
+@pytest.mark.parametrize("dtype, tol", [("float16", 2e-2), ("bfloat16", 5e-2), ("float32", 1e-5)])
+@pytest.mark.parametrize("K", [1, 7, 64, 72, 128])
+def test_lean_spmm_full_chunks(dtype, tol, K):
+    """csr.crc_cwm's lean instances (32-bit row addresses, full chunks without bound checks):
+    every reduction on a matrix of short rows (partial chunks), a band of 40-entry rows (full
+    chunks and a partial one) and a row holding every column, K not a multiple of the column
+    tile; the NaN-poisoned output fully written and equal to the float64 reference, twice."""
+    def lean(mod, p):
+        assert all(f"_g{p['group']}_u{p['unroll']}" in n for n, _ in mod.kernel.meta["instances"])
+
+    _check_crc_cwm(dtype, tol, K, [(deep_unroll_params(p, dtype), ["reorder.degree"] if i % 2 else [])
+                                   for i, p in enumerate(LEAN_SPMM_PARAMS)], lean)
+
+
 #: warp-reduced slices of split rows (warp_combine): 8-, 4- and 2-group warps, short slices (a row
 #: holding every column cut into tens of warps' slices), unroll 16 and the capped combine, launch
 #: bounds, several column tiles

@@ -163,21 +163,39 @@ __device__ __forceinline__ void cache_chunk(const int* __restrict__ indices, con
   __syncwarp(gmask);
 }
 // U nonzeros' X slices (chunk entries e0 .. e0 + U - 1 of n) are loaded first (U x CF loads in
-// flight, kept packed: a 16-byte load is 4 registers whatever T is), with their values
-template <typename T, int CF, int VEC, int G, int U>
+// flight, kept packed: a 16-byte load is 4 registers whatever T is), with their values.
+// Lean instances (lean_of: 16 rows in flight, or 8 in an 8-lane group -- the narrow 16-bit rows of
+// K <= 128): a slice's address is one 32 x 32 -> 64-bit multiply-add (column ids are
+// non-negative and a row of X is K * sizeof(T) < 2^32 bytes), and FULL (a full chunk: all U
+// entries exist) drops the bound checks.  The other instances keep the 64-bit index arithmetic
+// they were measured with (identical SASS): with fewer rows in flight the compiler unrolls their
+// chunk loop for more loads in flight, and the wider groups of unroll 8 took 30-45% more
+// registers in the lean form (measured, section 30 of the experiments document)
+template <int U, int G> struct lean_of { static constexpr bool value = U == 16 || (U == 8 && G == 8); };
+template <typename T, int CF, int VEC, int G, int U, bool FULL = false>
 __device__ __forceinline__ void load_x(const T* __restrict__ X, const int* s_idx, const float* s_val,
                                        const int e0, const int n, const int K, const int col_base,
                                        pack_t<T, VEC> (&xv)[U][CF], float (&a)[U]) {
+  const char* xb = reinterpret_cast<const char*>(X + col_base);
+  const unsigned row_bytes = (unsigned)K * (unsigned)sizeof(T);
 #pragma unroll
   for (int u = 0; u < U; ++u) {
     const int e = e0 + u;
-    if (e < n) {
+    if (FULL || e < n) {
       a[u] = s_val[e];
-      const T* xrow = X + (size_t)s_idx[e] * K;
+      if constexpr (lean_of<U, G>::value) {
+        const T* xrow = reinterpret_cast<const T*>(xb + (size_t)(unsigned)s_idx[e] * row_bytes);
 #pragma unroll
-      for (int c = 0; c < CF; ++c) {
-        const int col = col_base + c * G * VEC;
-        if (col < K) load_raw<T, VEC>(xrow + col, xv[u][c]);
+        for (int c = 0; c < CF; ++c) {
+          if (col_base + c * G * VEC < K) load_raw<T, VEC>(xrow + c * G * VEC, xv[u][c]);
+        }
+      } else {
+        const T* xrow = X + (size_t)s_idx[e] * K;
+#pragma unroll
+        for (int c = 0; c < CF; ++c) {
+          const int col = col_base + c * G * VEC;
+          if (col < K) load_raw<T, VEC>(xrow + col, xv[u][c]);
+        }
       }
     }
   }
@@ -494,6 +512,17 @@ __device__ __forceinline__ void spmm_crc_cwm(
           const PK* stage = stage_chunk<T, CF, VEC, G, CH>(smem, groups_per_block, gib, X, s_idx, n, K, col_base, lane);
 #pragma unroll 4
           for (int e = 0; e < n; ++e) accumulate_staged<T, R, CF, VEC, G>(acc, s_val[e], stage, e, K, col_base, lane);
+        } else if (lean_of<U, G>::value && CH % U == 0 && n == CH) {
+          // a full chunk (most chunks of long rows) of a lean instance: the same loop without
+          // per-nonzero bounds (about 40% fewer instructions a chunk)
+#pragma unroll 1
+          for (int e0 = 0; e0 < CH; e0 += U) {
+            pack_t<T, VEC> xv[U][CF];
+            float a[U];
+            load_x<T, CF, VEC, G, U, true>(X, s_idx, s_val, e0, CH, K, col_base, xv, a);
+#pragma unroll
+            for (int u = 0; u < U; ++u) accumulate<T, R, CF, VEC, G>(acc, a[u], xv[u], K, col_base);
+          }
         } else {
           for (int e0 = 0; e0 < n; e0 += U) {          // U loads in flight, accumulated in nonzero order
             pack_t<T, VEC> xv[U][CF];
