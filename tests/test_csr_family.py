@@ -473,14 +473,14 @@ def test_binary_rebuilt_for_another_arch(monkeypatch):
 #: sha256 of the rendered source (the on-disk kernel cache key) of csr instances; a change here
 #: invalidates every cached csr kernel binary -- update only for an intended kernel change
 RENDER_SHA256 = {
-    ("csr.crc_cwm", ("sum", 1, 4, 32, 2, "float32")): "e3eea9c2ccb59a8c961f113029e1a6fc6b2cd81463a6a1072d494be0da7d21f5",
-    ("csr.crc_cwm", ("mean", 4, 8, 4, 8, "bfloat16")): "a3342a1400b7f58f2b8a87d3f6ea41a31eb68ba3cd6724c5773b748749f15b5d",
-    ("csr.crc_cwm", ("max", 2, 1, 8, 4, "float16")): "3eddf6b8fd0cdd191b6b1f3a637dc4fd149976251f24b9e73c1b1d0b52fddca8",
-    ("csr.crc_cwm", ("sum", 1, 4, 32, 2, "float32", 1)): "958765f8e1fb0cc18966a03da2c1de41963f4368de86573ef175f742435f0bd8",
-    ("csr.crc_cwm", ("sum", 1, 4, 32, 1, "float32", 0, 8)): "7a1f01bd984161f169af825dc2f2925e2e8b2f138a8c3345de6148a88ca5f985",
-    ("csr.crc_cwm", ("sum", 1, 8, 8, 8, "float16", 0, 1, 16)): "207c243c1f168d71bc336b8b806df7ce7e9a2edaf8309c65837c7a29466ffc61",
-    ("csr.crc_cwm", ('sum', 1, 8, 8, 16, 'float16')): "6b958fd55d1414906055d2096456a7742cddd726cb1e4758c0277f372f4d4b18",
-    ("csr.crc_cwm", ("sum", 1, 4, 16, 8, "float32", 2, 4)): "ca11829190338ff2bcfc16783c2edf7a4a3130d0ed18508c508554f7b0aeacf7",
+    ("csr.crc_cwm", ("sum", 1, 4, 32, 2, "float32")): "77f1135fa4e9a0de799a9eb306a3756ac02f30af265bf4e60bfe28e880caac0d",
+    ("csr.crc_cwm", ("mean", 4, 8, 4, 8, "bfloat16")): "da983e9a9c21c6a536d6a07bfc3f9a81bb619ac19c05c642385be8f1778e36b4",
+    ("csr.crc_cwm", ("max", 2, 1, 8, 4, "float16")): "913c9e1ab3696356ad815ef095b195db41c5d4c0a58ed4678c5299bd80ae31a3",
+    ("csr.crc_cwm", ("sum", 1, 4, 32, 2, "float32", 1)): "d1740597d938768313f53283fbab3c34b689381b6cd36785fbf2eb3848d0c037",
+    ("csr.crc_cwm", ("sum", 1, 4, 32, 1, "float32", 0, 8)): "4e7d1e24ee3ce55f8eab958991edbcea25a85014eb074df37157ee1a5b0a7348",
+    ("csr.crc_cwm", ("sum", 1, 8, 8, 8, "float16", 0, 1, 16)): "a6b1a7ce3c8b7a8f5813bf6eef8b4f59de9b4cb25e2b818a8155dcb2dbed57a4",
+    ("csr.crc_cwm", ('sum', 1, 8, 8, 16, 'float16')): "7f7316b6c00f20922744c068a87a6c36ecb223bdd96071b40e330d5b5579c05c",
+    ("csr.crc_cwm", ("sum", 1, 4, 16, 8, "float32", 2, 4)): "395cc5b579f1b563b55263433679c6556306b0171e0c402e45ffcf4473b3ae53",
     ("csr.sddmm", (32, 4, 4, "float32")): "3f6caa4f4d3928d191918a894c7537146bcc28ed78a9ec65e986fbbc6bbf7fda",
     ("csr.sddmm", (8, 2, 2, "float16")): "fba4895bb6faad9f8126d643d648642f26d72e1e049d1cc47cc086fa066be35c",
     ("csr.sddmm", (16, 8, 1, "bfloat16", 1)): "ea2c2d8272949912608fe567554b7a0bade091ffb28ce524be31eca5153832bb",

@@ -164,13 +164,13 @@ __device__ __forceinline__ void cache_chunk(const int* __restrict__ indices, con
 }
 // U nonzeros' X slices (chunk entries e0 .. e0 + U - 1 of n) are loaded first (U x CF loads in
 // flight, kept packed: a 16-byte load is 4 registers whatever T is), with their values.
-// Lean instances (lean_of: 16 rows in flight, or 8 in an 8-lane group -- the narrow 16-bit rows of
-// K <= 128): a slice's address is one 32 x 32 -> 64-bit multiply-add (column ids are
-// non-negative and a row of X is K * sizeof(T) < 2^32 bytes), and FULL (a full chunk: all U
-// entries exist) drops the bound checks.  The other instances keep the 64-bit index arithmetic
-// they were measured with (identical SASS): with fewer rows in flight the compiler unrolls their
-// chunk loop for more loads in flight, and the wider groups of unroll 8 took 30-45% more
-// registers in the lean form (measured, section 30 of the experiments document)
+// Lean instances (lean_of: 16 rows in flight, or 8 in an 8-lane group -- the narrow 16-bit rows
+// of K <= 128): a slice's address is one 32 x 32 -> 64-bit multiply-add (column ids are
+// non-negative, and a row of X, K <= MAX_K = 2^20 elements, is at most 4 MiB), and FULL (a full
+// chunk: all U entries exist) drops the bound checks.  The other instances keep the 64-bit index
+// arithmetic they were measured with (identical SASS): with fewer rows in flight the compiler
+// unrolls their chunk loop for more loads in flight, and the wider groups of unroll 8 took 22-38%
+// more registers in the lean form (measured, section 30 of the experiments document)
 template <int U, int G> struct lean_of { static constexpr bool value = U == 16 || (U == 8 && G == 8); };
 template <typename T, int CF, int VEC, int G, int U, bool FULL = false>
 __device__ __forceinline__ void load_x(const T* __restrict__ X, const int* s_idx, const float* s_val,
