@@ -473,14 +473,14 @@ def test_binary_rebuilt_for_another_arch(monkeypatch):
 #: sha256 of the rendered source (the on-disk kernel cache key) of csr instances; a change here
 #: invalidates every cached csr kernel binary -- update only for an intended kernel change
 RENDER_SHA256 = {
-    ("csr.crc_cwm", ("sum", 1, 4, 32, 2, "float32")): "77f1135fa4e9a0de799a9eb306a3756ac02f30af265bf4e60bfe28e880caac0d",
-    ("csr.crc_cwm", ("mean", 4, 8, 4, 8, "bfloat16")): "da983e9a9c21c6a536d6a07bfc3f9a81bb619ac19c05c642385be8f1778e36b4",
-    ("csr.crc_cwm", ("max", 2, 1, 8, 4, "float16")): "913c9e1ab3696356ad815ef095b195db41c5d4c0a58ed4678c5299bd80ae31a3",
-    ("csr.crc_cwm", ("sum", 1, 4, 32, 2, "float32", 1)): "d1740597d938768313f53283fbab3c34b689381b6cd36785fbf2eb3848d0c037",
-    ("csr.crc_cwm", ("sum", 1, 4, 32, 1, "float32", 0, 8)): "4e7d1e24ee3ce55f8eab958991edbcea25a85014eb074df37157ee1a5b0a7348",
-    ("csr.crc_cwm", ("sum", 1, 8, 8, 8, "float16", 0, 1, 16)): "a6b1a7ce3c8b7a8f5813bf6eef8b4f59de9b4cb25e2b818a8155dcb2dbed57a4",
-    ("csr.crc_cwm", ('sum', 1, 8, 8, 16, 'float16')): "7f7316b6c00f20922744c068a87a6c36ecb223bdd96071b40e330d5b5579c05c",
-    ("csr.crc_cwm", ("sum", 1, 4, 16, 8, "float32", 2, 4)): "395cc5b579f1b563b55263433679c6556306b0171e0c402e45ffcf4473b3ae53",
+    ("csr.crc_cwm", ("sum", 1, 4, 32, 2, "float32")): "ccc6baeebb257cca119da860dc3b8aba5ae20e940518107f6d347c550ec135ac",
+    ("csr.crc_cwm", ("mean", 4, 8, 4, 8, "bfloat16")): "143abdb626a2fe16257722d3ac5ab94d593fe2e4d14f9621a0a845e82356d358",
+    ("csr.crc_cwm", ("max", 2, 1, 8, 4, "float16")): "6c15fa3fd7efc545900426cf3292cfc98890dd61928249d25caa7c557a030df1",
+    ("csr.crc_cwm", ("sum", 1, 4, 32, 2, "float32", 1)): "a5addf5b8d458c3ed2d5b70a181c4a1c70fa62924bafcb4de93db265e075ed3e",
+    ("csr.crc_cwm", ("sum", 1, 4, 32, 1, "float32", 0, 8)): "310caaca08bad0b966df0a9972ea2f32b51958a311cf73e0adfaa6059910ef21",
+    ("csr.crc_cwm", ("sum", 1, 8, 8, 8, "float16", 0, 1, 16)): "6115d7fd3d04e8e3dddbd0c34b5977a8856d3ec4e5314e271dc1a728c971ba5e",
+    ("csr.crc_cwm", ('sum', 1, 8, 8, 16, 'float16')): "acf2943e13b08bf96dcc40eb6de2a92c3f7efcf8f076c0e20b8c5920282780e2",
+    ("csr.crc_cwm", ("sum", 1, 4, 16, 8, "float32", 2, 4)): "179df32eb1f0a9c973006d0d1e2f045a8addd64749d8f62773e9c8773b8d5da8",
     ("csr.sddmm", (32, 4, 4, "float32")): "3f6caa4f4d3928d191918a894c7537146bcc28ed78a9ec65e986fbbc6bbf7fda",
     ("csr.sddmm", (8, 2, 2, "float16")): "fba4895bb6faad9f8126d643d648642f26d72e1e049d1cc47cc086fa066be35c",
     ("csr.sddmm", (16, 8, 1, "bfloat16", 1)): "ea2c2d8272949912608fe567554b7a0bade091ffb28ce524be31eca5153832bb",

@@ -184,6 +184,8 @@ __device__ __forceinline__ void load_x(const T* __restrict__ X, const int* s_idx
     if (FULL || e < n) {
       a[u] = s_val[e];
       if constexpr (lean_of<U, G>::value) {
+        // col_base folded into the base (xb); through the loop below it compiles to other SASS
+        // than the measured one
         const T* xrow = reinterpret_cast<const T*>(xb + (size_t)(unsigned)s_idx[e] * row_bytes);
 #pragma unroll
         for (int c = 0; c < CF; ++c) {
