@@ -87,6 +87,16 @@ def test_sddmm_call_values():
     assert reference.rel_error(mod(X, Y), reference.run("sddmm", None, as_csr(A), X, Y)) < 1e-5
 
 
+def test_every_cpu_template_takes_call_values():
+    """Whichever CPU template a plain build picks (quick selection times SciPy against the
+    compiled kernels, so the pick depends on the machine), ``mod(X, values=v)`` works."""
+    from spcompile.kernels import list_templates
+
+    names = [t.name for t in list_templates("cpu")]
+    assert {"cpu.csr_spmm", "cpu.csr_sddmm", "extern.scipy"} <= set(names)
+    assert all(get_template(n).call_values_array == "data" for n in names)
+
+
 def test_call_values_errors(monkeypatch):
     A = random_matrix(10, 10, density=0.3, seed=1)
     mod = spcompile.build(A, "spmm", K=4, target="cpu", template="cpu.csr_spmm")

@@ -15,6 +15,7 @@ from spcompile.autotune import select
 from spcompile.autotune.policy import decide
 from spcompile.compile import make_op
 from spcompile.core import reference
+from spcompile.core.formats import as_csr
 
 from conftest import dense_blocks, random_matrix
 
@@ -184,6 +185,33 @@ def test_scipy_template_matches_reference(reduce, K):
 
     Yt = mod(torch.from_numpy(X))
     assert isinstance(Yt, torch.Tensor) and np.allclose(Yt.numpy(), Y)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("reduce", ["sum", "mean"])
+@pytest.mark.parametrize("K", [1, 7, 33])
+def test_scipy_template_takes_call_values(dtype, reduce, K):
+    """A SciPy module takes new values per call like the compiled CPU templates (so a plain CPU
+    build works with ``values=`` whichever template it picks); mean divides by the row lengths
+    of the pattern; a call without values goes back to the built ones.  The values follow the
+    canonical CSR order (empty rows, one row holding every column)."""
+    A = as_csr(random_matrix(97, 61, density=0.06, seed=K + 3, dtype=np.float64), dtype=np.float64)
+    mod = spcompile.build(A, "spmm", K, reduce=reduce, target="cpu", template="extern.scipy", dtype=dtype)
+    assert mod.supports_call_values
+    rng = np.random.default_rng(K)
+    X = rng.standard_normal((61, K)).astype(dtype)
+    tol = 1e-5 if dtype == "float32" else 1e-12
+    for _ in range(2):
+        v = rng.standard_normal(A.nnz)
+        ref = reference.spmm(as_csr((A.indptr, A.indices, v, A.shape), dtype=np.float64), X.astype(np.float64),
+                             reduce)
+        Y = np.full((97, K), np.nan, dtype)
+        mod(X, out=Y, values=v)
+        assert np.isfinite(Y).all() and reference.rel_error(Y, ref) < tol
+    built = reference.spmm(A, X.astype(np.float64), reduce)
+    assert reference.rel_error(mod(X), built) < tol           # the built values again
+    with pytest.raises(ValueError, match="one value per stored entry"):
+        mod(X, values=np.ones(A.nnz + 1))
 
 
 def test_scipy_template_artifact_roundtrip(tmp_path):
@@ -447,7 +475,10 @@ def test_call_values_builds_only_templates_that_read_values_per_call(no_tuning_d
     A = random_matrix(300, 300, density=0.03, seed=6)
     mod = spcompile.build(A, "spmm", 16, target="cpu", call_values=True)
     assert get_template(mod.config.template).call_values_array is not None
-    assert all(r["source"] != "vendor" for r in mod.tuning.get("candidates", []))
+    cands = mod.tuning.get("candidates", [])
+    assert all(get_template(r["template"]).call_values_array is not None for r in cands)
+    # the CPU's library takes the values, so it stays a candidate (cuSPARSE would not)
+    assert any(r["source"] == "vendor" and r["template"] == "extern.scipy" for r in cands)
     v = np.random.default_rng(0).standard_normal(A.nnz).astype(np.float32)
     X = np.random.default_rng(1).standard_normal((300, 16)).astype(np.float32)
     B = A.copy()

@@ -45,8 +45,8 @@ def decide(sop: SparseOp, target: str, storage: str | None = None, tune: bool = 
     them, the study, trial and graph file; for the model its expected speed-up); ``module``
     is the already-built module when quick selection built it (else None).  ``skip_records``:
     ids of database records not to use (records that failed to build).  ``call_values``: only
-    templates that take the matrix values at call time (records of others are passed over, the
-    vendor library is not a candidate)."""
+    templates that take the matrix values at call time (records of others are passed over, and
+    the vendor library only where it takes them: SciPy does, cuSPARSE does not)."""
     from ..kernels import get_template
 
     def takes_values(cfg) -> bool:
@@ -130,7 +130,8 @@ def decide(sop: SparseOp, target: str, storage: str | None = None, tune: bool = 
     from .select import DEFAULT_BUDGET_S, quick_select, vendor_config
 
     budget = DEFAULT_BUDGET_S if select_budget is None else float(select_budget)
-    vendor_ok = not call_values and vendor_config(sop, target) is not None
+    vendor = vendor_config(sop, target)
+    vendor_ok = vendor is not None and takes_values(vendor)
     if budget > 0 and obj == "kernel_time" and (ranked or vendor_ok):
         label = "model" if ranked else "heuristic"
         if not ranked:

@@ -259,6 +259,7 @@ CALL_VALUE_ARRAYS: dict[str, str] = {
     "cpu.csr_spmm": "data", "cpu.csr_sddmm": "data",
     "csr.crc_cwm": "data", "csr.sddmm": "data",
     "tvm.cuda_csr_spmm": "data", "tvm.cuda_csr_sddmm": "data",
+    "extern.scipy": "data",
 }
 
 #: the key under which a packer returns, beside its arrays, the position in ``mod.A``'s stored

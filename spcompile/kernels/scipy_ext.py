@@ -21,17 +21,19 @@ def _host_view(a):
 
 
 class ScipyKernel(Kernel):
-    """``Y = A @ X`` by SciPy's CSR kernel, single-threaded, written into ``out``."""
+    """``Y = A @ X`` by SciPy's CSR kernel, single-threaded, written into ``out``; mean divides
+    each row of the sum by its length.  ``data`` is read at every call (never copied), so the
+    module's call-time values (``mod(X, values=v)``, written into it in place) take effect."""
 
     target = "cpu"
 
     def __init__(self, template, params, arrays, files, meta):
         super().__init__(template, params, arrays, files, meta)
-        import scipy.sparse as sp
-
-        m, n = (int(v) for v in self.meta["shape"])
         a = self.arrays
-        self._S = sp.csr_matrix((a["data"], a["indices"], a["indptr"]), shape=(m, n))
+        self._shape = tuple(int(v) for v in self.meta["shape"])
+        self._lens = None
+        if self.meta.get("reduce") == "mean":   # empty rows: a sum of nothing, divided by 1
+            self._lens = np.maximum(np.diff(np.asarray(a["indptr"], np.int64)), 1).astype(a["data"].dtype)[:, None]
         try:  # SciPy's own CSR x dense kernel, accumulating into a caller-owned output
             from scipy.sparse import _sparsetools
 
@@ -42,13 +44,19 @@ class ScipyKernel(Kernel):
     def __call__(self, *inputs, out):
         X = _host_view(inputs[0])
         Y = _host_view(out)
-        S = self._S
-        if self._matvecs is not None and X.dtype == S.dtype and Y.dtype == S.dtype and X.flags.c_contiguous \
+        a = self.arrays
+        data = a["data"]
+        (m, n), K = self._shape, X.shape[1]
+        if self._matvecs is not None and X.dtype == data.dtype and Y.dtype == data.dtype and X.flags.c_contiguous \
                 and Y.flags.c_contiguous:
             Y.fill(0)
-            self._matvecs(S.shape[0], S.shape[1], X.shape[1], S.indptr, S.indices, S.data, X.ravel(), Y.ravel())
+            self._matvecs(m, n, K, a["indptr"], a["indices"], data, X.ravel(), Y.ravel())
         else:
-            Y[...] = S @ X
+            import scipy.sparse as sp
+
+            Y[...] = sp.csr_matrix((data, a["indices"], a["indptr"]), shape=(m, n), copy=False) @ X
+        if self._lens is not None:
+            np.divide(Y, self._lens, out=Y, casting="unsafe")
         return out
 
 
@@ -57,10 +65,12 @@ class Scipy(Template):
     """SciPy's CSR SpMM (sum and mean; float32, or float64 throughout for float64 workloads) as a
     CPU candidate: quick selection and the tuner offer it beside the compiled kernels, so a CPU
     module is never slower than ``A @ X`` in SciPy.  Works on the original matrix (passes do not
-    apply to a library call)."""
+    apply to a library call).  Its ``data`` is the matrix values unchanged (mean divides the
+    product's rows at call time), so its modules take call-time values like the compiled CPU
+    templates: whichever CPU template a build picks, ``mod(X, values=v)`` works."""
 
     name = "extern.scipy"
-    version = "1"
+    version = "2"
     target = "cpu"
     priority = 1
     ops = (("spmm", "sum"), ("spmm", "mean"))
@@ -82,22 +92,18 @@ class Scipy(Template):
         A = mod.op.A  # caller's order: the library needs no permutation folding
         vt = DTYPES[mod.op.dtype].compute   # the values in the workload's arithmetic type
         data = np.array(A.data, dtype=vt)
-        if mod.op.reduce == "mean":
-            lens = np.diff(A.indptr.astype(np.int64))
-            data = (data / np.repeat(np.maximum(lens, 1), lens)).astype(vt)
         idx = np.int32 if max(A.nnz, A.shape[1]) < 2**31 else np.int64
         arrays = {"indptr": np.array(A.indptr, dtype=idx), "indices": np.array(A.indices, dtype=idx), "data": data}
         meta = {"op": "spmm", "reduce": mod.op.reduce, "shape": list(A.shape)}
         return ScipyKernel(self.name, params, arrays, {}, meta)
 
     def check_arrays(self, key, params, arrays, meta, values=None):
-        """The matrix's CSR arrays (mean: its values pre-divided by the row lengths, so the values
-        hash is checked for sum only), the values in the workload's arithmetic type."""
+        """The matrix's CSR arrays, the values unchanged in the workload's arithmetic type."""
         if sorted(arrays) != ["data", "indices", "indptr"]:
             raise ValueError(f"template {self.name!r} takes arrays ['data', 'indices', 'indptr'], got {sorted(arrays)}")
         meta_equal(meta, "shape", [key.rows, key.cols])
         check_csr_arrays(arrays, key.rows, key.cols, key.nnz, pattern=key.pattern,
-                         values=values if key.reduce == "sum" else None, value_dtype=DTYPES[key.dtype].compute)
+                         values=values, value_dtype=DTYPES[key.dtype].compute)
 
     def load(self, params, arrays, files, meta):
         return ScipyKernel(self.name, params, arrays, files, meta)
