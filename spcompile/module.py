@@ -198,6 +198,12 @@ class CompiledModule:
             st["last"] = (values, values._version)
 
     def _use_host_values(self, name, values, st) -> None:
+        self._write_host_values(name, values, st)
+        hook = getattr(self.kernel, "values_written", None)   # a kernel that derives arrays from the values
+        if hook is not None:
+            hook()
+
+    def _write_host_values(self, name, values, st) -> None:
         buf = self.kernel.arrays[name]      # the kernel reads this array in place (zero-copy)
         if "baked" not in st:
             st["baked"] = buf.copy()
