@@ -192,18 +192,13 @@ class CompiledModule:
         if nnz != 0:
             if self.config.target == "cpu":
                 self._use_host_values(name, values, st)
+                self.kernel.values_written()
             else:
                 self._use_device_values(name, values, self.values_src, st)
         if values is not None and a.name == "torch":
             st["last"] = (values, values._version)
 
     def _use_host_values(self, name, values, st) -> None:
-        self._write_host_values(name, values, st)
-        hook = getattr(self.kernel, "values_written", None)   # a kernel that derives arrays from the values
-        if hook is not None:
-            hook()
-
-    def _write_host_values(self, name, values, st) -> None:
         buf = self.kernel.arrays[name]      # the kernel reads this array in place (zero-copy)
         if "baked" not in st:
             st["baked"] = buf.copy()

@@ -46,7 +46,7 @@ class ScipyKernel(Kernel):
             self._matvecs = None
 
     def values_written(self) -> None:
-        """Called by the module after it wrote call-time (or the built) values into ``data``."""
+        """Mean: the values divided by their rows' lengths, again (the module wrote ``data``)."""
         if self._lens is not None:
             self._scaled = np.divide(self.arrays["data"], self._lens)   # a new array: a call reads one whole set
 
@@ -73,8 +73,8 @@ class Scipy(Template):
     CPU candidate: quick selection and the tuner offer it beside the compiled kernels, so a CPU
     module is never slower than ``A @ X`` in SciPy.  Works on the original matrix (passes do not
     apply to a library call).  Its ``data`` is the matrix values unchanged (mean divides them by
-    the row lengths at call time), so its modules take call-time values like the compiled CPU
-    templates: whichever CPU template a build picks, ``mod(X, values=v)`` works."""
+    the row lengths whenever they are written), so its modules take call-time values like the
+    compiled CPU templates: whichever CPU template a build picks, ``mod(X, values=v)`` works."""
 
     name = "extern.scipy"
     version = "2"

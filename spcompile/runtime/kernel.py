@@ -32,6 +32,10 @@ class Kernel:
     def __call__(self, *inputs, out):
         raise NotImplementedError
 
+    def values_written(self) -> None:
+        """Called after the module wrote call-time (or the built) values into a host kernel's
+        values array in place: a kernel that derives other arrays from the values updates them."""
+
     def artifact_files(self) -> Mapping[str, str]:
         """``files`` for saving: artifact name -> a path that exists now."""
         return self.files
