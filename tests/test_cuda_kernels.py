@@ -269,7 +269,7 @@ STAGED_SPMM_PARAMS = (
 
 
 @pytest.mark.parametrize("dtype, tol", [("float32", 1e-5), ("float16", 2e-2), ("bfloat16", 5e-2)])
-@pytest.mark.parametrize("K", [1, 33, 128])
+@pytest.mark.parametrize("K", [1, 33, 72, 128])
 def test_staged_spmm_streams_rows(dtype, tol, K):
     """csr.crc_cwm with flat=2 (X slices of a chunk staged in shared memory): every reduction,
     empty rows (first and last too), a row holding every column cut into slices, with and without
@@ -309,7 +309,7 @@ SEG_STAGED_SPMM_PARAMS = (
 
 
 @pytest.mark.parametrize("dtype, tol", [("float32", 1e-5), ("float16", 2e-2), ("bfloat16", 5e-2)])
-@pytest.mark.parametrize("K", [1, 33, 128])
+@pytest.mark.parametrize("K", [1, 33, 72, 128])
 def test_segment_staged_spmm(dtype, tol, K):
     """csr.crc_cwm with flat=3 (segments one after another, each chunk's X slices staged in shared
     memory): every reduction, empty rows, a row holding every column cut into slices (combined

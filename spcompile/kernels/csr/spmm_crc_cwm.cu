@@ -241,6 +241,14 @@ __device__ __forceinline__ void copy_async_wait_all() {
   asm volatile("cp.async.wait_all;\n" ::: "memory");
 #endif
 }
+// FL = 2 / 3 lean staging (one column slice a lane): a slice's address is one 32 x 32 -> 64-bit
+// multiply-add (as in load_x's lean instances), and a full chunk (n == CH) reads its column ids
+// first and then issues its copies with no per-nonzero bound (the copies' "memory" clobber would
+// otherwise order each id's shared-memory read after the previous copy); FL = 3 also accumulates
+// a full chunk without per-entry bounds.  Instances of two slices a lane keep the code they were
+// measured with: under min_blocks 4's 64 registers the lean form spilled and ran 1.5-2% slower
+// (16-bit tu_nci1, section 31 of the experiments document)
+template <int CF> struct staged_lean_of { static constexpr bool value = CF == 1; };
 // FL = 2 / 3: the X slices of a chunk's n nonzeros (the column ids in s_idx), CF a lane, copied
 // to the lane's part of its row group's stage (n x CF copies in flight, no registers held);
 // returns the stage once the lane's copies have landed
@@ -250,13 +258,42 @@ __device__ __forceinline__ const pack_t<T, VEC>* stage_chunk(int* smem, const in
                                                             const int K, const int col_base, const int lane) {
   typedef pack_t<T, VEC> PK;
   PK* stage = reinterpret_cast<PK*>(smem + stage_offset_ints<G, CH>(groups_per_block)) + gib * (CH * CF * G);
+  if constexpr (!staged_lean_of<CF>::value) {
 #pragma unroll 4
-  for (int e = 0; e < n; ++e) {
-    const T* xrow = X + (size_t)s_idx[e] * K;
+    for (int e = 0; e < n; ++e) {
+      const T* xrow = X + (size_t)s_idx[e] * K;
+#pragma unroll
+      for (int c = 0; c < CF; ++c) {
+        const int col = col_base + c * G * VEC;
+        if (col < K) copy_async<sizeof(PK)>(&stage[(e * CF + c) * G + lane], xrow + col);
+      }
+    }
+    copy_async_wait_all();
+    return stage;
+  }
+  PK* mine = stage + lane;
+  const char* xb = reinterpret_cast<const char*>(X + col_base);
+  const unsigned row_bytes = (unsigned)K * (unsigned)sizeof(T);
+  if (n == CH) {
+    unsigned col[CH];
+#pragma unroll
+    for (int e = 0; e < CH; ++e) col[e] = (unsigned)s_idx[e];
 #pragma unroll
     for (int c = 0; c < CF; ++c) {
-      const int col = col_base + c * G * VEC;
-      if (col < K) copy_async<sizeof(PK)>(&stage[(e * CF + c) * G + lane], xrow + col);
+      if (col_base + c * G * VEC < K) {
+#pragma unroll
+        for (int e = 0; e < CH; ++e)
+          copy_async<sizeof(PK)>(&mine[(e * CF + c) * G], xb + (size_t)col[e] * row_bytes + c * G * VEC * sizeof(T));
+      }
+    }
+  } else {
+#pragma unroll 4
+    for (int e = 0; e < n; ++e) {
+      const char* xrow = xb + (size_t)(unsigned)s_idx[e] * row_bytes;
+#pragma unroll
+      for (int c = 0; c < CF; ++c) {
+        if (col_base + c * G * VEC < K) copy_async<sizeof(PK)>(&mine[(e * CF + c) * G], xrow + c * G * VEC * sizeof(T));
+      }
     }
   }
   copy_async_wait_all();
@@ -274,6 +311,27 @@ __device__ __forceinline__ void accumulate_staged(float (&acc)[CF][VEC], const f
       const pack_t<T, VEC> x = stage[(e * CF + c) * G + lane];
 #pragma unroll
       for (int v = 0; v < VEC; ++v) acc[c][v] = red_op<R>(acc[c][v], a * to_f(x.e[v]));
+    }
+  }
+}
+// FL = 3: accumulate_staged over a full chunk's CH entries in nonzero order, the values read
+// first and the column bound tested once a slice (not once an entry)
+template <typename T, int R, int CF, int VEC, int G, int CH>
+__device__ __forceinline__ void accumulate_staged_full(float (&acc)[CF][VEC], const float* s_val,
+                                                       const pack_t<T, VEC>* stage, const int K, const int col_base,
+                                                       const int lane) {
+  float a[CH];
+#pragma unroll
+  for (int e = 0; e < CH; ++e) a[e] = s_val[e];
+#pragma unroll
+  for (int c = 0; c < CF; ++c) {
+    if (col_base + c * G * VEC < K) {
+#pragma unroll
+      for (int e = 0; e < CH; ++e) {
+        const pack_t<T, VEC> x = stage[(e * CF + c) * G + lane];
+#pragma unroll
+        for (int v = 0; v < VEC; ++v) acc[c][v] = red_op<R>(acc[c][v], a[e] * to_f(x.e[v]));
+      }
     }
   }
 }
@@ -512,8 +570,12 @@ __device__ __forceinline__ void spmm_crc_cwm(
           // accumulated from there in nonzero order
           typedef pack_t<T, VEC> PK;
           const PK* stage = stage_chunk<T, CF, VEC, G, CH>(smem, groups_per_block, gib, X, s_idx, n, K, col_base, lane);
+          if (staged_lean_of<CF>::value && n == CH) {
+            accumulate_staged_full<T, R, CF, VEC, G, CH>(acc, s_val, stage, K, col_base, lane);
+          } else {
 #pragma unroll 4
-          for (int e = 0; e < n; ++e) accumulate_staged<T, R, CF, VEC, G>(acc, s_val[e], stage, e, K, col_base, lane);
+            for (int e = 0; e < n; ++e) accumulate_staged<T, R, CF, VEC, G>(acc, s_val[e], stage, e, K, col_base, lane);
+          }
         } else if (lean_of<U, G>::value && CH % U == 0 && n == CH) {
           // a full chunk (most chunks of long rows) of a lean instance: the same loop without
           // per-nonzero bounds (about 40% fewer instructions a chunk)
