@@ -473,14 +473,14 @@ def test_binary_rebuilt_for_another_arch(monkeypatch):
 #: sha256 of the rendered source (the on-disk kernel cache key) of csr instances; a change here
 #: invalidates every cached csr kernel binary -- update only for an intended kernel change
 RENDER_SHA256 = {
-    ("csr.crc_cwm", ("sum", 1, 4, 32, 2, "float32")): "d64af4abb39c76153cff0bbec1ccb2f9a47b347557c07d96cc547579cd7e8733",
-    ("csr.crc_cwm", ("mean", 4, 8, 4, 8, "bfloat16")): "40242973e30616f1d3b3ef0fb120f0b8366bd9c0c2bd5061d092fc81e6a3e55e",
-    ("csr.crc_cwm", ("max", 2, 1, 8, 4, "float16")): "e888742618e004e2ea082caa2512970b653db627970bb8f6b989127e298308ae",
-    ("csr.crc_cwm", ("sum", 1, 4, 32, 2, "float32", 1)): "dc5519c7ed81390480513e117a21da55e03d0baa4327964c485701d43ffea4ae",
-    ("csr.crc_cwm", ("sum", 1, 4, 32, 1, "float32", 0, 8)): "4b8782d695eba8570ca6bd8b4fdc528138de995cf65a5c3535efcdc56c93915b",
-    ("csr.crc_cwm", ("sum", 1, 8, 8, 8, "float16", 0, 1, 16)): "fd2b7f168d9b1aa096938aa2072f6e32b13447d3a71f2cfa9853b7ad35719f6e",
-    ("csr.crc_cwm", ('sum', 1, 8, 8, 16, 'float16')): "2f8068118030b7c06d219226aa7a7f8f838e018e90419538635697317af27d35",
-    ("csr.crc_cwm", ("sum", 1, 4, 16, 8, "float32", 2, 4)): "a13ec396ffe34697c2dec00d0b6fb2f221c3817d01344c617fe29d49d2bdcb85",
+    ("csr.crc_cwm", ("sum", 1, 4, 32, 2, "float32")): "98d27b3eb2aa747ad109f2347b501989fb15c2a41876ddabaa8d858f1cceb944",
+    ("csr.crc_cwm", ("mean", 4, 8, 4, 8, "bfloat16")): "36ceca449d7052fcb0068ac8d363420172486a2a14a1a80ee34cf3e985329890",
+    ("csr.crc_cwm", ("max", 2, 1, 8, 4, "float16")): "1ab23fdaef7edf2461a6fcdb0c87db9c76d3cc0ea7f46eae4e12c2037ec29072",
+    ("csr.crc_cwm", ("sum", 1, 4, 32, 2, "float32", 1)): "7e58dde102b7ff7cd35c856947b348ffb73b4d1e479260abd4830937bd970454",
+    ("csr.crc_cwm", ("sum", 1, 4, 32, 1, "float32", 0, 8)): "00a2fb8a0135504f38c6a031c9ce4def7111a1b630069d98ff9e91ce1cc4057f",
+    ("csr.crc_cwm", ("sum", 1, 8, 8, 8, "float16", 0, 1, 16)): "866703b72e34515f4b108e9f2a4107067e8625dd273c352439ca7fed52b3dffa",
+    ("csr.crc_cwm", ('sum', 1, 8, 8, 16, 'float16')): "f4f27a08839727b289ffd7eaa2e850d76bef6c6698006d7ab9a32d4610af6fd9",
+    ("csr.crc_cwm", ("sum", 1, 4, 16, 8, "float32", 2, 4)): "733511cc32ccc8cdcc9834453b65dcbd72d3347b6bd649b15103417c00223271",
     ("csr.sddmm", (32, 4, 4, "float32")): "3f6caa4f4d3928d191918a894c7537146bcc28ed78a9ec65e986fbbc6bbf7fda",
     ("csr.sddmm", (8, 2, 2, "float16")): "fba4895bb6faad9f8126d643d648642f26d72e1e049d1cc47cc086fa066be35c",
     ("csr.sddmm", (16, 8, 1, "bfloat16", 1)): "ea2c2d8272949912608fe567554b7a0bade091ffb28ce524be31eca5153832bb",

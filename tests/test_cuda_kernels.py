@@ -424,7 +424,8 @@ def test_deep_unroll_spmm(dtype, tol, K):
 
 #: the lean instances of spmm_crc_cwm.cu (lean_of: unroll 16, or unroll 8 in 8-lane groups): full
 #: chunks without bound checks next to partial ones, split and whole long rows, the capped combine
-#: and warp-combined slices, two column slices a lane, a flat stream (its lean addresses only)
+#: and warp-combined slices, two column slices a lane, a flat stream (its lean addresses only); the
+#: segment layout's unroll 8 in 8-lane groups fetches each chunk's ids a chunk ahead
 LEAN_SPMM_PARAMS = (
     {"group": 8, "vec": 8, "cf": 1, "warps_per_block": 4, "rows_per_warp": 1, "max_seg": 64, "unroll": 8},
     {"group": 8, "vec": 8, "cf": 1, "warps_per_block": 4, "rows_per_warp": 1, "max_seg": 64, "unroll": 8,

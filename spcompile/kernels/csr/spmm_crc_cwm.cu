@@ -162,6 +162,38 @@ __device__ __forceinline__ void cache_chunk(const int* __restrict__ indices, con
   }
   __syncwarp(gmask);
 }
+// Segment layout (FL = 0), unroll 8 in 8-lane groups (lean instances; among build()'s modules,
+// the 16-bit K = 64 ones): a chunk's column ids and values are fetched into registers one chunk
+// ahead (one of each a lane), so the next chunk's id loads are in flight while this chunk's X
+// rows load; put_chunk writes them to the row cache.  +2 registers (153 -> 155 on sm_90, the same
+// warps an SM).  The unroll 16 instances keep cache_chunk: fetching ahead took them from 128
+// registers to 142-146 (fewer warps an SM) or to spills, and quick selection then lost more than
+// it gained (experiments section 31)
+template <int G, int CH>
+__device__ __forceinline__ void fetch_chunk(const int* __restrict__ indices, const float* __restrict__ data,
+                                            const int base, const int end, const int lane, int (&pi)[CH / G],
+                                            float (&pv)[CH / G]) {
+#pragma unroll
+  for (int j = 0; j < CH / G; ++j) {
+    const int e = base + lane + j * G;
+    if (e < end) {
+      pi[j] = indices[e];
+      pv[j] = data[e];
+    }
+  }
+}
+template <int G, int CH>
+__device__ __forceinline__ void put_chunk(int* s_idx, float* s_val, const int n, const int lane, const int (&pi)[CH / G],
+                                          const float (&pv)[CH / G], const unsigned gmask) {
+#pragma unroll
+  for (int j = 0; j < CH / G; ++j) {
+    if (lane + j * G < n) {
+      s_idx[lane + j * G] = pi[j];
+      s_val[lane + j * G] = pv[j];
+    }
+  }
+  __syncwarp(gmask);
+}
 // U nonzeros' X slices (chunk entries e0 .. e0 + U - 1 of n) are loaded first (U x CF loads in
 // flight, kept packed: a 16-byte load is 4 registers whatever T is), with their values.
 // Lean instances (lean_of: 16 rows in flight, or 8 in an 8-lane group -- the narrow 16-bit rows
@@ -562,9 +594,18 @@ __device__ __forceinline__ void spmm_crc_cwm(
       const int lo = seg_ptr[s], hi = seg_ptr[s + 1], slot = seg_slot[s], out = seg_out[s];
       float acc[CF][VEC];
       reset_acc<R>(acc);
+      constexpr bool PF = FL == 0 && U == 8 && G == 8;   // ids fetched a chunk ahead (fetch_chunk)
+      int pi[PF ? CH / G : 1];
+      float pv[PF ? CH / G : 1];
+      if constexpr (PF) fetch_chunk<G, CH>(indices, data, lo, hi, lane, pi, pv);
       for (int base = lo; base < hi; base += CH) {
         const int n = min(CH, hi - base);
-        cache_chunk<G, CH>(indices, data, s_idx, s_val, base, n, lane, gmask);
+        if constexpr (PF) {
+          put_chunk<G, CH>(s_idx, s_val, n, lane, pi, pv, gmask);
+          if (base + CH < hi) fetch_chunk<G, CH>(indices, data, base + CH, hi, lane, pi, pv);
+        } else {
+          cache_chunk<G, CH>(indices, data, s_idx, s_val, base, n, lane, gmask);
+        }
         if constexpr (FL == 3) {
           // staged: the chunk's X slices copied to shared memory (all in flight), then
           // accumulated from there in nonzero order
