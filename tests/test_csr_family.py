@@ -473,14 +473,15 @@ def test_binary_rebuilt_for_another_arch(monkeypatch):
 #: sha256 of the rendered source (the on-disk kernel cache key) of csr instances; a change here
 #: invalidates every cached csr kernel binary -- update only for an intended kernel change
 RENDER_SHA256 = {
-    ("csr.crc_cwm", ("sum", 1, 4, 32, 2, "float32")): "98d27b3eb2aa747ad109f2347b501989fb15c2a41876ddabaa8d858f1cceb944",
-    ("csr.crc_cwm", ("mean", 4, 8, 4, 8, "bfloat16")): "36ceca449d7052fcb0068ac8d363420172486a2a14a1a80ee34cf3e985329890",
-    ("csr.crc_cwm", ("max", 2, 1, 8, 4, "float16")): "1ab23fdaef7edf2461a6fcdb0c87db9c76d3cc0ea7f46eae4e12c2037ec29072",
-    ("csr.crc_cwm", ("sum", 1, 4, 32, 2, "float32", 1)): "7e58dde102b7ff7cd35c856947b348ffb73b4d1e479260abd4830937bd970454",
-    ("csr.crc_cwm", ("sum", 1, 4, 32, 1, "float32", 0, 8)): "00a2fb8a0135504f38c6a031c9ce4def7111a1b630069d98ff9e91ce1cc4057f",
-    ("csr.crc_cwm", ("sum", 1, 8, 8, 8, "float16", 0, 1, 16)): "866703b72e34515f4b108e9f2a4107067e8625dd273c352439ca7fed52b3dffa",
-    ("csr.crc_cwm", ('sum', 1, 8, 8, 16, 'float16')): "f4f27a08839727b289ffd7eaa2e850d76bef6c6698006d7ab9a32d4610af6fd9",
-    ("csr.crc_cwm", ("sum", 1, 4, 16, 8, "float32", 2, 4)): "733511cc32ccc8cdcc9834453b65dcbd72d3347b6bd649b15103417c00223271",
+    ("csr.crc_cwm", ("sum", 1, 4, 32, 2, "float32")): "5ffdc572b6fa03f9debde0596dc64901d43055dec746582fec4bdb5629945b45",
+    ("csr.crc_cwm", ("mean", 4, 8, 4, 8, "bfloat16")): "cbbc47dc35c4cb03d8a9ff3087392f065996aa4d6cc62f35f3c6f45653303567",
+    ("csr.crc_cwm", ("max", 2, 1, 8, 4, "float16")): "5bae2d2e9127786dcd50e251dd7f4ae2f7edeb2669227d0c66824be05345a9bf",
+    ("csr.crc_cwm", ("sum", 1, 4, 32, 2, "float32", 1)): "d05152c7ce0da33ae73856acf45bbea3fa440926eaa4a4d4136fdfc52c3142a0",
+    ("csr.crc_cwm", ("sum", 1, 4, 32, 1, "float32", 0, 8)): "47dbcb3505e64170f0a445c528881ca60b9b5705f911d32b14f701b013397b4d",
+    ("csr.crc_cwm", ("sum", 1, 8, 8, 8, "float16", 0, 1, 16)): "7d43bb2b95926f88ddd430a712591445e6445a3daa05a47eadeb94a4b4f7fdc6",
+    ("csr.crc_cwm", ('sum', 1, 8, 8, 16, 'float16')): "b3875eca6541a1e0dc673e242546db298bb0c933152227e2ff8cbf82f5dddb58",
+    ("csr.crc_cwm", ("sum", 1, 4, 16, 8, "float32", 2, 4)): "63ca88fa71141de7a011cde35e7af3291817c8d6cac90caad1c8d7b4e12f6655",
+    ("csr.crc_cwm", ("sum", 2, 4, 8, 4, "float32", 4, 4)): "2b5df7c6402ed922d9c4f5236c8837b14fe8d8d5e8df15c18bb8db659d96d7a9",
     ("csr.sddmm", (32, 4, 4, "float32")): "3f6caa4f4d3928d191918a894c7537146bcc28ed78a9ec65e986fbbc6bbf7fda",
     ("csr.sddmm", (8, 2, 2, "float16")): "fba4895bb6faad9f8126d643d648642f26d72e1e049d1cc47cc086fa066be35c",
     ("csr.sddmm", (16, 8, 1, "bfloat16", 1)): "ea2c2d8272949912608fe567554b7a0bade091ffb28ce524be31eca5153832bb",
@@ -506,12 +507,15 @@ def test_spmm_min_blocks_rule_seeds_and_names():
     ring = sp.diags([1.0, 1.0, 1.0], [-1, 0, 1], shape=(500, 500), format="csr", dtype=np.float32)
     dense = random_matrix(400, 300, density=0.1, seed=1)                                   # ~30 a row
     first = t.heuristic(64, 3, 3.0)
-    # (the ring's rows are tiny: the staged stream comes last)
-    assert t.unranked_variants(first, make_op(ring, "spmm", 64))[-2] == {**first, "min_blocks": 8, "unroll": 1}
+    # (the ring's rows are tiny: the staged stream comes after, then ELL rows: its rows fit 4)
+    def not_ell(vs):
+        return [v for v in vs if v.get("flat") != 4]
+
+    assert not_ell(t.unranked_variants(first, make_op(ring, "spmm", 64)))[-2] == {**first, "min_blocks": 8, "unroll": 1}
     wide = t.heuristic(256, 3, 3.0)                                 # two column slices per lane
-    assert wide["cf"] == 2 and t.unranked_variants(wide, make_op(ring, "spmm", 256))[-2] == \
+    assert wide["cf"] == 2 and not_ell(t.unranked_variants(wide, make_op(ring, "spmm", 256)))[-2] == \
         {**wide, "cf": 1, "min_blocks": 8, "unroll": 1}
-    assert [v["flat"] for v in t.unranked_variants({**first, "min_blocks": 4}, make_op(ring, "spmm", 64))] == [2]
+    assert [v["flat"] for v in t.unranked_variants({**first, "min_blocks": 4}, make_op(ring, "spmm", 64))] == [2, 4, 4]
     assert t.unranked_variants(first, make_op(dense, "spmm", 64)) == []
     assert tuple(t.space(_mod(ring, "spmm", 64))["min_blocks"].choices) == t.MIN_BLOCKS
     for A in (ring, dense):
@@ -642,8 +646,9 @@ def test_spmm_flat_rule_seeds_and_names():
     for A, rpw in ((ring, 8), (mesh, 4)):
         op = make_op(A, "spmm", 64)
         assert t.unranked_variants(first, op)[0] == {**first, "flat": 1, "rows_per_warp": rpw, "warps_per_block": 4}
-        # on top of a flat first choice only the staged stream, where the rows are tiny (the ring)
-        assert [v["flat"] for v in t.unranked_variants({**first, "flat": 1}, op)] == ([2] if A is ring else [])
+        # on top of a flat first choice only the staged stream, where the rows are tiny (the ring),
+        # and ELL rows (both fit 4 or 8 a row, the mesh's 7 padded to 8 within ELL_MAX_PAD)
+        assert [v["flat"] for v in t.unranked_variants({**first, "flat": 1}, op)] == ([2] if A is ring else []) + [4, 4]
         seeds = t.seed_params(_mod(A, "spmm", 64))
         assert sorted(s["rows_per_warp"] for s in seeds if s.get("flat")) == [4, 8]
     assert not any(v.get("flat") == 1 for v in t.unranked_variants(first, make_op(hub, "spmm", 64)))
@@ -1041,3 +1046,162 @@ def test_call_time_values_reach_their_entries(op, monkeypatch):
                     _close(em.emulate_kernel(k, X, Y), reference.sddmm(as_csr(Cv), X, Y))
     if op == "spmm":
         assert moved > 0      # the packer moved entries of the stored order (warp-reduced rows first)
+
+
+# ------------------------------------------------------------------------------------------
+# ELL rows (flat=4)
+# ------------------------------------------------------------------------------------------
+def _bounded_rows(m, n, width, seed):
+    """m x n with rows of 0 .. ``width`` nonzeros (first and last empty, every 7th exactly
+    ``width``), unsorted columns within a row."""
+    rng = np.random.default_rng(seed)
+    lens = rng.integers(0, width + 1, m)
+    lens[0] = lens[-1] = 0
+    lens[1::7] = width
+    cols = [rng.choice(n, int(k), replace=False) for k in lens]
+    indptr = np.concatenate([[0], np.cumsum(lens)])
+    return sp.csr_matrix((rng.standard_normal(int(indptr[-1])).astype(np.float32),
+                          np.concatenate(cols).astype(np.int32), indptr), shape=(m, n))
+
+
+def test_ell_indices_pad_rows():
+    """Each row's ids in their stored order, then -1, ``width`` a row; a longer row is refused."""
+    from spcompile.kernels.csr.packer import ell_indices
+
+    got = ell_indices(np.array([0, 2, 2, 5]), np.array([4, 1, 0, 3, 2]), 3)
+    assert got.dtype == np.int32 and got.tolist() == [4, 1, -1, -1, -1, -1, 0, 3, 2]
+    assert ell_indices(np.array([0]), np.zeros(0, np.int32), 4).size == 0
+    with pytest.raises(ValueError, match="ELL rows of width 2 cannot hold a row of 3"):
+        ell_indices(np.array([0, 2, 2, 5]), np.array([4, 1, 0, 3, 2]), 2)
+
+
+#: ELL shapes: one and two slices a lane, fewer entries than lanes, several ids a lane
+ELL_SHAPES = ({"group": 8, "vec": 4, "cf": 1, "unroll": 4, "min_blocks": 6},
+              {"group": 4, "vec": 4, "cf": 2, "unroll": 8, "min_blocks": 4, "rows_per_warp": 4},
+              {"group": 32, "vec": 1, "cf": 2, "unroll": 8, "rows_per_warp": 2},
+              {"group": 4, "vec": 2, "cf": 1, "unroll": 16, "rows_per_warp": 3})
+
+
+@pytest.mark.parametrize("reduce", REDUCES)
+@pytest.mark.parametrize("pipe", sorted(PIPES))
+def test_spmm_ell_emulation_matches_reference(reduce, pipe):
+    """flat=4 packs every row's ids at row * unroll and its values in CSR order; the emulation of
+    the launch (every row whole, the columns of its tiles) matches float64 for every reduction,
+    row order, K (1, odd, wider than a tile), empty rows and rows of exactly the width, on a
+    non-square matrix, and the artifact checks pass."""
+    t = get_template("csr.crc_cwm")
+    rng = np.random.default_rng(3)
+    for i, shape in enumerate(ELL_SHAPES):
+        A = _bounded_rows(211, 173, shape["unroll"], 20 + i)
+        for K in (1, 33, 64):
+            mod = _mod(A, "spmm", K, reduce, pipe)
+            op = make_op(A, "spmm", K, reduce)
+            k = t.build(mod, {**t.default_params(mod), "flat": 4, "max_seg": 0, **shape}, compile=False)
+            assert k.meta["instances"][0][0].endswith("_ell" + (f"_mb{shape['min_blocks']}" if shape.get("min_blocks")
+                                                               else ""))
+            assert k.arrays["indices"].size == A.shape[0] * shape["unroll"] and np.all(k.arrays["seg_slot"] == -1)
+            assert k.arrays["data"].size == A.nnz and k.launch_spec(int(k.meta["vec"])).smem == 0
+            t.check_arrays(op.key(), k.params, k.arrays, k.meta)
+            X = rng.standard_normal((A.shape[1], K)).astype(np.float32)
+            _close(em.emulate_kernel(k, X), reference.spmm(as_csr(A), X, reduce))
+    # 16-bit X / Y
+    A = _bounded_rows(211, 173, 4, 9)
+    mod = _mod(A, "spmm", 64, reduce, pipe, dtype="float16")
+    k = t.build(mod, {**t.default_params(mod), "flat": 4, "max_seg": 0, "unroll": 4, "min_blocks": 6}, compile=False)
+    assert k.meta["instances"][0][0].startswith("spmm_crc_cwm_f16_")
+    X = rng.standard_normal((A.shape[1], 64)).astype(np.float16)
+    _close(em.emulate_kernel(k, X), reference.spmm(as_csr(A), X.astype(np.float32), reduce), tol=1e-2)
+
+
+def test_spmm_ell_arrays_checked():
+    """Saved ELL arrays pass the artifact checks; ids of the wrong length, a padding slot that is
+    not -1, a row's own slot that is, a row longer than the width, split-row slots or a launch
+    the matrix does not fit are refused by name."""
+    from spcompile.core.ir import values_hash
+
+    t = get_template("csr.crc_cwm")
+    A = _bounded_rows(120, 90, 4, 1)
+    op = make_op(A, "spmm", 16)
+    mod = SparseModule.from_op(op)
+    vh = values_hash(as_csr(A))
+    k = t.build(mod, {**t.default_params(mod), "flat": 4, "unroll": 4, "max_seg": 0}, compile=False)
+    t.check_arrays(op.key(), k.params, k.arrays, k.meta, vh)
+    ids, lens = k.arrays["indices"], np.diff(k.arrays["seg_ptr"])
+    short = int(np.flatnonzero((lens > 0) & (lens < 4))[0])
+    pad, own = ids.copy(), ids.copy()
+    pad[short * 4 + 3] = 0
+    own[short * 4] = -1
+    for what, bad in {"a short id array": ids[:-1], "a padding slot holding an id": pad, "an own slot of -1": own}.items():
+        with pytest.raises(ValueError, match="indices"):
+            t.check_arrays(op.key(), k.params, {**k.arrays, "indices": bad}, k.meta, vh)
+    with pytest.raises(ValueError, match="indices"):          # a real id past n
+        t.check_arrays(op.key(), k.params, {**k.arrays, "indices": np.where(ids >= 0, A.shape[1], ids)}, k.meta, vh)
+    # rows wider than the width (the same arrays under unroll-2 instances)
+    narrow = [[k.meta["instances"][0][0], [*k.meta["instances"][0][1][:5], 2, *k.meta["instances"][0][1][6:]]]]
+    with pytest.raises(ValueError, match="indices|width 2"):
+        t.check_arrays(op.key(), {**k.params, "unroll": 2}, k.arrays, {**k.meta, "instances": narrow}, vh)
+    slot = k.arrays["seg_slot"].copy()
+    slot[short] = 0
+    with pytest.raises(ValueError, match="whole rows"):
+        t.check_arrays(op.key(), k.params, {**k.arrays, "seg_slot": slot}, k.meta, vh)
+    with pytest.raises(ValueError, match="at most unroll=2 nonzeros, and this matrix has a row of 4"):
+        t.build(mod, {**t.default_params(mod), "flat": 4, "unroll": 2, "max_seg": 0}, compile=False)
+
+
+def test_spmm_ell_rule_and_space():
+    """ELL rows are offered where every row fits a width of the space at most ELL_MAX_ROW and the
+    padding stays within ELL_MAX_PAD: quick selection measures the first choice's column shape
+    and its narrow twin under the launch bounds their loads fit (ell_min_blocks); never on rows
+    too long, too uneven or already ELL.  The tuner's space has flat=4; its canonical form drops
+    max_seg, combine_vals and warp_combine, which ELL rows never use."""
+    t = get_template("csr.crc_cwm")
+    assert t.ell_width(np.array([4, 3, 4, 2])) == 4 and t.ell_width(np.array([5, 5, 8])) == 8
+    assert t.ell_width(np.array([16] * 3), "float16") == 16 and t.ell_width(np.array([16] * 3)) is None  # fp32: unroll <= 8
+    assert t.ell_width(np.array([8, 1, 1, 1])) is None            # 32 slots for 11 nonzeros
+    assert t.ell_width(np.array([17])) is None and t.ell_width(np.zeros(0, np.int64)) is None
+    assert [t.ell_min_blocks(w, cf) for w, cf in ((4, 1), (4, 2), (8, 1), (8, 2), (16, 1))] == [4, 4, 4, 1, 1]
+    A = _bounded_rows(300, 300, 4, 2)
+    lens = np.diff(A.indptr)
+    assert lens.size * 4 <= t.ELL_MAX_PAD * lens.sum()
+    for dtype, K in (("float16", 64), ("float32", 64), ("float32", 128)):
+        op = make_op(A, "spmm", K, dtype=dtype)
+        first = t.heuristic(K, int(lens.max()), float(lens.mean()), dtype)
+        got = [v for v in t.unranked_variants(first, op) if v.get("flat") == 4]
+        base = {**first, "flat": 4, "unroll": 4, "max_seg": 0, "rows_per_warp": t.ELL_ROWS}
+        want = [{**base, "min_blocks": 4}]
+        if first["group"] >= 8 and first["cf"] == 1:
+            want.append({**base, "group": first["group"] // 2, "cf": 2, "min_blocks": 4})
+        assert got == want
+        assert not [v for v in t.unranked_variants(got[0], op) if v.get("flat") == 4]    # not from ELL itself
+    hub = sp.csr_matrix(np.vstack([np.ones((1, 40)), np.eye(40)[:39]]).astype(np.float32))
+    assert not [v for v in t.unranked_variants(t.heuristic(64, 40, 2.0), make_op(hub, "spmm", 64)) if v.get("flat") == 4]
+    mod = SparseModule.from_op(make_op(A, "spmm", 64))
+    assert 4 in t.space(mod)["flat"].choices
+    canon = t.search_params({**t.default_params(mod), "flat": 4, "unroll": 4, "max_seg": 64, "combine_vals": 16,
+                             "warp_combine": 1})
+    assert (canon["max_seg"], canon["combine_vals"], canon["warp_combine"]) == (0, 0, 0)
+
+
+def test_spmm_ell_call_time_values(monkeypatch):
+    """ELL rows keep the values in CSR order: values a call passes (through the module's
+    ``values_src``) reproduce the float64 reference of the matrix with those values, in every row
+    order."""
+    from spcompile.compile import build_from_config
+    from spcompile.kernels.nvcc import NvccTemplate
+
+    monkeypatch.setattr(NvccTemplate, "compile", lambda self, inst, arch=None, name=None: b"")  # arrays only
+    t = get_template("csr.crc_cwm")
+    rng = np.random.default_rng(4)
+    A = _bounded_rows(150, 150, 8, 6)
+    C = as_csr(A)
+    for pipe, reduce in itertools.product(sorted(PIPES), REDUCES):
+        sop = make_op(A, "spmm", 33, reduce)
+        p = t.check_params(SparseModule.from_op(sop), {**t.default_params(SparseModule.from_op(sop)), "flat": 4,
+                                                       "unroll": 8, "max_seg": 0})
+        mod = build_from_config(sop, t.make_config(p, [{"name": s, "options": {}} for s in PIPES[pipe]], "cuda"))
+        src = np.arange(C.nnz) if mod.values_src is None else np.asarray(mod.values_src)
+        v = rng.standard_normal(C.nnz).astype(np.float32)
+        mod.kernel.arrays[t.call_values_array] = v[src]
+        X = rng.standard_normal((150, 33)).astype(np.float32)
+        _close(em.emulate_kernel(mod.kernel, X),
+               reference.spmm(as_csr(sp.csr_matrix((v, C.indices, C.indptr), shape=C.shape)), X, reduce))

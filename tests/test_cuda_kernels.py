@@ -203,17 +203,17 @@ FLAT_NNZ_SPMM_PARAMS = ({"group": 32, "vec": 4, "cf": 1, "max_seg": 32, "unroll"
                         {"group": 8, "vec": 4, "cf": 1, "max_seg": 128, "unroll": 4, "flat_nnz": 128, "min_blocks": 4})
 
 
-def _check_crc_cwm(dtype, tol, K, cases, check_module=None):
-    """csr.crc_cwm built through ``spcompile.build`` on :func:`_window_matrix` for every reduction
-    and each ``(params, pipeline)`` of ``cases`` (``check_module(mod, params)`` first, when
-    given): the NaN-poisoned output fully written and equal to the float64 reference within
-    ``tol``, twice in a row (the split-row counters reset)."""
+def _check_crc_cwm(dtype, tol, K, cases, check_module=None, matrix=None):
+    """csr.crc_cwm built through ``spcompile.build`` on ``matrix`` (default
+    :func:`_window_matrix`) for every reduction and each ``(params, pipeline)`` of ``cases``
+    (``check_module(mod, params)`` first, when given): the NaN-poisoned output fully written and
+    equal to the float64 reference within ``tol``, twice in a row (the split-row counters reset)."""
     import torch
 
     from spcompile.compile import make_op
     from spcompile.core import reference
 
-    A = _window_matrix()
+    A = _window_matrix() if matrix is None else matrix
     tdt = getattr(torch, dtype)
     X = torch.randn(A.shape[1], K, device="cuda").to(tdt)
     for reduce in ("sum", "max", "min", "mean"):
@@ -289,6 +289,53 @@ def test_staged_spmm_streams_rows(dtype, tol, K):
 
     _check_crc_cwm(dtype, tol, K, [({"flat": 2, **p}, ["reorder.degree"] if i % 2 else [])
                                    for i, p in enumerate(STAGED_SPMM_PARAMS)], staged)
+
+
+def _ell_matrix(width):
+    """613 x 587 (non-square) with rows of 0 .. ``width`` nonzeros: the first and last rows empty,
+    every 7th row exactly ``width`` long, column 3 in every 5th non-empty row."""
+    import scipy.sparse as sp
+
+    rng = np.random.default_rng(5 + width)
+    m, n = 613, 587
+    lens = rng.integers(0, width + 1, m)
+    lens[0] = lens[-1] = 0
+    lens[1::7] = width
+    cols = [rng.choice(n, int(k), replace=False) for k in lens]
+    for i in range(0, m, 5):
+        if lens[i] and 3 not in cols[i]:
+            cols[i][0] = 3
+    indptr = np.concatenate([[0], np.cumsum(lens)])
+    return sp.csr_matrix((rng.standard_normal(int(indptr[-1])).astype(np.float32), np.concatenate(cols), indptr),
+                         shape=(m, n))
+
+
+#: ELL rows (flat=4): every row's ids at s * unroll, no row pointer before them; 16-byte lanes in
+#: one- and two-slice shapes under the launch bounds quick selection gives them, fewer entries
+#: than lanes (32-lane groups of 4-byte lanes), four ids a lane, and groups of one to four rows
+#: (the next row's ids loaded while this row's X rows load)
+ELL_SPMM_PARAMS = (
+    {"group": 8, "vec": 4, "cf": 1, "warps_per_block": 4, "unroll": 4, "min_blocks": 6},
+    {"group": 4, "vec": 4, "cf": 2, "warps_per_block": 4, "unroll": 4, "min_blocks": 4, "rows_per_warp": 4},
+    {"group": 32, "vec": 1, "cf": 2, "warps_per_block": 2, "unroll": 8, "rows_per_warp": 2},
+    {"group": 4, "vec": 2, "cf": 1, "warps_per_block": 8, "unroll": 16, "rows_per_warp": 3})
+
+
+@pytest.mark.parametrize("dtype, tol", [("float32", 1e-5), ("float16", 2e-2), ("bfloat16", 5e-2)])
+@pytest.mark.parametrize("K", [1, 33, 72, 128])
+def test_ell_spmm_rows(dtype, tol, K):
+    """csr.crc_cwm with flat=4 (ELL rows): every reduction, empty rows (first and last too), rows
+    of exactly the width, a non-square matrix, with and without a degree order; the instances
+    are the _ell ones, the ids padded to the width a row, no shared memory; the NaN-poisoned
+    output fully written and equal to the float64 reference, twice in a row."""
+    def ell_rows(mod, p):
+        assert all("_ell" in n for n, _ in mod.kernel.meta["instances"])
+        assert mod.kernel.arrays["indices"].size == mod.kernel.arrays["seg_out"].size * p["unroll"]
+        assert mod.kernel.launch_spec(int(mod.kernel.meta["vec"])).smem == 0
+
+    for i, p in enumerate(ELL_SPMM_PARAMS):
+        _check_crc_cwm(dtype, tol, K, [({"flat": 4, "max_seg": 0, **p}, ["reorder.degree"] if i % 2 else [])],
+                       ell_rows, matrix=_ell_matrix(p["unroll"]))
 
 
 #: staged segments (flat=3): one-row groups with hub slices reduced across the warp (shuffles) and

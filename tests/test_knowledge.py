@@ -584,15 +584,15 @@ def test_locality_order_variants_on_sparse_rows():
     assert kn.locality_order_variants([(deg, 1.2)], "cuda", "float32", dense) == []
     assert kn.locality_order_variants([(deg, 1.2)], "cuda", "float32", None) == []
     # csr.crc_cwm (SpMM) the same: its first choice and unranked variants (here the flat layout of
-    # short rows, the full-occupancy one of sparse rows and the staged stream of tiny ones) on
-    # RCM, for sparse rows only
+    # short rows, the full-occupancy one of sparse rows, the staged stream of tiny ones and ELL
+    # rows, in two column shapes) on RCM, for sparse rows only
     crc = get_template("csr.crc_cwm")
     sop = make_op(ring, "spmm", 64)
     q = crc.heuristic(64, 3, 3.0)
     got = kn.locality_order_variants([(crc.make_config(q, kn._PIPES["degree"], "cuda"), 1.2)], "cuda", "float32", sop)
     assert [dict(c.params) for c in got] == [q] + crc.unranked_variants(q, sop)
-    assert len(got) == 4 and all(list(c.pipeline) == list(kn._PIPES["rcm"]) for c in got)
-    assert [c.params.get("flat") for c in got[1:]] == [1, None, 2]
+    assert len(got) == 6 and all(list(c.pipeline) == list(kn._PIPES["rcm"]) for c in got)
+    assert [c.params.get("flat") for c in got[1:]] == [1, None, 2, 4, 4]
     assert crc.RCM_MAX_MEAN == sdd.RCM_MAX_MEAN
     dense_spmm = make_op(random_matrix(200, 200, density=0.2, seed=2), "spmm", 64)
     assert kn.locality_order_variants([(crc.make_config(q, kn._PIPES["degree"], "cuda"), 1.2)], "cuda", "float32",

@@ -62,7 +62,7 @@ def spmm_segments(arrays: Mapping[str, np.ndarray], groups: int, segs_per_group:
 
 def emulate_spmm(arrays: Mapping[str, np.ndarray], X: np.ndarray, reduce: str, m: int,
                  columns: np.ndarray | None = None, dtype: str = "float32",
-                 segments: np.ndarray | None = None) -> np.ndarray:
+                 segments: np.ndarray | None = None, ell: int = 0) -> np.ndarray:
     """Y (m x K) as ``spmm_crc_cwm`` computes it from its arrays: per segment the reduction of
     ``data[p] * X[indices[p]]`` over its nonzeros; whole-row segments write row ``seg_out``
     (0 for an empty row, mean scaled by the row length); slices of split rows write their
@@ -72,12 +72,18 @@ def emulate_spmm(arrays: Mapping[str, np.ndarray], X: np.ndarray, reduce: str, m
     ``segments``: the segments the launch processes (:func:`spmm_segments`); the others write
     nothing (their rows stay NaN, their split rows are never combined).  Slices flagged
     ``WARP_SLICES`` (one warp's row groups) are reduced into their shared slot first, and runs of
-    ``WARP_ROW`` slices of one output row into that row."""
+    ``WARP_ROW`` slices of one output row into that row.  ``ell`` > 0 (ELL rows, FL = 4):
+    ``indices`` holds ``ell`` column ids a segment, of which the kernel reads the first
+    ``seg_ptr[s + 1] - seg_ptr[s]`` (ValueError for a longer segment: it would read past them)."""
     X = np.asarray(X, dtype=np.float32)
     K = X.shape[1]
     a = {k: np.asarray(v) for k, v in arrays.items()}
     seg_ptr = a["seg_ptr"].astype(np.int64)
     lens = np.diff(seg_ptr)
+    if ell:
+        if lens.size and int(lens.max()) > int(ell):
+            raise ValueError(f"an ELL row of width {int(ell)} cannot hold a segment of {int(lens.max())} nonzeros")
+        a["indices"] = a["indices"].reshape(lens.size, int(ell))[np.arange(int(ell))[None, :] < lens[:, None]]
     ufunc, init = _UFUNC[reduce], np.float32(_INIT[reduce])
     prod = a["data"].astype(np.float32)[:, None] * X[a["indices"]]
     acc = np.full((lens.size, K), init, dtype=np.float32)
@@ -159,7 +165,9 @@ def emulate_kernel(kernel, *inputs, fallback: bool = False) -> np.ndarray:
         cols = spmm_columns(K, int(p["group"]), vec, int(p["cf"]), spec.grid[1])
         segs = spmm_segments(kernel.arrays, spec.grid[0] * (spec.block[0] // int(p["group"])),
                              int(p["rows_per_warp"]))
-        return emulate_spmm(kernel.arrays, inputs[0], reduce, int(meta["m"]), cols, dtype, segs)
+        fl, width = int(meta["instances"][0][1][6]), int(meta["instances"][0][1][5])
+        return emulate_spmm(kernel.arrays, inputs[0], reduce, int(meta["m"]), cols, dtype, segs,
+                            ell=width if fl == 4 else 0)
     cols = sddmm_columns(K, int(p["group"]), vec, int(p["k_chunks"]))
     flat = bool(int(meta["instances"][0][1][4]))        # the compiled FLAT argument
     return emulate_sddmm(kernel.arrays, *inputs, int(kernel.arrays["data"].size), cols, dtype, flat)

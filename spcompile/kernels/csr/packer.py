@@ -10,7 +10,7 @@ from ...core.ir import SparseModule
 from ..base import ENTRY_SRC, csr_kernel_arrays
 
 __all__ = ["WARP_SLICES", "WARP_ROW", "spmm_partition", "warp_slice_order", "flat_groups", "sddmm_partition", "pack_spmm",
-           "pack_sddmm"]
+           "ell_indices", "pack_ell", "pack_sddmm"]
 
 #: ``seg_slot`` bit of a slice whose combine unit (a warp, or a block of 32-lane row groups)
 #: reduces its row groups' accumulators before writing one partial (``spmm_crc_cwm.cu``'s
@@ -169,6 +169,33 @@ def pack_spmm(mod: SparseModule, max_seg: int, flat: bool = False, segs_per_grou
     if src is not None:
         out[ENTRY_SRC] = src    # which of mod.A's entries each value slot holds (call-time values)
     return out
+
+
+def ell_indices(indptr: np.ndarray, indices: np.ndarray, width: int) -> np.ndarray:
+    """The column ids of every row padded to ``width`` (row-major, ``rows x width``): row i's
+    ids in their stored order, then -1.  ValueError when a row holds more than ``width``."""
+    indptr = np.asarray(indptr, dtype=np.int64)
+    lens = np.diff(indptr)
+    m, w = lens.size, int(width)
+    if m and int(lens.max()) > w:
+        raise ValueError(f"ELL rows of width {w} cannot hold a row of {int(lens.max())} nonzeros")
+    out = np.full(m * w, -1, dtype=np.int32)
+    nnz = int(indptr[-1]) if indptr.size else 0
+    if nnz:
+        row = np.repeat(np.arange(m, dtype=np.int64), lens)
+        out[row * w + (np.arange(nnz, dtype=np.int64) - indptr[row])] = np.asarray(indices)[:nnz]
+    return out
+
+
+def pack_ell(mod: SparseModule, width: int) -> dict[str, np.ndarray]:
+    """Arrays of ``csr.crc_cwm`` with ``flat=4`` (ELL rows): one whole-row segment a row
+    (:func:`spmm_partition` without slices), ``indices`` the column ids padded to ``width`` a row
+    (:func:`ell_indices`), and ``data`` the values in CSR order (call-time values land there as
+    for every CSR layout)."""
+    ka = csr_kernel_arrays(mod, np.int32)
+    part = spmm_partition(ka["indptr"], ka["row_ids"], 0)
+    return {"indices": ell_indices(ka["indptr"], ka["indices"], width), "data": ka["data"], **part,
+            "grp_seg": np.zeros(0, np.int32)}
 
 
 def pack_sddmm(mod: SparseModule, nnz_per_warp: int, flat: bool = False) -> dict[str, np.ndarray]:

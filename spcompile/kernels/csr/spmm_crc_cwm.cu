@@ -30,7 +30,12 @@
 //        chunk's X slices are copied to shared memory with cp.async (all CH x CF of a lane in
 //        flight, no register holds them) and accumulated from there; U then only sets CH
 //        (U nonzeros, at least 4: fewer than G where a row of X is wide); 3 (staged segments): as 0,
-//        each chunk staged as in 2 (a row's chunk of gathers in flight at once, few registers)
+//        each chunk staged as in 2 (a row's chunk of gathers in flight at once, few registers);
+//        4 (ELL rows): every segment is a whole row of at most U nonzeros, and `indices` holds U
+//        column ids a segment (ELL, -1 after the row's own), so a row group reads its row's ids
+//        at s * U with no row pointer before them (segment bounds, ids and output row load at
+//        once); the values stay in CSR order (call-time values), read at seg_ptr[s] beside the
+//        X loads; all U x CF X loads of the row in flight, no row cache
 //   CQ   0: the split-row combine loads U partials of VEC fp32 values per lane at a time; > 0: at
 //        most CQ values (parameter combine_vals; instance macros *_CQ)
 // Launch bounds (the instance macro, not the body): SPC_SPMM_INSTANCE_MB's MB resident 256-thread
@@ -586,6 +591,56 @@ __device__ __forceinline__ void spmm_crc_cwm(
       reset_acc<R>(acc);
       seg_lo = seg_hi;
       if (cur + 1 < ns) seg_hi = ptr_at(cur + 2);
+    }
+  } else if constexpr (FL == 4) {
+    // ELL rows: the row's U column ids at s * U (lane j holds entries j, j + G, ...), its bounds
+    // and output row all load at once; then its X rows (every slice of the row in flight) while
+    // its values load from seg_ptr[s]; accumulated in nonzero order, as the CSR kernels do.  A
+    // group of several rows (segs_per_group) loads the next row's ids, bounds and output row
+    // while this row's X rows load
+    constexpr int PL = (U + G - 1) / G;             // ids (and values) a lane loads
+    long long s = group * segs_per_group;
+    if (s >= nseg) return;                            // uniform within the group
+    const long long s_end = min(s + (long long)segs_per_group, (long long)nseg);
+    const char* xb = reinterpret_cast<const char*>(X + col_base);
+    const unsigned row_bytes = (unsigned)K * (unsigned)sizeof(T);
+    int ci[PL], lo, len, out;
+    auto fetch_row = [&](const long long r, int (&ids)[PL], int& rlo, int& rlen, int& rout) {
+      const int* ell = indices + (size_t)r * U;
+#pragma unroll
+      for (int j = 0; j < PL; ++j) ids[j] = (lane + j * G < U) ? ell[lane + j * G] : 0;
+      rlo = seg_ptr[r];
+      rlen = seg_ptr[r + 1] - rlo;
+      rout = seg_out[r];
+    };
+    fetch_row(s, ci, lo, len, out);
+    for (; s < s_end; ++s) {
+      pack_t<T, VEC> xv[U][CF];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int col = __shfl_sync(gmask, ci[u / G], u % G, G);
+        if (u < len) {
+          // one 32 x 32 -> 64-bit multiply-add a row address, as in load_x's lean instances
+          const T* xrow = reinterpret_cast<const T*>(xb + (size_t)(unsigned)col * row_bytes);
+#pragma unroll
+          for (int c = 0; c < CF; ++c) {
+            if (col_base + c * G * VEC < K) load_raw<T, VEC>(xrow + c * G * VEC, xv[u][c]);
+          }
+        }
+      }
+      float cv[PL];
+#pragma unroll
+      for (int j = 0; j < PL; ++j) cv[j] = (lane + j * G < len) ? data[lo + lane + j * G] : 0.0f;
+      const int this_len = len, this_out = out;
+      if (s + 1 < s_end) fetch_row(s + 1, ci, lo, len, out);
+      float acc[CF][VEC];
+      reset_acc<R>(acc);
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const float a = __shfl_sync(gmask, cv[u / G], u % G, G);
+        if (u < this_len) accumulate<T, R, CF, VEC, G>(acc, a, xv[u], K, col_base);
+      }
+      finish(-1, this_out, acc, this_len);
     }
   } else {
     for (int r = 0; r < segs_per_group; ++r) {

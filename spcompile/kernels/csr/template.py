@@ -23,7 +23,7 @@ import numpy as np
 from ..base import (check_entries, float_array, index_array, meta_int, pointer_array, register_template,
                     typed_array, unique_params)
 from ..nvcc import AtLeast, LaunchSpec, NvccKernel, NvccTemplate
-from .packer import WARP_ROW, WARP_SLICES, pack_sddmm, pack_spmm, sddmm_partition, spmm_partition  # noqa: F401 (public here too)
+from .packer import WARP_ROW, WARP_SLICES, pack_ell, pack_sddmm, pack_spmm, sddmm_partition, spmm_partition  # noqa: F401 (public here too)
 
 _REDUCE = {"sum": 0, "max": 1, "min": 2, "mean": 3}
 #: the element types of X / Y / output the kernels compile for (template argument TN = DTYPES code);
@@ -56,6 +56,12 @@ def flat_layout(flat) -> bool:
     """``flat`` 1 / 2: row groups stream runs of consecutive segments (``grp_seg``); 0 / 3: each
     takes ``rows_per_warp`` segments one after another."""
     return int(flat) in (1, 2)
+
+
+def ell(flat) -> bool:
+    """``flat`` 4: ELL rows (every row of at most ``unroll`` nonzeros, its column ids padded to
+    ``unroll`` a row, read without a row pointer before them)."""
+    return int(flat) == 4
 
 
 def staged(flat) -> bool:
@@ -106,7 +112,7 @@ class CrcCwmKernel(NvccKernel):
         ngroups = int(self.arrays["grp_seg"].size) - 1 if self.arrays["grp_seg"].size else -(-nseg // rpw)
         # shared memory: a chunk of column ids and values per row group (chunk_entries); 32-lane
         # groups that combine a block's slices reduce their accumulators through it as well
-        chunk = chunk_entries(int(p["group"]), int(p["unroll"]), int(p.get("flat", 0)))
+        chunk = 0 if ell(p.get("flat", 0)) else chunk_entries(int(p["group"]), int(p["unroll"]), int(p.get("flat", 0)))
         smem = groups * chunk * 8 + groups * CrcCwm.stage_bytes(p, vec, self.meta.get("dtype", "float32"))
         if int(p["group"]) == 32 and CrcCwm.warp_slices(p) > 1:
             smem = max(smem, CrcCwm.block_combine_smem(int(p["warps_per_block"]), int(p["cf"]), vec))
@@ -129,7 +135,10 @@ class CrcCwm(NvccTemplate):
     one, cut by ``max_seg``: an nnz-balanced schedule for graphs of short rows and hubs);
     ``flat=2``: the flat layout, staged (a chunk of ``unroll`` nonzeros' X slices copied to shared
     memory with cp.async, all in flight without registers, then accumulated); ``flat=3``: segments
-    one after another (as ``flat=0``), staged;
+    one after another (as ``flat=0``), staged; ``flat=4``: ELL rows (a matrix whose rows hold at
+    most ``unroll`` nonzeros: each row's column ids padded to ``unroll``, read at a fixed place
+    with no row pointer before them, the values in CSR order; ``rows_per_warp`` rows a row group,
+    the next row's ids loading while this row's X rows do);
     ``warp_combine=1``: a row of at least a combine unit's worth of slices (the 32 / ``group``
     one-segment row groups of a warp, or for 32-lane groups the block's warps) has its slices
     reduced across the unit (shuffles; shared memory for a block) before one partial a unit
@@ -155,7 +164,7 @@ class CrcCwm(NvccTemplate):
         return {"cf": C([1, 2, 4, 8]), "vec": C(_vec_choices(mod.op.dtype)), "group": C([4, 8, 16, 32]),
                 "warps_per_block": C([2, 4, 8]), "rows_per_warp": C([1, 2, 4, 8]),
                 "max_seg": C(list(self.MAX_SEG_SPACE)), "unroll": C(_unroll_choices(mod.op.dtype)),
-                "flat": C([0, 1, 2, 3]),
+                "flat": C([0, 1, 2, 3, 4]),
                 "min_blocks": C(list(self.MIN_BLOCKS)), "flat_nnz": C(list(self.FLAT_NNZ)),
                 "combine_vals": C(list(self.COMBINE_VALS)), "warp_combine": C([0, 1, 2])}
 
@@ -269,6 +278,23 @@ class CrcCwm(NvccTemplate):
     #: fp32: section 18 of ``docs/benchmarks/h100_crc_cwm_experiments.md``)
     SEG_STAGED = {"flat": 3, "unroll": 8, "min_blocks": 4, "warp_combine": 1}
 
+    #: ELL rows (``flat=4``) as quick selection measures them: rows of at most ``ELL_MAX_ROW``
+    #: nonzeros, padded to the next ``unroll`` choice, at most ``ELL_MAX_PAD`` times the nonzeros
+    ELL_MAX_ROW, ELL_MAX_PAD = 16, 2.0
+
+    @classmethod
+    def ell_width(cls, lens: np.ndarray, dtype: str = "float32") -> int | None:
+        """The ``unroll`` of ELL rows for a matrix of row lengths ``lens``: the smallest of the
+        space's choices that holds its longest row, where that is at most ``ELL_MAX_ROW`` and the
+        padded ids are at most ``ELL_MAX_PAD`` times its nonzeros; else None."""
+        if not lens.size:
+            return None
+        longest = int(lens.max())
+        fit = [u for u in _unroll_choices(dtype) if u >= longest and u <= cls.ELL_MAX_ROW]
+        if not fit or lens.size * fit[0] > cls.ELL_MAX_PAD * max(int(lens.sum()), 1):
+            return None
+        return fit[0]
+
     @classmethod
     def tiny_rows(cls, lens: np.ndarray) -> bool:
         """Most rows hold a few nonzeros (``STAGED_MAX_MEAN`` on average, or ``STAGED_TINY_SHARE``
@@ -295,7 +321,8 @@ class CrcCwm(NvccTemplate):
           (H200, K=64: 1.09-1.14x faster on snap_email_enron, gemsec_fb_new_sites,
           gemsec_deezer_hu and snap_sx_askubuntu, 0.78-1.0x on the other 10 graphs, hence
           measured, not ruled), and on matrices of tiny rows also with narrower row groups
-          (:meth:`narrow_groups`)."""
+          (:meth:`narrow_groups`);
+        - where every row fits a few nonzeros, ELL rows (:meth:`ell_variants`)."""
         p = {**self.absent_params, **params}
         if op is None or staged(p["flat"]):
             return []
@@ -307,6 +334,7 @@ class CrcCwm(NvccTemplate):
         if tiny:
             keep = {k: v for k, v in dict(params).items() if k not in ("warp_combine", "combine_vals")}
             stream = [{**keep, **self.STAGED}]
+        stream += self.ell_variants(params, op)
         if int(p["flat"]) or int(p["min_blocks"]) > 1:
             return stream
         out = []
@@ -322,6 +350,36 @@ class CrcCwm(NvccTemplate):
             if narrow is not None:
                 out.append(narrow)
         return out + stream
+
+    #: rows a row group of ELL rows takes, the next one's ids loading while this one's X rows do
+    ELL_ROWS = 4
+
+    def ell_variants(self, params, op=None) -> list:
+        """Where every row fits ELL rows (:meth:`ell_width`): ``params``' column shape with
+        ``flat=4`` (all of a row's X loads in flight, ``ELL_ROWS`` rows a row group), and for one
+        slice a lane in groups of at least 8 lanes the twin of half the lanes and two slices a
+        lane, each under the launch bounds of :meth:`ell_min_blocks`.  On the H200 the better of
+        the two ran 1.14-1.28x faster than ``build()``'s module in fp32 on a mesh and a batch of
+        molecules (dimacs10_wing, tu_nci1; K = 64 / 128), 0.90-1.05x at 16 bits: measured, not
+        ruled (section 32 of ``docs/benchmarks/h100_crc_cwm_experiments.md``)."""
+        p = {**self.absent_params, **params}
+        if op is None or ell(p["flat"]):
+            return []
+        width = self.ell_width(op.A.row_lengths, op.dtype)
+        if width is None:
+            return []
+        keep = {k: v for k, v in dict(params).items() if k not in ("warp_combine", "combine_vals", "flat_nnz")}
+        shapes = [{**keep, "flat": 4, "unroll": width, "max_seg": 0, "rows_per_warp": self.ELL_ROWS}]
+        if int(p["group"]) >= 8 and int(p["cf"]) == 1:
+            shapes.append({**shapes[0], "group": int(p["group"]) // 2, "cf": 2})
+        return [{**v, "min_blocks": self.ell_min_blocks(width, int(v["cf"]))} for v in shapes]
+
+    @staticmethod
+    def ell_min_blocks(width: int, cf: int) -> int:
+        """Launch bounds of ELL rows with ``width`` x ``cf`` X loads a lane: 64 registers
+        (``min_blocks`` 4) for up to 8 loads, else the compiler's choice (1).  On the H200, 40
+        registers (6) were as fast or slower for 4 loads, and at 32 (8) they spill."""
+        return 4 if int(width) * int(cf) <= 8 else 1
 
     @staticmethod
     def narrow_groups(params) -> dict | None:
@@ -474,7 +532,8 @@ class CrcCwm(NvccTemplate):
         ``flat_nnz`` > 0 (1 then), ``combine_vals`` none where ``unroll`` x ``vec`` partial
         values already fit it, ``unroll`` is ``DEEP_UNROLL`` or the kernel is staged (``flat`` 2 / 3:
         its combine loads two partials at a time; 0 then), ``warp_combine`` none where
-        :meth:`warp_slices` is 1 (0 then)."""
+        :meth:`warp_slices` is 1 (0 then), and ``max_seg`` and ``combine_vals`` none with ELL rows
+        (``flat`` 4: whole rows, no combine; 0 then)."""
         p = dict(params)
         if not flat_layout(p.get("flat", 0)) and "flat_nnz" in p:
             p["flat_nnz"] = 0
@@ -485,12 +544,14 @@ class CrcCwm(NvccTemplate):
             p["combine_vals"] = 0
         if int(p.get("warp_combine", 0)) and self.warp_slices(p) == 1:
             p["warp_combine"] = 0
+        if ell(p.get("flat", 0)):                    # whole rows, no split-row combine
+            p.update({k: 0 for k in ("max_seg", "combine_vals") if k in p})
         return p
 
     def checks(self, mod):
         return {"cf": (1, 2, 4, 8), "vec": _vec_choices(mod.op.dtype), "group": (4, 8, 16, 32),
                 "unroll": (1, 2, 4, 8, DEEP_UNROLL, STAGED_UNROLL), "warps_per_block": (1, 2, 4, 8),
-                "rows_per_warp": AtLeast(1), "max_seg": AtLeast(0), "flat": (0, 1, 2, 3), "min_blocks": self.MIN_BLOCKS,
+                "rows_per_warp": AtLeast(1), "max_seg": AtLeast(0), "flat": (0, 1, 2, 3, 4), "min_blocks": self.MIN_BLOCKS,
                 "flat_nnz": AtLeast(0), "combine_vals": self.COMBINE_VALS, "warp_combine": (0, 1, 2)}
 
     #: the most shared memory (bytes) the block-level combine of 32-lane groups may take: a float
@@ -509,7 +570,7 @@ class CrcCwm(NvccTemplate):
         no combine)."""
         p = {**CrcCwm.absent_params, **params}
         g = int(p["group"])
-        if not int(p["warp_combine"]) or flat_layout(p["flat"]) or int(p["rows_per_warp"]) != 1:
+        if not int(p["warp_combine"]) or flat_layout(p["flat"]) or ell(p["flat"]) or int(p["rows_per_warp"]) != 1:
             return 1
         if g < 32:
             return 32 // g
@@ -534,11 +595,18 @@ class CrcCwm(NvccTemplate):
     def validate(self, mod, params):
         """As every template's, and: ``unroll`` 32 only with a staged kernel (``flat`` 2 / 3: it sets
         the chunk of nonzeros staged; 32 rows in flight a lane do not fit in registers), its stage
-        at most ``STAGE_SMEM`` bytes a block."""
+        at most ``STAGE_SMEM`` bytes a block; ELL rows (``flat`` 4) only where no row holds more
+        than ``unroll`` nonzeros."""
         super().validate(mod, params)
         p = {**self.absent_params, **params}
         if int(p.get("unroll", 1)) == STAGED_UNROLL and not staged(p["flat"]):
             raise ValueError(f"invalid {self.name} parameters: unroll={STAGED_UNROLL} needs flat=2 or 3 (a staged kernel)")
+        if ell(p["flat"]):
+            lens = mod.A.row_lengths
+            longest = int(lens.max()) if lens.size else 0
+            if longest > int(p["unroll"]):
+                raise ValueError(f"invalid {self.name} parameters: flat=4 (ELL rows) holds rows of at most unroll="
+                                 f"{int(p['unroll'])} nonzeros, and this matrix has a row of {longest}")
         vec = _largest_vec(mod.op.K, int(p["vec"]))
         stage = 32 * int(p["warps_per_block"]) // int(p["group"]) * self.stage_bytes(p, vec, mod.op.dtype)
         if stage > self.STAGE_SMEM:
@@ -553,6 +621,8 @@ class CrcCwm(NvccTemplate):
 
     def pack(self, mod, params):
         p = {**self.absent_params, **params}
+        if ell(p["flat"]):
+            return pack_ell(mod, int(p["unroll"]))
         return pack_spmm(mod, int(p["max_seg"]), flat_layout(p["flat"]), int(p["rows_per_warp"]), int(p["flat_nnz"]),
                          self.warp_slices(p), int(p["warp_combine"]) == 2)
 
@@ -565,16 +635,26 @@ class CrcCwm(NvccTemplate):
         meta_int(meta, "K", key.K)
         _kernel_types(arrays, ("indices", "seg_ptr", "seg_out", "seg_slot", "grp_ptr", "slot_grp", "grp_out", "grp_len",
                                "grp_seg"))
-        indices = index_array(arrays, "indices", 0, max(n, 1), nnz)
+        inst0 = meta.get("instances")
+        try:   # ELL rows (FL = 4): U ids a segment; the instances themselves are checked below
+            width = int(inst0[0][1][5]) if int(inst0[0][1][6]) == 4 else 0
+        except (TypeError, ValueError, IndexError, KeyError):
+            width = 0
         data = float_array(arrays, "data", nnz)
         seg_out = index_array(arrays, "seg_out", 0, max(m, 1))
         seg_ptr = pointer_array(arrays, "seg_ptr", nnz, seg_out.size + 1)
+        if width:
+            indices = self._check_ell(arrays, seg_ptr, width, n)
+        else:
+            indices = index_array(arrays, "indices", 0, max(n, 1), nnz)
         slot_grp = index_array(arrays, "slot_grp", 0, 2**31)
         grp_ptr = pointer_array(arrays, "grp_ptr", slot_grp.size)
         ngrp = grp_ptr.size - 1
         if slot_grp.size and int(slot_grp.max()) >= ngrp:
             raise ValueError(f"array 'slot_grp' holds values outside [0, {ngrp})")
         raw_slot = index_array(arrays, "seg_slot", WARP_ROW, WARP_SLICES + slot_grp.size, seg_out.size)
+        if width and (np.any(raw_slot != -1) or ngrp):
+            raise ValueError("ELL rows (flat=4) are whole rows: array 'seg_slot' must be all -1, with no row groups")
         warp = raw_slot >= WARP_SLICES                               # warp-reduced slices
         wrow = raw_slot == WARP_ROW                                  # slices of a row one warp holds
         seg_slot = np.where(warp, raw_slot - WARP_SLICES, raw_slot)
@@ -586,7 +666,7 @@ class CrcCwm(NvccTemplate):
         inst = meta.get("instances")
         if not (isinstance(inst, (list, tuple)) and inst and all(
                 isinstance(i, (list, tuple)) and len(i) == 2 and isinstance(i[1], (list, tuple)) and len(i[1]) >= 7
-                and isinstance(i[1][6], (int, np.integer)) and int(i[1][6]) in (0, 1, 2, 3) for i in inst)):
+                and isinstance(i[1][6], (int, np.integer)) and int(i[1][6]) in (0, 1, 2, 3, 4) for i in inst)):
             raise ValueError(f"kernel meta 'instances' must be SPC_SPMM_INSTANCE arguments, got {inst!r}")
         if len({int(i[1][6]) for i in inst}) != 1:
             raise ValueError("kernel meta 'instances' mix kernels of different flat values (segment layouts or staging)")
@@ -631,6 +711,20 @@ class CrcCwm(NvccTemplate):
             index_array(arrays, "grp_seg", 0, 1, 0)
         check_entries(np.repeat(row, lens), indices, data, m, n, key.pattern, values)
 
+    @staticmethod
+    def _check_ell(arrays, seg_ptr: np.ndarray, width: int, n: int) -> np.ndarray:
+        """ELL rows' ``indices`` (``width`` a segment: the segment's column ids, then -1; every
+        segment at most ``width`` long, as the kernel reads no more); returns them in CSR order."""
+        nseg, lens = seg_ptr.size - 1, np.diff(seg_ptr)
+        ids = index_array(arrays, "indices", -1, max(n, 1), nseg * width)
+        if nseg and int(lens.max()) > width:
+            raise ValueError(f"ELL rows of width {width} hold a segment of {int(lens.max())} nonzeros")
+        own = np.arange(width)[None, :] < lens[:, None]
+        grid = ids.reshape(nseg, width)
+        if np.any(grid[own] < 0) or np.any(grid[~own] != -1):
+            raise ValueError("array 'indices' (ELL rows) must hold each segment's column ids, then -1")
+        return grid[own]
+
     def instance_args(self, mod, params):
         p = {**self.absent_params, **params}
         return {"reduce": mod.op.reduce, "cf": int(p["cf"]), "vec": _largest_vec(mod.op.K, int(p["vec"])),
@@ -639,7 +733,7 @@ class CrcCwm(NvccTemplate):
 
     @staticmethod
     def instance_name(TN, R, CF, VEC, G, U, FL=0, MB=1, CQ=0) -> str:
-        return (f"spmm_crc_cwm_{_SHORT[TN]}_r{R}_cf{CF}_v{VEC}_g{G}_u{U}" + {0: "", 1: "_flat", 2: "_staged", 3: "_seg_staged"}[int(FL)]
+        return (f"spmm_crc_cwm_{_SHORT[TN]}_r{R}_cf{CF}_v{VEC}_g{G}_u{U}" + {0: "", 1: "_flat", 2: "_staged", 3: "_seg_staged", 4: "_ell"}[int(FL)]
                 + (f"_mb{MB}" if MB > 1 else "") + (f"_cq{CQ}" if CQ else ""))
 
     def instance(self, reduce: str, cf: int, vec: int, group: int, unroll: int = 4, dtype: str = "float32",
