@@ -520,7 +520,8 @@ def test_spmm_min_blocks_rule_seeds_and_names():
     assert tuple(t.space(_mod(ring, "spmm", 64))["min_blocks"].choices) == t.MIN_BLOCKS
     for A in (ring, dense):
         seeds = t.seed_params(_mod(A, "spmm", 64))
-        assert sorted((s["min_blocks"], s["unroll"]) for s in seeds if s.get("min_blocks", 1) > 1) == [(4, 4), (8, 1)]
+        assert sorted((s["min_blocks"], s["unroll"]) for s in seeds if s.get("min_blocks", 1) > 1
+                      and s.get("flat") != 4) == [(4, 4), (8, 1)]
 
     mod = _mod(ring, "spmm", 64)
     k = t.build(mod, first, compile=False)
@@ -650,7 +651,8 @@ def test_spmm_flat_rule_seeds_and_names():
         # and ELL rows (both fit 4 or 8 a row, the mesh's 7 padded to 8 within ELL_MAX_PAD)
         assert [v["flat"] for v in t.unranked_variants({**first, "flat": 1}, op)] == ([2] if A is ring else []) + [4, 4]
         seeds = t.seed_params(_mod(A, "spmm", 64))
-        assert sorted(s["rows_per_warp"] for s in seeds if s.get("flat")) == [4, 8]
+        assert sorted(s["rows_per_warp"] for s in seeds if s.get("flat") == 1) == [4, 8]
+        assert [s["unroll"] for s in seeds if s.get("flat") == 4] == [4 if A is ring else 8]       # ELL rows fit
     assert not any(v.get("flat") == 1 for v in t.unranked_variants(first, make_op(hub, "spmm", 64)))
     assert t.unranked_variants(first) == []                     # no workload: nothing to judge by
     # on rows too long for it, the only flat seed is the nnz-balanced one (flat_nnz)
@@ -1177,6 +1179,10 @@ def test_spmm_ell_rule_and_space():
     assert not [v for v in t.unranked_variants(t.heuristic(64, 40, 2.0), make_op(hub, "spmm", 64)) if v.get("flat") == 4]
     mod = SparseModule.from_op(make_op(A, "spmm", 64))
     assert 4 in t.space(mod)["flat"].choices
+    ell_seeds = [s for s in t.seed_params(mod) if s.get("flat") == 4]               # one tuner seed, where rows fit
+    assert ell_seeds == [{**t.default_params(mod), "flat": 4, "unroll": 4, "max_seg": 0, "rows_per_warp": t.ELL_ROWS,
+                          "min_blocks": 4}]
+    assert not [s for s in t.seed_params(_mod(hub, "spmm", 64)) if s.get("flat") == 4]
     canon = t.search_params({**t.default_params(mod), "flat": 4, "unroll": 4, "max_seg": 64, "combine_vals": 16,
                              "warp_combine": 1})
     assert (canon["max_seg"], canon["combine_vals"], canon["warp_combine"]) == (0, 0, 0)

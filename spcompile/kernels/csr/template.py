@@ -219,6 +219,11 @@ class CrcCwm(NvccTemplate):
             # slice of a hub (measured at K=128: snap_sx_askubuntu 3% faster than its tuned module,
             # slower on graphs without hubs and at any min_blocks above 1, where it spills)
             seeds.append({**d, "flat": 1, "flat_nnz": 32, "max_seg": 64, "unroll": 1, "warps_per_block": 4})
+        width = self.ell_width(lens, mod.op.dtype)
+        if width is not None:
+            # ELL rows where every row fits a few nonzeros (meshes, batches of molecules)
+            seeds.append({**d, "flat": 4, "unroll": width, "max_seg": 0, "rows_per_warp": self.ELL_ROWS,
+                          "min_blocks": self.ell_min_blocks(width, d["cf"])})
         seeds.append({**d, "unroll": 1})
         seeds.append({**d, "unroll": 4 if d["cf"] <= 2 else 2})
         # more warps in flight (registers capped by the launch bounds), measured on the H100 at
