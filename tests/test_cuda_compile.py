@@ -54,6 +54,13 @@ def _spmm_instances():
         inst.update(t.instances(r, 1, 8, 8, 8, "float16", 3, 4))
     inst.update(t.instances("sum", 2, 4, 16, 4, "float32", 3))
     inst.update(t.instances("mean", 1, 1, 32, 32, "bfloat16", 3, 8))
+    # ELL rows (flat=4): every reduction with quick selection's launch bounds, one and two slices a
+    # lane, fewer entries than lanes, 16 entries, 2-byte loads
+    for r in ("sum", "max", "min", "mean"):
+        inst.update(t.instances(r, 1, 8, 8, 4, "float16", 4, 4))
+    inst.update(t.instances("sum", 2, 4, 8, 4, "float32", 4, 4))
+    inst.update(t.instances("max", 2, 1, 32, 8, "float32", 4))
+    inst.update(t.instances("mean", 1, 1, 4, 16, "bfloat16", 4))
     return t, sorted(inst)
 
 
