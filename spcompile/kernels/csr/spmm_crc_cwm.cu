@@ -600,7 +600,7 @@ __device__ __forceinline__ void spmm_crc_cwm(
     // while this row's X rows load.  Groups narrower than a warp step through their rows
     // together, so that ids and values pass between lanes by full-warp shuffles (a group past its
     // last row idles: no loads, no output): with the group's mask the compiler checks
-    // convergence at every shuffle (8 MATCH / BRA.DIV pairs, 424 -> 312 SASS instructions, 10-13%
+    // convergence at every shuffle (8 MATCH / BRA.DIV pairs, 424 -> 312 SASS instructions, 10-16%
     // faster on the H200); 32-lane groups keep the group's own loop, 4-9% faster than that
     // (experiments section 32)
     constexpr int PL = (U + G - 1) / G;             // ids (and values) a lane loads

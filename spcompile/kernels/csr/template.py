@@ -363,10 +363,11 @@ class CrcCwm(NvccTemplate):
         """Where every row fits ELL rows (:meth:`ell_width`): ``params``' column shape with
         ``flat=4`` (all of a row's X loads in flight, ``ELL_ROWS`` rows a row group), and for one
         slice a lane in groups of at least 8 lanes the twin of half the lanes and two slices a
-        lane, each under the launch bounds of :meth:`ell_min_blocks`.  On the H200 the better of
-        the two ran 1.14-1.28x faster than ``build()``'s module in fp32 on a mesh and a batch of
-        molecules (dimacs10_wing, tu_nci1; K = 64 / 128), 0.90-1.05x at 16 bits: measured, not
-        ruled (section 32 of ``docs/benchmarks/h100_crc_cwm_experiments.md``)."""
+        lane, each under the launch bounds of :meth:`ell_min_blocks`.  On the H200, ``build()``
+        with them ran 1.13-1.37x faster in fp32 on a mesh and a batch of molecules (dimacs10_wing,
+        tu_nci1; K = 64 / 128 / 256) and 1.03-1.21x at 16 bits, where a shape of one row a group
+        had lost to staged segments on the molecules: measured, not ruled (section 32 of
+        ``docs/benchmarks/h100_crc_cwm_experiments.md``)."""
         p = {**self.absent_params, **params}
         if op is None or ell(p["flat"]):
             return []
