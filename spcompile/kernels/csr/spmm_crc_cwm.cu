@@ -209,6 +209,17 @@ __device__ __forceinline__ void put_chunk(int* s_idx, float* s_val, const int n,
 // unrolls their chunk loop for more loads in flight, and the wider groups of unroll 8 took 22-38%
 // more registers in the lean form (measured, section 30 of the experiments document)
 template <int U, int G> struct lean_of { static constexpr bool value = U == 16 || (U == 8 && G == 8); };
+// the lane's CF slices of row `col` of X, lean: xb is X + col_base as bytes and the row's address
+// one 32 x 32 -> 64-bit multiply-add (column ids are non-negative, a row of X is at most 4 MiB)
+template <typename T, int CF, int VEC, int G>
+__device__ __forceinline__ void load_row_lean(const char* xb, const int col, const unsigned row_bytes, const int K,
+                                              const int col_base, pack_t<T, VEC> (&xv)[CF]) {
+  const T* xrow = reinterpret_cast<const T*>(xb + (size_t)(unsigned)col * row_bytes);
+#pragma unroll
+  for (int c = 0; c < CF; ++c) {
+    if (col_base + c * G * VEC < K) load_raw<T, VEC>(xrow + c * G * VEC, xv[c]);
+  }
+}
 template <typename T, int CF, int VEC, int G, int U, bool FULL = false>
 __device__ __forceinline__ void load_x(const T* __restrict__ X, const int* s_idx, const float* s_val,
                                        const int e0, const int n, const int K, const int col_base,
@@ -223,11 +234,7 @@ __device__ __forceinline__ void load_x(const T* __restrict__ X, const int* s_idx
       if constexpr (lean_of<U, G>::value) {
         // col_base folded into the base (xb); through the loop below it compiles to other SASS
         // than the measured one
-        const T* xrow = reinterpret_cast<const T*>(xb + (size_t)(unsigned)s_idx[e] * row_bytes);
-#pragma unroll
-        for (int c = 0; c < CF; ++c) {
-          if (col_base + c * G * VEC < K) load_raw<T, VEC>(xrow + c * G * VEC, xv[u][c]);
-        }
+        load_row_lean<T, CF, VEC, G>(xb, s_idx[e], row_bytes, K, col_base, xv[u]);
       } else {
         const T* xrow = X + (size_t)s_idx[e] * K;
 #pragma unroll
@@ -636,14 +643,7 @@ __device__ __forceinline__ void spmm_crc_cwm(
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         const int col = STEP ? __shfl_sync(FULL, ci[u / G], gl + u % G) : __shfl_sync(gmask, ci[u / G], u % G, G);
-        if (u < len) {
-          // one 32 x 32 -> 64-bit multiply-add a row address, as in load_x's lean instances
-          const T* xrow = reinterpret_cast<const T*>(xb + (size_t)(unsigned)col * row_bytes);
-#pragma unroll
-          for (int c = 0; c < CF; ++c) {
-            if (col_base + c * G * VEC < K) load_raw<T, VEC>(xrow + c * G * VEC, xv[u][c]);
-          }
-        }
+        if (u < len) load_row_lean<T, CF, VEC, G>(xb, col, row_bytes, K, col_base, xv[u]);
       }
       float cv[PL];
 #pragma unroll
