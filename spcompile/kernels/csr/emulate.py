@@ -13,7 +13,7 @@ from typing import Mapping
 import numpy as np
 
 from ...core.numerics import round_to
-from .packer import WARP_ROW, WARP_SLICES
+from .packer import WARP_ROW, WARP_SLICES, ell_split
 
 __all__ = ["spmm_columns", "spmm_segments", "sddmm_columns", "emulate_spmm", "emulate_sddmm", "emulate_kernel"]
 
@@ -81,9 +81,7 @@ def emulate_spmm(arrays: Mapping[str, np.ndarray], X: np.ndarray, reduce: str, m
     seg_ptr = a["seg_ptr"].astype(np.int64)
     lens = np.diff(seg_ptr)
     if ell:
-        if lens.size and int(lens.max()) > int(ell):
-            raise ValueError(f"an ELL row of width {int(ell)} cannot hold a segment of {int(lens.max())} nonzeros")
-        a["indices"] = a["indices"].reshape(lens.size, int(ell))[np.arange(int(ell))[None, :] < lens[:, None]]
+        a["indices"] = ell_split(a["indices"], lens, ell)[0]
     ufunc, init = _UFUNC[reduce], np.float32(_INIT[reduce])
     prod = a["data"].astype(np.float32)[:, None] * X[a["indices"]]
     acc = np.full((lens.size, K), init, dtype=np.float32)

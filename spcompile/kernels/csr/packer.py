@@ -10,7 +10,7 @@ from ...core.ir import SparseModule
 from ..base import ENTRY_SRC, csr_kernel_arrays
 
 __all__ = ["WARP_SLICES", "WARP_ROW", "spmm_partition", "warp_slice_order", "flat_groups", "sddmm_partition", "pack_spmm",
-           "ell_indices", "pack_ell", "pack_sddmm"]
+           "ell_indices", "ell_split", "pack_ell", "pack_sddmm"]
 
 #: ``seg_slot`` bit of a slice whose combine unit (a warp, or a block of 32-lane row groups)
 #: reduces its row groups' accumulators before writing one partial (``spmm_crc_cwm.cu``'s
@@ -171,20 +171,36 @@ def pack_spmm(mod: SparseModule, max_seg: int, flat: bool = False, segs_per_grou
     return out
 
 
+def _ell_fits(lens: np.ndarray, width: int) -> None:
+    if lens.size and int(lens.max()) > int(width):
+        raise ValueError(f"ELL rows of width {int(width)} cannot hold a row of {int(lens.max())} nonzeros")
+
+
 def ell_indices(indptr: np.ndarray, indices: np.ndarray, width: int) -> np.ndarray:
     """The column ids of every row padded to ``width`` (row-major, ``rows x width``): row i's
     ids in their stored order, then -1.  ValueError when a row holds more than ``width``."""
     indptr = np.asarray(indptr, dtype=np.int64)
     lens = np.diff(indptr)
     m, w = lens.size, int(width)
-    if m and int(lens.max()) > w:
-        raise ValueError(f"ELL rows of width {w} cannot hold a row of {int(lens.max())} nonzeros")
+    _ell_fits(lens, w)
     out = np.full(m * w, -1, dtype=np.int32)
     nnz = int(indptr[-1]) if indptr.size else 0
     if nnz:
         row = np.repeat(np.arange(m, dtype=np.int64), lens)
         out[row * w + (np.arange(nnz, dtype=np.int64) - indptr[row])] = np.asarray(indices)[:nnz]
     return out
+
+
+def ell_split(ids: np.ndarray, lens: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """The inverse of :func:`ell_indices`: ``(own, padding)``, the first ``lens[i]`` ids of each
+    ``width``-wide row (in CSR order) and the rest.  ValueError when a row is longer than
+    ``width`` (the kernel reads no more)."""
+    lens = np.asarray(lens, dtype=np.int64)
+    w = int(width)
+    _ell_fits(lens, w)
+    grid = np.asarray(ids).reshape(lens.size, w)
+    mine = np.arange(w)[None, :] < lens[:, None]
+    return grid[mine], grid[~mine]
 
 
 def pack_ell(mod: SparseModule, width: int) -> dict[str, np.ndarray]:

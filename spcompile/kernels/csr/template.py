@@ -23,7 +23,7 @@ import numpy as np
 from ..base import (check_entries, float_array, index_array, meta_int, pointer_array, register_template,
                     typed_array, unique_params)
 from ..nvcc import AtLeast, LaunchSpec, NvccKernel, NvccTemplate
-from .packer import WARP_ROW, WARP_SLICES, pack_ell, pack_sddmm, pack_spmm, sddmm_partition, spmm_partition  # noqa: F401 (public here too)
+from .packer import WARP_ROW, WARP_SLICES, ell_split, pack_ell, pack_sddmm, pack_spmm, sddmm_partition, spmm_partition  # noqa: F401 (public here too)
 
 _REDUCE = {"sum": 0, "max": 1, "min": 2, "mean": 3}
 #: the element types of X / Y / output the kernels compile for (template argument TN = DTYPES code);
@@ -376,8 +376,9 @@ class CrcCwm(NvccTemplate):
             return []
         keep = {k: v for k, v in dict(params).items() if k not in ("warp_combine", "combine_vals", "flat_nnz")}
         shapes = [{**keep, "flat": 4, "unroll": width, "max_seg": 0, "rows_per_warp": self.ELL_ROWS}]
-        if int(p["group"]) >= 8 and int(p["cf"]) == 1:
-            shapes.append({**shapes[0], "group": int(p["group"]) // 2, "cf": 2})
+        narrow = self.narrow_groups(shapes[0])
+        if narrow is not None:
+            shapes.append({**narrow, "unroll": width})
         return [{**v, "min_blocks": self.ell_min_blocks(width, int(v["cf"]))} for v in shapes]
 
     @staticmethod
@@ -392,7 +393,7 @@ class CrcCwm(NvccTemplate):
     def narrow_groups(params) -> dict | None:
         """``params`` with half as many lanes a row group and twice the column slices a lane
         (``unroll`` 4), for one slice a lane (the case measured) and groups of at least 8 lanes;
-        else None.
+        else None (:meth:`ell_variants` takes the same twin of ELL rows' column shape).
         Quick selection measures it beside staged segments (``SEG_STAGED``) on matrices of tiny
         rows, where twice the rows a warp are in flight: on the H200 at 16-bit, 1.10x / 1.32x faster
         on snap_sx_askubuntu at K = 64 / 128 (27.0 / 43.1 against 29.8 / 56.9 us), but 1.5x slower
@@ -722,15 +723,12 @@ class CrcCwm(NvccTemplate):
     def _check_ell(arrays, seg_ptr: np.ndarray, width: int, n: int) -> np.ndarray:
         """ELL rows' ``indices`` (``width`` a segment: the segment's column ids, then -1; every
         segment at most ``width`` long, as the kernel reads no more); returns them in CSR order."""
-        nseg, lens = seg_ptr.size - 1, np.diff(seg_ptr)
+        nseg = seg_ptr.size - 1
         ids = index_array(arrays, "indices", -1, max(n, 1), nseg * width)
-        if nseg and int(lens.max()) > width:
-            raise ValueError(f"ELL rows of width {width} hold a segment of {int(lens.max())} nonzeros")
-        own = np.arange(width)[None, :] < lens[:, None]
-        grid = ids.reshape(nseg, width)
-        if np.any(grid[own] < 0) or np.any(grid[~own] != -1):
+        own, pad = ell_split(ids, np.diff(seg_ptr), width)
+        if np.any(own < 0) or np.any(pad != -1):
             raise ValueError("array 'indices' (ELL rows) must hold each segment's column ids, then -1")
-        return grid[own]
+        return own
 
     def instance_args(self, mod, params):
         p = {**self.absent_params, **params}
