@@ -161,6 +161,24 @@ def random_matrix(m: int, n: int, *, density: float = 0.05, seed: int = 0, empty
     return A.astype(dtype)
 
 
+def bounded_rows(m: int, n: int, width: int, seed: int, shared_col: int | None = None) -> sp.csr_matrix:
+    """m x n with rows of 0 .. ``width`` nonzeros (distinct columns, unsorted): the first and last
+    rows empty, every 7th row exactly ``width`` long, and with ``shared_col`` that column in every
+    5th non-empty row (the matrices ELL rows fit)."""
+    rng = np.random.default_rng(seed)
+    lens = rng.integers(0, width + 1, m)
+    lens[0] = lens[-1] = 0
+    lens[1::7] = width
+    cols = [rng.choice(n, int(k), replace=False) for k in lens]
+    if shared_col is not None:
+        for i in range(0, m, 5):
+            if lens[i] and shared_col not in cols[i]:
+                cols[i][0] = shared_col
+    indptr = np.concatenate([[0], np.cumsum(lens)])
+    return sp.csr_matrix((rng.standard_normal(int(indptr[-1])).astype(np.float32),
+                          np.concatenate(cols).astype(np.int32), indptr), shape=(m, n))
+
+
 def close_scaled(got, ref, tol=1e-5) -> None:
     """``got`` has ``ref``'s shape, no unwritten (NaN) output, and a max error within ``tol`` of
     ``max(1, max |ref|)`` (the packers' emulations against the float64 reference)."""

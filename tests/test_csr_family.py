@@ -31,7 +31,7 @@ from spcompile.kernels.nvcc import LaunchSpec
 from spcompile.passes import Pipeline
 from spcompile.runtime import cuda as rt
 
-from conftest import close_scaled as _close, random_matrix
+from conftest import bounded_rows, close_scaled as _close, random_matrix
 
 REDUCES = ("sum", "max", "min", "mean")
 PIPES = {"none": [], "rcm": ["reorder.rcm"], "degree": ["reorder.degree"]}
@@ -1053,19 +1053,6 @@ def test_call_time_values_reach_their_entries(op, monkeypatch):
 # ------------------------------------------------------------------------------------------
 # ELL rows (flat=4)
 # ------------------------------------------------------------------------------------------
-def _bounded_rows(m, n, width, seed):
-    """m x n with rows of 0 .. ``width`` nonzeros (first and last empty, every 7th exactly
-    ``width``), unsorted columns within a row."""
-    rng = np.random.default_rng(seed)
-    lens = rng.integers(0, width + 1, m)
-    lens[0] = lens[-1] = 0
-    lens[1::7] = width
-    cols = [rng.choice(n, int(k), replace=False) for k in lens]
-    indptr = np.concatenate([[0], np.cumsum(lens)])
-    return sp.csr_matrix((rng.standard_normal(int(indptr[-1])).astype(np.float32),
-                          np.concatenate(cols).astype(np.int32), indptr), shape=(m, n))
-
-
 def test_ell_indices_pad_rows():
     """Each row's ids in their stored order, then -1, ``width`` a row; a longer row is refused."""
     from spcompile.kernels.csr.packer import ell_indices
@@ -1094,7 +1081,7 @@ def test_spmm_ell_emulation_matches_reference(reduce, pipe):
     t = get_template("csr.crc_cwm")
     rng = np.random.default_rng(3)
     for i, shape in enumerate(ELL_SHAPES):
-        A = _bounded_rows(211, 173, shape["unroll"], 20 + i)
+        A = bounded_rows(211, 173, shape["unroll"], 20 + i)
         for K in (1, 33, 64):
             mod = _mod(A, "spmm", K, reduce, pipe)
             op = make_op(A, "spmm", K, reduce)
@@ -1107,7 +1094,7 @@ def test_spmm_ell_emulation_matches_reference(reduce, pipe):
             X = rng.standard_normal((A.shape[1], K)).astype(np.float32)
             _close(em.emulate_kernel(k, X), reference.spmm(as_csr(A), X, reduce))
     # 16-bit X / Y
-    A = _bounded_rows(211, 173, 4, 9)
+    A = bounded_rows(211, 173, 4, 9)
     mod = _mod(A, "spmm", 64, reduce, pipe, dtype="float16")
     k = t.build(mod, {**t.default_params(mod), "flat": 4, "max_seg": 0, "unroll": 4, "min_blocks": 6}, compile=False)
     assert k.meta["instances"][0][0].startswith("spmm_crc_cwm_f16_")
@@ -1122,7 +1109,7 @@ def test_spmm_ell_arrays_checked():
     from spcompile.core.ir import values_hash
 
     t = get_template("csr.crc_cwm")
-    A = _bounded_rows(120, 90, 4, 1)
+    A = bounded_rows(120, 90, 4, 1)
     op = make_op(A, "spmm", 16)
     mod = SparseModule.from_op(op)
     vh = values_hash(as_csr(A))
@@ -1162,7 +1149,7 @@ def test_spmm_ell_rule_and_space():
     assert t.ell_width(np.array([8, 1, 1, 1])) is None            # 32 slots for 11 nonzeros
     assert t.ell_width(np.array([17])) is None and t.ell_width(np.zeros(0, np.int64)) is None
     assert [t.ell_min_blocks(w, cf) for w, cf in ((4, 1), (4, 2), (8, 1), (8, 2), (16, 1))] == [4, 4, 4, 1, 1]
-    A = _bounded_rows(300, 300, 4, 2)
+    A = bounded_rows(300, 300, 4, 2)
     lens = np.diff(A.indptr)
     assert lens.size * 4 <= t.ELL_MAX_PAD * lens.sum()
     for dtype, K in (("float16", 64), ("float32", 64), ("float32", 128)):
@@ -1198,7 +1185,7 @@ def test_spmm_ell_call_time_values(monkeypatch):
     monkeypatch.setattr(NvccTemplate, "compile", lambda self, inst, arch=None, name=None: b"")  # arrays only
     t = get_template("csr.crc_cwm")
     rng = np.random.default_rng(4)
-    A = _bounded_rows(150, 150, 8, 6)
+    A = bounded_rows(150, 150, 8, 6)
     C = as_csr(A)
     for pipe, reduce in itertools.product(sorted(PIPES), REDUCES):
         sop = make_op(A, "spmm", 33, reduce)

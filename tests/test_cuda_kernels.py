@@ -294,20 +294,9 @@ def test_staged_spmm_streams_rows(dtype, tol, K):
 def _ell_matrix(width):
     """613 x 587 (non-square) with rows of 0 .. ``width`` nonzeros: the first and last rows empty,
     every 7th row exactly ``width`` long, column 3 in every 5th non-empty row."""
-    import scipy.sparse as sp
+    from conftest import bounded_rows
 
-    rng = np.random.default_rng(5 + width)
-    m, n = 613, 587
-    lens = rng.integers(0, width + 1, m)
-    lens[0] = lens[-1] = 0
-    lens[1::7] = width
-    cols = [rng.choice(n, int(k), replace=False) for k in lens]
-    for i in range(0, m, 5):
-        if lens[i] and 3 not in cols[i]:
-            cols[i][0] = 3
-    indptr = np.concatenate([[0], np.cumsum(lens)])
-    return sp.csr_matrix((rng.standard_normal(int(indptr[-1])).astype(np.float32), np.concatenate(cols), indptr),
-                         shape=(m, n))
+    return bounded_rows(613, 587, width, 5 + width, shared_col=3)
 
 
 #: ELL rows (flat=4): every row's ids at s * unroll, no row pointer before them; 16-byte lanes in
