@@ -173,3 +173,26 @@ def test_find_graphs_filters_and_orders(graphs, tmp_path):
     assert name == "m" and nnz == common.load_matrix(path).nnz
     with pytest.raises(FileNotFoundError):
         common.find_graphs(["no_such_graph"], data_dir=str(graphs))
+
+
+def test_row_split_parts_keep_each_row_once_with_its_entries(tmp_path):
+    """benchmarks/row_split.py: every part holds the rows of its length range, in stored order, with
+    their entries and all columns; the buckets and the gt part of the last bound cover each row once."""
+    import row_split
+    A = random_matrix(120, 70, density=0.05, seed=3, empty_rows=7).tocsr()
+    lens = np.diff(A.indptr)
+    src = tmp_path / "g.npz"
+    sp.save_npz(src, A)
+    assert row_split.main([str(src), "--at", "2", "--buckets", "0", "2", "5", "--out", str(tmp_path / "o")]) == 0
+    seen = []
+    for suffix, lo, hi in [("le2", 0, 2), ("gt2", 3, None), ("len0-0", 0, 0), ("len1-2", 1, 2), ("len3-5", 3, 5)]:
+        B = sp.load_npz(tmp_path / "o" / f"g_{suffix}.npz").tocsr()
+        rows = np.flatnonzero((lens >= lo) & (lens <= (lens.max() if hi is None else hi)))
+        assert B.shape == (rows.size, A.shape[1])
+        assert abs(B - A[rows]).sum() == 0
+        if suffix.startswith("len"):
+            seen.append(rows)
+    seen.append(np.flatnonzero(lens > 5))
+    assert np.array_equal(np.sort(np.concatenate(seen)), np.arange(A.shape[0]))
+    with pytest.raises(SystemExit):
+        row_split.main([str(src), "--out", str(tmp_path / "o")])
