@@ -733,9 +733,12 @@ def test_probe_ids_are_the_templates_probe_variants(shipped):
                 capped = [p for p in near if int(p.get("combine_vals", 0))]
                 assert all(tpl.capped_combine({**p, "combine_vals": 0}, sop) == p for p in capped), cid
                 assert not capped or dt == "float16", cid
-                # nor is the 16-rows-in-flight kernel (16-bit, one column slice a lane)
+                # nor is the 16-rows-in-flight kernel (one column slice a lane; fp32 slices of at
+                # least 128 entries)
                 deep = tpl.deep_unroll(dict(cfg.params), sop)
-                assert (deep in near) == (deep is not None) and (deep is None or dt == "float16"), cid
+                assert (deep in near) == (deep is not None), cid
+                assert deep is None or int(deep["max_seg"]) in (0, int(cfg.params["max_seg"])) or (
+                    dt == "float32" and int(deep["max_seg"]) == tpl.DEEP_MAX_SEG_FP32 > int(cfg.params["max_seg"])), cid
                 # nor are the warp-reduced slices of hub rows (rows of at least 32 / group slices)
                 wc = [p for p in near if int(p.get("warp_combine", 0))]
                 assert all(int(p["warp_combine"]) == 1 for p in wc), cid
@@ -890,10 +893,21 @@ def test_crc_cwm_probe_variants():
     assert near(u8)[-1] == u16 == t.deep_unroll(u8, hop) == t.deep_unroll({**u8, "combine_vals": 16}, hop)
     t.check_params(hmod, u16)
     assert t.deep_unroll(u16, hop) is None and t.capped_combine(u16, hop) is None
-    assert t.deep_unroll({**u8, "cf": 2}, hop) is None and t.deep_unroll(u8, sop) is None   # cf 2; fp32
+    assert t.deep_unroll({**u8, "cf": 2}, hop) is None                                      # cf 2
+    # fp32 K=64 (16-lane groups): the same, with split rows cut into slices of at least 128
+    fop = make_op(random_matrix(200, 200, density=0.05, seed=4), "spmm", 64, "sum", "float32")
+    fmod = SparseModule.from_op(fop)
+    f8 = {**t.default_params(fmod), "max_seg": 64, **t.shape_params("u8", 1)}
+    assert f8["vec"] == 4 and f8["group"] == 16
+    assert t.deep_unroll(f8, fop) == {**f8, "unroll": 16, "max_seg": 128}
+    assert t.deep_unroll({**f8, "max_seg": 256}, fop) == {**f8, "unroll": 16, "max_seg": 256}
+    assert t.deep_unroll({**f8, "max_seg": 0}, fop) == {**f8, "unroll": 16, "max_seg": 0}
+    assert t.deep_unroll(base, sop) is None                                  # 32-lane groups
+    assert {**f8, "unroll": 16, "max_seg": 128} in t.probe_variants(f8, fop)
+    t.check_params(fmod, t.deep_unroll(f8, fop))
     assert t.deep_unroll({**u8, "group": 16}, hop) == {**u8, "group": 16, "unroll": 16}
     assert t.deep_unroll({**u8, "group": 32}, hop) is None                                  # K=256 rows
-    assert all(p["unroll"] != 16 for p in got)                     # fp32: never
+    assert all(p["unroll"] != 16 for p in got)                     # 32-lane groups: never
     u2 = {**u8, **t.shape_params("u2", 1)}                       # 2 x 8 values: nothing to cap
     assert t.capped_combine(u2, hop) is None
     # ... but its u8 neighbour is measured capped as well (and only that one)

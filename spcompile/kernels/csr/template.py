@@ -71,8 +71,14 @@ def staged(flat) -> bool:
 
 
 def _unroll_choices(dtype: str) -> list[int]:
-    """``unroll`` values of csr.crc_cwm's search space: ``DEEP_UNROLL`` for 16-bit X / Y only
-    (narrow rows, where 8 rows in flight leave the L2 idle)."""
+    """``unroll`` values of csr.crc_cwm's search space, ``DEEP_UNROLL`` included (quick selection
+    measures it: :meth:`CrcCwm.deep_unroll`)."""
+    return [1, 2, 4, 8, DEEP_UNROLL]
+
+
+def _ell_widths(dtype: str) -> list[int]:
+    """Widths of ELL rows quick selection offers: ``DEEP_UNROLL`` for 16-bit X / Y only (the
+    widths measured, section 32 of ``docs/benchmarks/h100_crc_cwm_experiments.md``)."""
     return [1, 2, 4, 8] + ([DEEP_UNROLL] if DTYPES[dtype].bytes == 2 else [])
 
 
@@ -295,7 +301,7 @@ class CrcCwm(NvccTemplate):
         if not lens.size:
             return None
         longest = int(lens.max())
-        fit = [u for u in _unroll_choices(dtype) if u >= longest and u <= cls.ELL_MAX_ROW]
+        fit = [u for u in _ell_widths(dtype) if u >= longest and u <= cls.ELL_MAX_ROW]
         if not fit or lens.size * fit[0] > cls.ELL_MAX_PAD * max(int(lens.sum()), 1):
             return None
         return fit[0]
@@ -521,18 +527,31 @@ class CrcCwm(NvccTemplate):
             return None
         return {**dict(params), "combine_vals": cap}
 
+    #: fp32 slices of split rows with ``DEEP_UNROLL``: at least this many nonzeros (8 rounds of
+    #: 16 gathers)
+    DEEP_MAX_SEG_FP32 = 128
+
     def deep_unroll(self, params, op=None) -> dict | None:
-        """For 16-bit X / Y, one column slice a lane (``cf`` 1) and row groups of at most 16 lanes
-        (rows of at most 256 bytes: K <= 128): ``params`` in the u8 block shape with ``unroll``
-        ``DEEP_UNROLL`` (16 rows in flight a lane; ``combine_vals`` dropped, its combine is always
-        capped), unless that is ``params`` itself.  A gather-only kernel of these graphs' sizes ran 1.18x faster at
-        16-bit K=64 with 32 rows in flight a lane than with 8; ``build()`` on the H100 kept this
-        variant on 3 / 2 / 0 of the 17 graphs over 200k nonzeros at K = 64 / 128 / 256 (up to 1.07x
-        faster), hence no 32-lane groups (``docs/benchmarks/h100_crc_cwm_experiments.md``)."""
+        """For one column slice a lane (``cf`` 1) and row groups of at most 16 lanes (16-bit rows
+        of at most 256 bytes, K <= 128; fp32 K <= 64): ``params`` in the u8 block shape with
+        ``unroll`` ``DEEP_UNROLL`` (16 rows in flight a lane; ``combine_vals`` dropped, its combine
+        is always capped), in fp32 with split rows cut into slices of at least
+        ``DEEP_MAX_SEG_FP32`` nonzeros; unless that is ``params`` itself.
+        16-bit: a gather-only kernel of these graphs' sizes ran 1.18x faster at K=64 with 32 rows
+        in flight a lane than with 8; ``build()`` on the H100 kept this variant on 3 / 2 / 0 of the
+        17 graphs over 200k nonzeros at K = 64 / 128 / 256 (up to 1.07x faster), hence no 32-lane
+        groups.  fp32 K=64 on the H200, with 128-entry slices against ``build()``'s module: 1.11-1.22x
+        faster on five hub graphs of long rows (wiki_squirrel, fb100_mit8, blogcatalog,
+        amazon_computers, twitch_de), as fast or slower on the six other graphs of one-row groups
+        swept, and slower with the leads' 32- or 64-entry slices on all but two: measured, not
+        ruled (``docs/benchmarks/h100_crc_cwm_experiments.md``, sections 7 and 34)."""
         p = {k: v for k, v in dict(params).items() if k != "combine_vals"}
-        if op is None or DTYPES[op.dtype].bytes != 2 or int(p.get("cf", 1)) != 1 or int(p.get("group", 32)) > 16:
+        if op is None or int(p.get("cf", 1)) != 1 or int(p.get("group", 32)) > 16:
             return None   # cf > 1: 16 x cf loads in flight, more registers than a thread has
         deep = {**p, **self.shape_params("u8", 1), "unroll": DEEP_UNROLL}
+        ms = int(p.get("max_seg", 0))
+        if DTYPES[op.dtype].bytes == 4 and 0 < ms < self.DEEP_MAX_SEG_FP32:
+            deep["max_seg"] = self.DEEP_MAX_SEG_FP32
         return None if deep == dict(params) else deep
 
     def search_params(self, params):
