@@ -196,3 +196,20 @@ def test_row_split_parts_keep_each_row_once_with_its_entries(tmp_path):
     assert np.array_equal(np.sort(np.concatenate(seen)), np.arange(A.shape[0]))
     with pytest.raises(SystemExit):
         row_split.main([str(src), "--out", str(tmp_path / "o")])
+
+
+def test_overlap_parts_takes_each_graphs_default_configuration(tmp_path):
+    """benchmarks/overlap_parts.py: the default column's configuration of each graph at the asked
+    K (a later table's row replaces an earlier one's), and an error naming a graph without one."""
+    import overlap_parts
+
+    def row(g, K, ms):
+        return {"graph": g, "K": K, "columns": {"default": {"config": {"template": "csr.crc_cwm",
+                                                                        "params": {"max_seg": ms}}}}}
+    t1, t2 = tmp_path / "t1.json", tmp_path / "t2.json"
+    t1.write_text(json.dumps({"rows": [row("a", 64, 1), row("a", 128, 2), row("b", 64, 3)]}))
+    t2.write_text(json.dumps({"rows": [row("a", 64, 4), {"graph": "c", "K": 64, "columns": {"default": {}}}]}))
+    got = overlap_parts.table_configs([str(t1), str(t2)], 64)
+    assert {g: c["params"]["max_seg"] for g, c in got.items()} == {"a": 4, "b": 3}
+    with pytest.raises(SystemExit):
+        overlap_parts.main(["--a", "a.npz", "--b", "c.npz", "--whole", "b.npz", "--tables", str(t1), str(t2)])
