@@ -868,16 +868,12 @@ def test_crc_cwm_probe_variants():
     # a row of 200 > 3 x 64 entries: the block's 4 warps combine its slices, last (twice as long too)
     assert got[-2:] == [{**base, "warp_combine": 1}, {**base, "warp_combine": 1, "max_seg": 128}]
     got = got[:-2]
-    # fp32 rows of 32-lane groups: the 16-lane twin of two slices a lane (unroll 4), last before them
-    assert got[-1] == {**base, "group": 16, "cf": 2, "unroll": 4} == t.halved_groups(base, sop)
-    t.check_params(mod, got[-1])
-    got = got[:-1]
     assert [p["max_seg"] for p in got[:2]] == [32, 256]
     assert {(p["warps_per_block"], p["rows_per_warp"], p["unroll"]) for p in got[2:]} == {(4, 1, 8), (8, 2, 2)}
     assert all(p["max_seg"] == 64 for p in got[2:]) and base not in got and len(got) == 4
     assert [p["max_seg"] for p in t.probe_variants({**base, "max_seg": 0}, sop)][:1] == [256]
     assert [p["max_seg"] for p in t.probe_variants({**base, "max_seg": 16}, sop)][:1] == [32]
-    assert [p["max_seg"] for p in t.probe_variants({**base, "max_seg": 1024}, sop)] == [1024] * 3   # shapes, halved
+    assert [p["max_seg"] for p in t.probe_variants({**base, "max_seg": 1024}, sop)] == [1024, 1024]   # shapes only
     assert t.probe_variants({**base, "flat": 1}, sop) == []
     assert t.probe_variants({**base, "min_blocks": 8}, sop) == []
     for p in got:
@@ -907,8 +903,6 @@ def test_crc_cwm_probe_variants():
     assert t.deep_unroll({**f8, "max_seg": 256}, fop) == {**f8, "unroll": 16, "max_seg": 256}
     assert t.deep_unroll({**f8, "max_seg": 0}, fop) == {**f8, "unroll": 16, "max_seg": 0}
     assert t.deep_unroll(base, sop) is None                                  # 32-lane groups
-    assert t.halved_groups(f8, fop) is None and t.halved_groups({**base, "cf": 2}, sop) is None
-    assert t.halved_groups({**u8, "group": 32}, hop) is None                 # 16-bit: not measured
     assert {**f8, "unroll": 16, "max_seg": 128} in t.probe_variants(f8, fop)
     t.check_params(fmod, t.deep_unroll(f8, fop))
     assert t.deep_unroll({**u8, "group": 16}, hop) == {**u8, "group": 16, "unroll": 16}

@@ -465,9 +465,7 @@ class CrcCwm(NvccTemplate):
         in fp32 SpMM at K=128 (rows below 0.9: 5 -> 1 of 58).  For 16-bit X / Y (``op``'s dtype)
         whose split-row combine would hold more than 16 values a lane (``unroll`` x ``vec``), the
         same parameters and those block shapes with ``combine_vals`` 16 as well
-        (:meth:`capped_combine`); 16 rows in flight a lane (:meth:`deep_unroll`), fp32 rows of
-        32-lane groups in half as wide ones (:meth:`halved_groups`) and warp-reduced hub rows
-        (:meth:`warp_combined`)."""
+        (:meth:`capped_combine`)."""
         p = {**self.absent_params, **params}
         if int(p["flat"]) or int(p["min_blocks"]) > 1:
             return []
@@ -483,25 +481,10 @@ class CrcCwm(NvccTemplate):
         deep = self.deep_unroll(params, op)
         if deep is not None:
             out.append(deep)
-        halved = self.halved_groups(params, op)
-        if halved is not None:
-            out.append(halved)
         # warp-reduced hub rows on the lead and on its capped and deep variants
         for base in [dict(params)] + caps + ([deep] if deep is not None else []):
             out += self.warp_combined(base, op)
         return [v for v in unique_params(out) if v != dict(params)]
-
-    def halved_groups(self, params, op=None) -> dict | None:
-        """For fp32 X / Y and a lead of 32-lane groups with one column slice a lane (rows of X of
-        at least 512 bytes, K >= 128): its :meth:`narrow_groups` twin, 16-lane groups of two
-        slices a lane with ``unroll`` 4, at the lead's ``max_seg``; else None.  fp32 K=128 on
-        the H200, against ``build()``'s module: 1.02-1.09x faster on 7 of the 11 graphs of one-row
-        groups swept (dimacs10_astro_ph 17.7 -> 16.3 us, ss_bcsstk25_pattern 16.3 -> 15.3), 0.9-0.95x
-        on two hub graphs (twitch_de, wiki_squirrel): measured, not ruled
-        (``docs/benchmarks/h100_crc_cwm_experiments.md``, section 35)."""
-        if op is None or DTYPES[op.dtype].bytes != 4 or int(params.get("group", 0)) != 32:
-            return None
-        return self.narrow_groups(params)
 
     def warp_combined(self, params, op=None) -> list:
         """Where ``params`` would cut a row of ``op`` into at least 32 / ``group`` slices (one per
