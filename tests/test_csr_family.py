@@ -1145,7 +1145,7 @@ def test_spmm_ell_rule_and_space():
     max_seg, combine_vals and warp_combine, which ELL rows never use."""
     t = get_template("csr.crc_cwm")
     assert t.ell_width(np.array([4, 3, 4, 2])) == 4 and t.ell_width(np.array([5, 5, 8])) == 8
-    assert t.ell_width(np.array([16] * 3), "float16") == 16 and t.ell_width(np.array([16] * 3)) is None  # fp32: unroll <= 8
+    assert t.ell_width(np.array([16] * 3), "float16") == 16 and t.ell_width(np.array([16] * 3)) is None  # fp32: widths <= 8
     assert t.ell_width(np.array([8, 1, 1, 1])) is None            # 32 slots for 11 nonzeros
     assert t.ell_width(np.array([17])) is None and t.ell_width(np.zeros(0, np.int64)) is None
     assert [t.ell_min_blocks(w, cf) for w, cf in ((4, 1), (4, 2), (8, 1), (8, 2), (16, 1))] == [4, 4, 4, 1, 1]

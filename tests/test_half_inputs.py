@@ -115,6 +115,7 @@ def test_spaces_and_defaults_by_dtype():
         assert max(t.space(mod)["vec"].choices) == vmax
         assert t.default_params(mod)["vec"] == vmax
         assert {8, 16, 32} <= set(t.space(mod)["max_seg"].choices)
+        assert t.space(mod)["unroll"].choices == (1, 2, 4, 8, 16)   # quick selection's deep variant included
         for p in t.seed_params(mod):       # every seed is valid for the dtype
             assert p["vec"] in t.space(mod)["vec"].choices and p["unroll"] in (1, 2, 4, 8)
         smod = SparseModule.from_op(make_op(A_SMALL, "sddmm", 256, dtype=dt))

@@ -70,10 +70,9 @@ def staged(flat) -> bool:
     return int(flat) in (2, 3)
 
 
-def _unroll_choices(dtype: str) -> list[int]:
-    """``unroll`` values of csr.crc_cwm's search space, ``DEEP_UNROLL`` included (quick selection
-    measures it: :meth:`CrcCwm.deep_unroll`)."""
-    return [1, 2, 4, 8, DEEP_UNROLL]
+#: ``unroll`` values of csr.crc_cwm's search space, ``DEEP_UNROLL`` included (quick selection
+#: measures it for every dtype: :meth:`CrcCwm.deep_unroll`)
+UNROLL_SPACE = (1, 2, 4, 8, DEEP_UNROLL)
 
 
 def _ell_widths(dtype: str) -> list[int]:
@@ -169,7 +168,7 @@ class CrcCwm(NvccTemplate):
 
         return {"cf": C([1, 2, 4, 8]), "vec": C(_vec_choices(mod.op.dtype)), "group": C([4, 8, 16, 32]),
                 "warps_per_block": C([2, 4, 8]), "rows_per_warp": C([1, 2, 4, 8]),
-                "max_seg": C(list(self.MAX_SEG_SPACE)), "unroll": C(_unroll_choices(mod.op.dtype)),
+                "max_seg": C(list(self.MAX_SEG_SPACE)), "unroll": C(list(UNROLL_SPACE)),
                 "flat": C([0, 1, 2, 3, 4]),
                 "min_blocks": C(list(self.MIN_BLOCKS)), "flat_nnz": C(list(self.FLAT_NNZ)),
                 "combine_vals": C(list(self.COMBINE_VALS)), "warp_combine": C([0, 1, 2])}
