@@ -28,7 +28,7 @@ import common  # noqa: E402
 def split(A: sp.csr_matrix, lo: int, hi: int | None) -> sp.csr_matrix:
     """The rows of ``A`` with ``lo <= nonzeros <= hi`` (``hi`` None: no upper bound), stored order."""
     lens = np.diff(A.indptr)
-    keep = (lens >= lo) & (lens <= (lens.max(initial=0) if hi is None else hi))
+    keep = lens >= lo if hi is None else (lens >= lo) & (lens <= hi)
     return A[np.flatnonzero(keep)].tocsr()
 
 

@@ -76,9 +76,10 @@ UNROLL_SPACE = (1, 2, 4, 8, DEEP_UNROLL)
 
 
 def _ell_widths(dtype: str) -> list[int]:
-    """Widths of ELL rows quick selection offers: ``DEEP_UNROLL`` for 16-bit X / Y only (the
-    widths measured, section 32 of ``docs/benchmarks/h100_crc_cwm_experiments.md``)."""
-    return [1, 2, 4, 8] + ([DEEP_UNROLL] if DTYPES[dtype].bytes == 2 else [])
+    """Widths of ELL rows quick selection offers: the ``unroll`` choices, ``DEEP_UNROLL`` for
+    16-bit X / Y only (the widths measured, section 32 of
+    ``docs/benchmarks/h100_crc_cwm_experiments.md``)."""
+    return [u for u in UNROLL_SPACE if u != DEEP_UNROLL or DTYPES[dtype].bytes == 2]
 
 
 def chunk_entries(group: int, unroll: int, flat: int = 0) -> int:
@@ -289,14 +290,16 @@ class CrcCwm(NvccTemplate):
     SEG_STAGED = {"flat": 3, "unroll": 8, "min_blocks": 4, "warp_combine": 1}
 
     #: ELL rows (``flat=4``) as quick selection measures them: rows of at most ``ELL_MAX_ROW``
-    #: nonzeros, padded to the next ``unroll`` choice, at most ``ELL_MAX_PAD`` times the nonzeros
+    #: nonzeros, padded to the next ELL width (``_ell_widths``), at most ``ELL_MAX_PAD`` times the
+    #: nonzeros
     ELL_MAX_ROW, ELL_MAX_PAD = 16, 2.0
 
     @classmethod
     def ell_width(cls, lens: np.ndarray, dtype: str = "float32") -> int | None:
-        """The ``unroll`` of ELL rows for a matrix of row lengths ``lens``: the smallest of the
-        space's choices that holds its longest row, where that is at most ``ELL_MAX_ROW`` and the
-        padded ids are at most ``ELL_MAX_PAD`` times its nonzeros; else None."""
+        """The ``unroll`` of ELL rows for a matrix of row lengths ``lens``: the smallest ELL width
+        of ``dtype`` (``_ell_widths``) that holds its longest row, where that is at most
+        ``ELL_MAX_ROW`` and the padded ids are at most ``ELL_MAX_PAD`` times its nonzeros; else
+        None."""
         if not lens.size:
             return None
         longest = int(lens.max())
@@ -661,11 +664,14 @@ class CrcCwm(NvccTemplate):
         meta_int(meta, "K", key.K)
         _kernel_types(arrays, ("indices", "seg_ptr", "seg_out", "seg_slot", "grp_ptr", "slot_grp", "grp_out", "grp_len",
                                "grp_seg"))
-        inst0 = meta.get("instances")
-        try:   # ELL rows (FL = 4): U ids a segment; the instances themselves are checked below
-            width = int(inst0[0][1][5]) if int(inst0[0][1][6]) == 4 else 0
-        except (TypeError, ValueError, IndexError, KeyError):
-            width = 0
+        inst = meta.get("instances")
+        if not (isinstance(inst, (list, tuple)) and inst and all(
+                isinstance(i, (list, tuple)) and len(i) == 2 and isinstance(i[1], (list, tuple)) and len(i[1]) >= 7
+                and isinstance(i[1][6], (int, np.integer)) and int(i[1][6]) in (0, 1, 2, 3, 4) for i in inst)):
+            raise ValueError(f"kernel meta 'instances' must be SPC_SPMM_INSTANCE arguments, got {inst!r}")
+        if len({int(i[1][6]) for i in inst}) != 1:
+            raise ValueError("kernel meta 'instances' mix kernels of different flat values (segment layouts or staging)")
+        width = int(inst[0][1][5]) if ell(inst[0][1][6]) else 0     # ELL rows (FL = 4): U ids a segment
         data = float_array(arrays, "data", nnz)
         seg_out = index_array(arrays, "seg_out", 0, max(m, 1))
         seg_ptr = pointer_array(arrays, "seg_ptr", nnz, seg_out.size + 1)
@@ -689,13 +695,6 @@ class CrcCwm(NvccTemplate):
         grp_out = index_array(arrays, "grp_out", 0, max(m, 1), ngrp)
         grp_len = index_array(arrays, "grp_len", 0, nnz + 1, ngrp)
         split = seg_slot >= 0
-        inst = meta.get("instances")
-        if not (isinstance(inst, (list, tuple)) and inst and all(
-                isinstance(i, (list, tuple)) and len(i) == 2 and isinstance(i[1], (list, tuple)) and len(i[1]) >= 7
-                and isinstance(i[1][6], (int, np.integer)) and int(i[1][6]) in (0, 1, 2, 3, 4) for i in inst)):
-            raise ValueError(f"kernel meta 'instances' must be SPC_SPMM_INSTANCE arguments, got {inst!r}")
-        if len({int(i[1][6]) for i in inst}) != 1:
-            raise ValueError("kernel meta 'instances' mix kernels of different flat values (segment layouts or staging)")
         W = 1
         if warp.any() or wrow.any():
             # warp-reduced slices fill all W row groups of one combine unit (one segment each: the
